@@ -101,3 +101,11 @@ class PeerUnreachable(SwarmError):
 
 class NoRouteFound(SwarmError):
     """No chain of online servers covers the requested blocks."""
+
+
+class InternalServerError(SwarmError):
+    """A peer's handler failed with an unexpected exception; the message names its type and text."""
+
+
+class PositionMismatch(SwarmError):
+    """A step names a start position other than the session's current one."""

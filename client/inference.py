@@ -1,0 +1,244 @@
+"""Inference sessions through a chain of servers, with failover that replays a lost segment's saved inputs.
+
+As in Petals, the client keeps every input it sent to each server span. When a server fails, the client routes
+around it for exactly that span's blocks, opens sessions on the replacement servers, replays the saved inputs
+through them (rebuilding their KV caches), and continues. Greedy outputs match an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from client.routing import Span
+from client.swarm_client import SwarmClient
+from swarm.errors import (
+    InternalServerError,
+    NoRouteFound,
+    PeerUnreachable,
+    PositionMismatch,
+    RpcTimeout,
+    ServerBusy,
+    ServerDraining,
+    SessionNotFound,
+    SwarmError,
+)
+from swarm.rpc import RpcConnection
+from swarm.wire import decode_tensor, encode_tensor
+
+log = logging.getLogger(__name__)
+
+# Errors after which another server may succeed; anything else (bad input, max length) goes to the caller.
+RECOVERABLE = (
+    PeerUnreachable, RpcTimeout, ServerDraining, ServerBusy, SessionNotFound, InternalServerError, PositionMismatch
+)
+
+
+@dataclass
+class SpanTimings:
+    """Per-server timings of one session: round trips and the server's own compute time."""
+
+    peer_id: str
+    blocks: tuple[int, int]
+    public_name: str | None
+    steps: int = 0
+    round_trip_ms: float = 0.0
+    compute_ms: float = 0.0
+
+
+@dataclass
+class _SpanSession:
+    """One server's session in the chain, plus every input sent to it (for replay elsewhere)."""
+
+    span: Span
+    connection: RpcConnection
+    session_id: str
+    history: list[torch.Tensor] = field(default_factory=list)
+    position: int = 0
+
+    @property
+    def peer_id(self) -> str:
+        return self.span.peer_id
+
+
+class RemoteInferenceSession:
+    """Async core of an inference session; `InferenceSession` is its synchronous face."""
+
+    def __init__(self, client: SwarmClient, *, max_length: int, batch: int = 1) -> None:
+        self.client, self.max_length, self.batch = client, max_length, batch
+        self.spans: list[_SpanSession] = []
+        self.position = 0
+        self.timings: dict[str, SpanTimings] = {}
+        self.failovers = 0
+        self.closed = False
+
+    async def open(self) -> None:
+        """Routes blocks [0, L) and opens a session on every server of the chain."""
+        self.spans = await self._open_chain(0, self.client.num_blocks)
+
+    async def _open_chain(self, start: int, end: int) -> list[_SpanSession]:
+        """Gives open sessions on a min-latency chain over [start, end), routing around servers that refuse."""
+        for _ in range(self.client.config.max_failovers + 1):
+            route = await self.client.route(start, end, max_length=self.max_length, batch=self.batch)
+            opened: list[_SpanSession] = []
+            try:
+                for span in route:
+                    opened.append(await self._open_span(span))
+                return opened
+            except RECOVERABLE as error:
+                log.warning("Server %s refused a session (%s: %s); rerouting", span.peer_id,
+                            type(error).__name__, error.message)
+                self.client.ban(span.peer_id)
+            finally:
+                if len(opened) != len(route):
+                    for span_session in opened:
+                        await span_session.connection.close()
+        raise NoRouteFound(f"no chain over blocks {start}:{end} accepted a session of {self.max_length} tokens")
+
+    async def _open_span(self, span: Span) -> _SpanSession:
+        connection = await self.client.connect(span.record)
+        try:
+            reply = await connection.call(
+                "open",
+                {"session_id": uuid.uuid4().hex, "blocks": [span.start, span.end], "max_length": self.max_length,
+                 "batch": self.batch},
+                timeout=self.client.config.request_timeout_s,
+            )
+        except BaseException:
+            await connection.close()
+            raise
+        self.timings.setdefault(
+            span.peer_id, SpanTimings(span.peer_id, (span.start, span.end), span.record.public_name)
+        )
+        return _SpanSession(span, connection, str(reply["session_id"]))
+
+    async def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Gives the hidden states after the last block for `hidden` ([batch, new tokens, hidden])."""
+        if self.closed:
+            raise SessionNotFound("this inference session is closed")
+        index = 0
+        failovers_this_step = 0
+        while index < len(self.spans):
+            span_session = self.spans[index]
+            try:
+                output = await self._call_step(span_session, hidden, step_id=f"{self.position}")
+            except RECOVERABLE as error:
+                failovers_this_step += 1
+                if failovers_this_step > self.client.config.max_failovers:
+                    raise
+                log.warning("Server %s failed (%s: %s); replacing its span", span_session.peer_id,
+                            type(error).__name__, error.message)
+                await self._replace(index)
+                continue  # retry the same span index with the replacement servers
+            span_session.history.append(hidden)
+            span_session.position += hidden.shape[1]
+            hidden = output
+            index += 1
+        self.position += hidden.shape[1]
+        return hidden
+
+    async def _call_step(self, span_session: _SpanSession, hidden: torch.Tensor, *, step_id: str) -> torch.Tensor:
+        config = self.client.config
+        payload = {
+            "session_id": span_session.session_id,
+            "step_id": step_id,
+            "position": span_session.position,
+            "hidden": encode_tensor(hidden, config.compression),
+        }
+        if config.compression:
+            payload["compression"] = config.compression
+        started = time.perf_counter()
+        reply = await span_session.connection.call("step", payload, timeout=config.request_timeout_s)
+        timings = self.timings[span_session.peer_id]
+        timings.steps += 1
+        timings.round_trip_ms += (time.perf_counter() - started) * 1000
+        timings.compute_ms += float(reply.get("compute_ms", 0.0))
+        return decode_tensor(reply["hidden"], dtype=hidden.dtype)
+
+    async def _replace(self, index: int) -> None:
+        """Replaces span `index` by a new chain over the same blocks and replays its saved inputs through it."""
+        failed = self.spans[index]
+        self.client.ban(failed.peer_id)
+        await failed.connection.close()
+        self.failovers += 1
+        replacements = await self._open_chain(failed.span.start, failed.span.end)
+        try:
+            replay = torch.cat(failed.history, dim=1) if failed.history else None
+            for replacement in replacements:
+                if replay is None:
+                    break
+                output = await self._call_step(replacement, replay, step_id="replay")
+                replacement.history.append(replay)
+                replacement.position = replay.shape[1]
+                replay = output
+        except BaseException:
+            for replacement in replacements:
+                await replacement.connection.close()
+            raise
+        log.info("Replaced %s (blocks %d:%d) by %s", failed.peer_id, failed.span.start, failed.span.end,
+                 " -> ".join(f"{r.peer_id}[{r.span.start}:{r.span.end}]" for r in replacements))
+        self.spans[index : index + 1] = replacements
+
+    async def close(self) -> None:
+        """Closes every server session (their pages return to the servers' pools)."""
+        if self.closed:
+            return
+        self.closed = True
+        for span_session in self.spans:
+            try:
+                await span_session.connection.call(
+                    "close", {"session_id": span_session.session_id}, timeout=self.client.config.connect_timeout_s
+                )
+            except SwarmError as error:
+                log.debug("closing a session on %s failed: %s", span_session.peer_id, error)
+            await span_session.connection.close()
+
+
+class InferenceSession:
+    """A multi-step session through the swarm: `step(hidden)` sends only new tokens; use as a context manager."""
+
+    def __init__(self, client: SwarmClient, *, max_length: int, batch: int = 1) -> None:
+        self.client = client
+        self.remote = RemoteInferenceSession(client, max_length=max_length, batch=batch)
+        self.generate_offset = 0  # position where the current generate() call's input_ids begin
+        self.unsent_ids: torch.Tensor | None = None  # tokens a generate() call produced but never fed back
+        client.run(self.remote.open())
+
+    @property
+    def position(self) -> int:
+        """Gives how many tokens the servers hold for this session."""
+        return self.remote.position
+
+    @property
+    def max_length(self) -> int:
+        return self.remote.max_length
+
+    @property
+    def route(self) -> list[Span]:
+        """Gives the current chain of server spans."""
+        return [span_session.span for span_session in self.remote.spans]
+
+    @property
+    def failovers(self) -> int:
+        return self.remote.failovers
+
+    def timings(self) -> list[SpanTimings]:
+        """Gives per-server timings, in chain order of first use."""
+        return list(self.remote.timings.values())
+
+    def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Gives the hidden states after the last block for the new tokens' input hidden states."""
+        return self.client.run(self.remote.step(hidden))
+
+    def close(self) -> None:
+        self.client.run(self.remote.close())
+
+    def __enter__(self) -> InferenceSession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,128 @@
+"""`DistributedModelForCausalLM`: embeddings and LM head run locally, every transformer block runs on the swarm.
+
+It is a transformers `PreTrainedModel` with `GenerationMixin`, so `generate()` works as usual (greedy, sampling,
+eos, streamers). Each `generate()` runs inside an inference session; only new tokens cross the network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from client.inference import InferenceSession
+from client.swarm_client import ClientConfig, SwarmClient
+from swarm.model import DEFAULT_MODEL, ClientHead, ModelSource, resolve_model
+
+
+class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
+    """A causal LM whose blocks are served by a swarm found through `initial_peers`."""
+
+    config_class = PretrainedConfig
+    base_model_prefix = "head"
+    _supports_sdpa = True
+
+    def __init__(self, config: PretrainedConfig, *, source: ModelSource, swarm: SwarmClient, dtype: torch.dtype):
+        super().__init__(config)
+        self.source = source
+        self.swarm = swarm
+        self.head = ClientHead(source, dtype=dtype)
+        self._active_session: InferenceSession | None = None
+        generation_file = Path(source.path) / "generation_config.json"
+        if generation_file.is_file():
+            self.generation_config = GenerationConfig.from_pretrained(source.path)
+
+    @classmethod
+    def from_pretrained(  # type: ignore[override]
+        cls,
+        model: str = DEFAULT_MODEL,
+        *,
+        initial_peers: list[str],
+        dtype: torch.dtype = torch.float32,
+        client_config: ClientConfig | None = None,
+    ) -> DistributedModelForCausalLM:
+        """Gives a client for `model` (hub-style name, checkpoint folder or .gguf) on the swarm at `initial_peers`."""
+        source = resolve_model(model)
+        swarm = SwarmClient(source.model_id, source.num_blocks, list(initial_peers), client_config)
+        config = source.config
+        config._attn_implementation = "sdpa"
+        return cls(config, source=source, swarm=swarm, dtype=dtype).eval()
+
+    def inference_session(self, *, max_length: int, batch: int = 1) -> InferenceSession:
+        """Gives a new session holding up to `max_length` tokens on every server of its chain."""
+        return InferenceSession(self.swarm, max_length=max_length, batch=batch)
+
+    @contextlib.contextmanager
+    def use_session(self, session: InferenceSession) -> Iterator[InferenceSession]:
+        """Makes `forward` run through `session`, whose servers already hold the history before `position`."""
+        previous, self._active_session = self._active_session, session
+        session.generate_offset = session.position
+        try:
+            yield session
+        finally:
+            self._active_session = previous
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.head.embed_tokens
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head.lm_head
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        **kwargs: object,
+    ) -> CausalLMOutputWithPast:
+        """Gives logits for the tokens of `input_ids` that the session has not seen yet (all of them without one)."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("padded batches are not supported: pass sequences of equal length without padding")
+        session = self._active_session
+        if session is None:
+            with self.inference_session(max_length=input_ids.shape[1], batch=input_ids.shape[0]) as temporary:
+                hidden = temporary.step(self.head.embed(input_ids))
+        else:
+            seen = session.position - session.generate_offset
+            new_ids = input_ids[:, seen:]
+            if new_ids.shape[1] == 0:
+                raise ValueError("forward called without new tokens for the active session")
+            hidden = session.step(self.head.embed(new_ids))
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return CausalLMOutputWithPast(logits=self.head.logits(hidden))
+
+    def generate(  # type: ignore[override]
+        self, inputs: torch.Tensor | None = None, *, session: InferenceSession | None = None, **kwargs: object
+    ) -> torch.Tensor:
+        """Gives `transformers` generate() output; with `session`, `inputs` holds only the new turn's tokens."""
+        input_ids = inputs if inputs is not None else kwargs.pop("input_ids")
+        kwargs["use_cache"] = False  # the servers hold the KV cache; every step here sends only new tokens
+        if session is not None:
+            # The servers have not seen the last token(s) the previous turn generated: send them first.
+            pending = session.unsent_ids
+            if pending is not None:
+                input_ids = torch.cat([pending.to(input_ids.device), input_ids], dim=1)
+            with self.use_session(session):
+                output = super().generate(input_ids, **kwargs)
+            session.unsent_ids = output[:, session.position - session.generate_offset :]
+            return output[:, 0 if pending is None else pending.shape[1] :]
+        max_length = self._max_length_for(input_ids, kwargs)
+        with self.inference_session(max_length=max_length, batch=input_ids.shape[0]) as temporary, \
+                self.use_session(temporary):
+            return super().generate(input_ids, **kwargs)
+
+    def _max_length_for(self, input_ids: torch.Tensor, kwargs: dict[str, object]) -> int:
+        max_new_tokens = kwargs.get("max_new_tokens")
+        if isinstance(max_new_tokens, int):
+            return input_ids.shape[1] + max_new_tokens
+        max_length = kwargs.get("max_length") or self.generation_config.max_length
+        return int(max_length)  # type: ignore[arg-type]
+
+    def shutdown(self) -> None:
+        """Leaves the swarm (DHT node and background loop)."""
+        self.swarm.shutdown()

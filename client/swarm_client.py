@@ -1,0 +1,124 @@
+"""The client's view of the swarm: a client-mode DHT node, server records, measured RTTs and RPC connections."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import hivemind
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from client.loop import BackgroundLoop
+from client.routing import Span, find_route, servers_of
+from swarm.dht import lookup_async
+from swarm.errors import PeerUnreachable, SwarmError
+from swarm.records import ServerRecord
+from swarm.rpc import RpcConnection
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ClientConfig:
+    """Timeouts and routing knobs of a swarm client."""
+
+    connect_timeout_s: float = 10.0
+    request_timeout_s: float = 60.0
+    lookup_timeout_s: float = 15.0
+    rtt_ttl_s: float = 60.0
+    ban_s: float = 30.0
+    max_failovers: int = 8
+    max_frame_bytes: int = 64 << 20
+    compression: str | None = None
+
+
+class SwarmClient:
+    """Finds servers of one model on the DHT and opens connections to them."""
+
+    def __init__(
+        self, model_id: str, num_blocks: int, initial_peers: list[str], config: ClientConfig | None = None
+    ) -> None:
+        self.model_id, self.num_blocks = model_id, num_blocks
+        self.config = config or ClientConfig()
+        self.background = BackgroundLoop()
+        self.dht = hivemind.DHT(initial_peers=initial_peers, client_mode=True, start=True)
+        self.p2p: P2P = self.background.run(self.dht.replicate_p2p(), timeout=30)
+        self._rtt_ms: dict[str, tuple[float, float]] = {}  # peer -> (rtt, measured at)
+        self._banned_until: dict[str, float] = {}
+
+    def run(self, coroutine, timeout: float | None = None):  # type: ignore[no-untyped-def]
+        """Runs a coroutine on the client's loop and gives its result."""
+        return self.background.run(coroutine, timeout)
+
+    async def servers(self) -> dict[str, ServerRecord]:
+        """Gives the online servers of the model found on the DHT now."""
+        records = await lookup_async(self.dht, self.model_id, self.num_blocks, timeout_s=self.config.lookup_timeout_s)
+        return servers_of(records)
+
+    def ban(self, peer_id: str) -> None:
+        """Avoids `peer_id` in routes for a while (it failed us)."""
+        self._banned_until[peer_id] = time.monotonic() + self.config.ban_s
+        self._rtt_ms.pop(peer_id, None)
+
+    def banned(self) -> set[str]:
+        now = time.monotonic()
+        return {peer for peer, until in self._banned_until.items() if until > now}
+
+    async def connect(self, record: ServerRecord) -> RpcConnection:
+        """Gives a new RPC stream to the server of `record`, dialing its announced addresses first."""
+        try:
+            # the daemon's connect wants transport addresses; the announced ones end in /p2p/<peer id>
+            addrs = [Multiaddr(addr.split("/p2p/")[0]) for addr in record.addrs]
+            await asyncio.wait_for(
+                self.p2p._client.connect(PeerID.from_base58(record.peer_id), addrs), self.config.connect_timeout_s
+            )
+        except Exception as error:
+            raise PeerUnreachable(f"cannot dial {record.peer_id}: {type(error).__name__}: {error}") from error
+        return await RpcConnection.open(
+            self.p2p, record.peer_id, timeout=self.config.connect_timeout_s, max_frame_bytes=self.config.max_frame_bytes
+        )
+
+    async def measure_rtt(self, record: ServerRecord) -> float:
+        """Gives the round trip of an `info` call to the server in ms (cached for `rtt_ttl_s`)."""
+        cached = self._rtt_ms.get(record.peer_id)
+        if cached is not None and time.monotonic() - cached[1] < self.config.rtt_ttl_s:
+            return cached[0]
+        connection = await self.connect(record)
+        try:
+            await connection.call("info", {}, timeout=self.config.connect_timeout_s)  # first call warms the stream
+            started = time.perf_counter()
+            await connection.call("info", {}, timeout=self.config.connect_timeout_s)
+            rtt_ms = (time.perf_counter() - started) * 1000
+        finally:
+            await connection.close()
+        self._rtt_ms[record.peer_id] = (rtt_ms, time.monotonic())
+        return rtt_ms
+
+    async def route(self, start: int, end: int, *, max_length: int, batch: int = 1) -> list[Span]:
+        """Gives the min-latency chain for blocks [start, end), measuring RTTs of servers not measured recently."""
+        servers = await self.servers()
+        banned = self.banned()
+        candidates = [record for peer, record in sorted(servers.items()) if peer not in banned]
+        results = await asyncio.gather(*(self.measure_rtt(r) for r in candidates), return_exceptions=True)
+        rtt_ms: dict[str, float] = {}
+        for record, result in zip(candidates, results, strict=True):
+            if isinstance(result, BaseException):
+                if not isinstance(result, SwarmError | OSError | asyncio.TimeoutError):
+                    raise result
+                log.info("Server %s did not answer a ping (%s); avoiding it", record.peer_id, result)
+                self.ban(record.peer_id)
+            else:
+                rtt_ms[record.peer_id] = result
+        return find_route(servers, start, end, rtt_ms=rtt_ms, max_length=max_length, batch=batch, banned=self.banned())
+
+    def shutdown(self) -> None:
+        """Leaves the DHT and stops the background loop."""
+        try:
+            self.background.run(self.p2p.shutdown(), timeout=10)
+        except Exception:  # the daemon may already be gone
+            log.debug("p2p shutdown failed", exc_info=True)
+        self.dht.shutdown()
+        self.background.stop()

@@ -1,0 +1,118 @@
+"""`swarm-server`: host a range of a model's blocks and serve it to the swarm until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from server.config import ServerConfig
+from server.server import SwarmServer
+from swarm.errors import InvalidBlockRange, OutOfPages, UnsupportedArchitecture
+from swarm.memory import DEFAULT_PAGE_BYTES, parse_size
+from swarm.model import DEFAULT_MODEL, QUANT_MODES, ModelNotFound, parse_block_range
+
+log = logging.getLogger("swarm-server")
+
+
+def _block_range(text: str) -> str:
+    try:
+        parse_block_range(text)
+    except InvalidBlockRange as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def _size(text: str) -> str:
+    try:
+        parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Gives the argument parser of swarm-server."""
+    parser = argparse.ArgumentParser(prog="swarm-server", description=__doc__)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="hub-style name, checkpoint folder or .gguf file")
+    parser.add_argument("--blocks", required=True, type=_block_range, help="block range START:END, 0-based, end excl.")
+    parser.add_argument("--memory", type=_size, help="memory budget for parameters + KV, e.g. 2GB (default: derived)")
+    parser.add_argument("--page-size", type=_size, default=str(DEFAULT_PAGE_BYTES), help="bytes per memory page")
+    parser.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of any peers already in the swarm")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (ignored with --host-maddrs)")
+    parser.add_argument("--port", type=int, default=0, help="TCP port to listen on, 0 = any")
+    parser.add_argument("--host-maddrs", nargs="*", help="multiaddrs to listen on, instead of --host/--port")
+    parser.add_argument("--announce-maddrs", nargs="*", default=[], help="multiaddrs others should dial (NAT, proxy)")
+    parser.add_argument("--identity", type=Path, help="private key file for a stable peer id (created if missing)")
+    parser.add_argument("--public-name", help="a name shown to users of the swarm (<= 64 characters)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--quant", default="none", choices=QUANT_MODES, help="bitsandbytes weight quantization")
+    parser.add_argument("--max-length", type=int, default=2048, help="longest session (tokens) this server accepts")
+    parser.add_argument("--session-timeout", type=float, default=300.0, help="seconds before an idle session is freed")
+    parser.add_argument("--announce-period", type=float, default=10.0, help="seconds between DHT announcements")
+    parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds a DHT record lives unless refreshed")
+    parser.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to let steps finish on shutdown")
+    parser.add_argument("--compute-threads", type=int, default=2, help="steps computed at once")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Gives the server config the parsed arguments describe."""
+    return ServerConfig(
+        blocks=args.blocks,
+        model=args.model,
+        memory=args.memory,
+        page_bytes=parse_size(args.page_size),
+        initial_peers=args.initial_peers,
+        host_maddrs=args.host_maddrs or [f"/ip4/{args.host}/tcp/{args.port}"],
+        announce_maddrs=args.announce_maddrs,
+        identity=args.identity,
+        public_name=args.public_name,
+        device=args.device,
+        dtype=args.dtype,
+        quant=args.quant,
+        max_length=args.max_length,
+        session_timeout_s=args.session_timeout,
+        announce_period_s=args.announce_period,
+        record_ttl_s=args.record_ttl,
+        drain_timeout_s=args.drain_timeout,
+        compute_threads=args.compute_threads,
+    )
+
+
+async def serve(config: ServerConfig) -> None:
+    """Runs a server until SIGTERM or SIGINT, then shuts it down cleanly."""
+    server = SwarmServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await server.start()
+        record = server.record()
+        print(f"ready peer_id={record.peer_id} blocks={record.block_start}:{record.block_end}", flush=True)
+        await stop.wait()
+        log.info("Signal received: draining")
+    finally:
+        await server.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the swarm-server console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(config_from_args(args)))
+    except (InvalidBlockRange, UnsupportedArchitecture, ModelNotFound, OutOfPages, ValueError) as error:
+        print(f"swarm-server: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

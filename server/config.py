@@ -1,0 +1,34 @@
+"""Settings of one swarm-server process; every period and timeout is a setting, not a constant in code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarm.memory import DEFAULT_PAGE_BYTES
+from swarm.model import DEFAULT_MODEL
+
+
+@dataclass
+class ServerConfig:
+    """What `swarm-server` was asked to host and how it behaves."""
+
+    blocks: str
+    model: str = DEFAULT_MODEL
+    memory: str | None = None
+    page_bytes: int = DEFAULT_PAGE_BYTES
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity: Path | None = None
+    public_name: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    quant: str = "none"
+    max_length: int = 2048
+    session_timeout_s: float = 300.0
+    announce_period_s: float = 10.0
+    record_ttl_s: float = 30.0
+    drain_timeout_s: float = 10.0
+    compute_threads: int = 2
+    max_frame_bytes: int = 64 << 20

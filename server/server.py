@@ -1,0 +1,258 @@
+"""A swarm server: hosts a block range, announces it on the DHT, and serves inference sessions over RPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from typing import Any
+
+import hivemind
+import torch
+
+from server.compute import cached_block_compute_ms
+from server.config import ServerConfig
+from server.sessions import Session, SessionTable
+from swarm.dht import Announcer
+from swarm.errors import (
+    InvalidTensor,
+    MalformedFrame,
+    MaxLengthExceeded,
+    OutOfPages,
+    PositionMismatch,
+    ServerBusy,
+    ServerDraining,
+)
+from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, parse_size
+from swarm.model import BlockRange, ModelSource, parse_block_range, pick_device, pick_dtype, resolve_model
+from swarm.records import SOFTWARE_VERSION, ServerRecord, ServerState
+from swarm.rpc import CallContext, RpcServer
+from swarm.wire import decode_tensor, encode_tensor, validate_compression
+
+log = logging.getLogger(__name__)
+
+_THROUGHPUT_MIN_BYTES = 64 << 10  # smaller frames measure latency, not bandwidth
+
+
+def field(payload: dict[str, Any], name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
+    """Gives payload[name] if it has the expected type; raises MalformedFrame naming the field otherwise."""
+    if name not in payload:
+        if optional:
+            return None
+        raise MalformedFrame(f"request field {name!r} is missing")
+    value = payload[name]
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
+        raise MalformedFrame(f"request field {name!r} has type {type(value).__name__}, expected {kind}")
+    return value
+
+
+class SwarmServer:
+    """Owns the DHT node, the RPC endpoint, the block range, the page pool and the background loops."""
+
+    def __init__(self, config: ServerConfig, source: ModelSource | None = None) -> None:
+        self.config = config
+        self.source = source or resolve_model(config.model)
+        start, end = parse_block_range(config.blocks, self.source.num_blocks)
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        budget = parse_size(config.memory) if config.memory else default_budget_bytes(self.device)
+        self.pool = PagePool(budget, config.page_bytes)
+        self.blocks = BlockRange(self.source, start, end, dtype=self.dtype, device=self.device, quant=config.quant)
+        for index in range(start, end):
+            try:
+                self.pool.allocate(ParamsOwner(index), self.pool.pages_needed(self.blocks.block_bytes(index)))
+            except OutOfPages as error:
+                message = f"--memory {config.memory or budget} cannot hold blocks {start}:{end}: {error}"
+                raise OutOfPages(message) from None
+        self.sessions = SessionTable(self.blocks, self.pool, max_length=config.max_length)
+        self.block_compute_ms = cached_block_compute_ms(self.blocks, self.source.model_id)
+        self.state = ServerState.joining
+        self.network_mbps: float | None = None
+        self.executor = ThreadPoolExecutor(max_workers=config.compute_threads, thread_name_prefix="compute")
+        self.dht: hivemind.DHT | None = None
+        self.rpc: RpcServer | None = None
+        self.announcer: Announcer | None = None
+        self._inflight_steps = 0
+        self._idle = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def peer_id(self) -> str:
+        assert self.dht is not None
+        return self.dht.peer_id.to_base58()
+
+    def record(self) -> ServerRecord:
+        """Gives the record this server announces right now."""
+        stats = self.pool.stats()
+        assert self.dht is not None
+        return ServerRecord(
+            peer_id=self.peer_id,
+            model_id=self.source.model_id,
+            block_start=self.blocks.start,
+            block_end=self.blocks.end,
+            state=self.state,
+            pages_total=stats.pages_total,
+            pages_params=stats.pages_params,
+            pages_kv=stats.pages_kv,
+            pages_free=stats.pages_free,
+            page_bytes=stats.page_bytes,
+            kv_bytes_per_token=self.blocks.kv_bytes_per_token(),
+            block_compute_ms=self.block_compute_ms,
+            network_mbps=self.network_mbps,
+            session_count=len(self.sessions),
+            max_length=self.config.max_length,
+            dtype=self.blocks.dtype_name,
+            quant=self.blocks.quant,
+            version=SOFTWARE_VERSION,
+            public_name=self.config.public_name,
+            addrs=[str(addr) for addr in self.dht.get_visible_maddrs()][:16],
+        )
+
+    async def start(self) -> None:
+        """Joins the DHT, starts serving RPCs and announces the blocks as online."""
+        self.dht = hivemind.DHT(
+            initial_peers=self.config.initial_peers,
+            host_maddrs=self.config.host_maddrs,
+            announce_maddrs=self.config.announce_maddrs or None,
+            identity_path=str(self.config.identity) if self.config.identity else None,
+            start=True,
+        )
+        p2p = await self.dht.replicate_p2p()
+        self.rpc = RpcServer(p2p, max_frame_bytes=self.config.max_frame_bytes)
+        for name, method in (("info", self._info), ("open", self._open), ("step", self._step), ("close", self._close)):
+            self.rpc.add_method(name, method)
+        await self.rpc.start()
+        self.state = ServerState.online
+        self.announcer = Announcer(
+            self.dht, self.record, period_s=self.config.announce_period_s, ttl_s=self.config.record_ttl_s
+        )
+        await self.announcer.start()
+        self._tasks.append(asyncio.create_task(self._expire_sessions_loop(), name="expire-sessions"))
+        log.info(
+            "Serving %s blocks %d:%d as %s; %s", self.source.model_id, self.blocks.start, self.blocks.end,
+            self.peer_id, self.pool.stats(),
+        )
+
+    async def shutdown(self) -> None:
+        """Stops announcing, lets in-flight steps finish (bounded), frees every session and leaves the DHT."""
+        if self.state == ServerState.draining:
+            return
+        self.state = ServerState.draining
+        if self.announcer is not None:
+            await self.announcer.stop()  # announces `draining` with a short expiry so clients route elsewhere
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self._inflight_steps and time.monotonic() < deadline:
+            self._idle.clear()
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout=max(0.0, deadline - time.monotonic()))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.rpc is not None:
+            await self.rpc.stop()
+        closed = self.sessions.close_all()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        if self.dht is not None:
+            self.dht.shutdown()
+        log.info("Shut down; closed %d session(s); pool %s", closed, self.pool.stats())
+
+    async def _expire_sessions_loop(self) -> None:
+        period_s = max(0.2, min(5.0, self.config.session_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period_s)
+            expired = self.sessions.close_idle(self.config.session_timeout_s)
+            if expired:
+                log.info("Closed %d idle session(s) after %.0f s", len(expired), self.config.session_timeout_s)
+
+    def _check_serving(self) -> None:
+        if self.state != ServerState.online:
+            raise ServerDraining(f"server {self.peer_id} is {self.state.value}; retry on another server")
+
+    async def _info(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        return {"record": self.record().to_wire(), "num_blocks": self.source.num_blocks}
+
+    async def _open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        self._check_serving()
+        session_id = field(payload, "session_id", str, optional=True) or uuid.uuid4().hex
+        if len(session_id) > 128:
+            raise MalformedFrame("session_id is longer than 128 characters")
+        blocks = field(payload, "blocks", list)
+        if len(blocks) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+            raise MalformedFrame(f"request field 'blocks' must be [start, end] integers, got {blocks!r:.100}")
+        start, end = blocks
+        max_length = field(payload, "max_length", int)
+        batch = field(payload, "batch", int, optional=True) or 1
+        self.sessions.open(session_id, start, end, batch=batch, max_length=max_length)
+        ctx.add_close_callback(lambda: self.sessions.close(session_id))
+        return {"session_id": session_id, "blocks": [start, end], "max_length": max_length, "position": 0}
+
+    async def _close(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        session_id = field(payload, "session_id", str)
+        self.sessions.get(session_id)  # raises SessionNotFound for unknown or already closed sessions
+        self.sessions.close(session_id)
+        return {}
+
+    async def _step(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        self._check_serving()
+        session = self.sessions.get(field(payload, "session_id", str))
+        step_id = field(payload, "step_id", str, optional=True)
+        compression = validate_compression(field(payload, "compression", str, optional=True))
+        if step_id is not None and step_id == session.last_step_id and session.last_output is not None:
+            session.last_active_s = time.monotonic()  # a retransmitted step: answer again, compute nothing
+            return self._step_reply(session, session.last_output, compression, compute_ms=0.0)
+        hidden = self._decode_hidden(payload, session)
+        position = field(payload, "position", int, optional=True)
+        if position is not None and position != session.position:
+            raise PositionMismatch(f"step starts at position {position}, but the session is at {session.position}")
+        new_tokens = hidden.shape[1]
+        if session.position + new_tokens > session.max_length:
+            raise MaxLengthExceeded(
+                f"{session.position} + {new_tokens} tokens exceed the session's max_length {session.max_length}"
+            )
+        self._note_throughput(ctx)
+        if not session.lock.acquire(blocking=False):
+            raise ServerBusy(f"session {session.session_id!r} is already running a step")
+        self._inflight_steps += 1
+        try:
+            started = time.perf_counter()
+            output = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.blocks.forward, hidden, session.caches, session.position
+            )
+            compute_ms = (time.perf_counter() - started) * 1000
+        finally:
+            session.lock.release()
+            self._inflight_steps -= 1
+            if not self._inflight_steps:
+                self._idle.set()
+        session.position += new_tokens
+        session.last_step_id, session.last_output = step_id, output
+        session.last_active_s = time.monotonic()
+        return self._step_reply(session, output, compression, compute_ms=compute_ms)
+
+    def _decode_hidden(self, payload: dict[str, Any], session: Session) -> torch.Tensor:
+        if "hidden" not in payload:
+            raise MalformedFrame("request field 'hidden' is missing")
+        max_elements = session.batch * session.max_length * self.blocks.hidden_size
+        hidden = decode_tensor(payload["hidden"], max_elements=max_elements)
+        if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise InvalidTensor(f"hidden states must be float32, float16 or bfloat16, got {hidden.dtype}")
+        expected = f"[{session.batch}, tokens >= 1, {self.blocks.hidden_size}]"
+        if hidden.dim() != 3 or hidden.shape[0] != session.batch or hidden.shape[2] != self.blocks.hidden_size:
+            raise InvalidTensor(f"hidden states have shape {list(hidden.shape)}, expected {expected}")
+        if hidden.shape[1] == 0:
+            raise InvalidTensor(f"hidden states hold no tokens, expected {expected}")
+        return hidden.to(self.blocks.dtype)
+
+    def _step_reply(
+        self, session: Session, output: torch.Tensor, compression: str | None, *, compute_ms: float
+    ) -> dict[str, Any]:
+        return {"hidden": encode_tensor(output, compression), "position": session.position, "compute_ms": compute_ms}
+
+    def _note_throughput(self, ctx: CallContext) -> None:
+        if ctx.request_bytes >= _THROUGHPUT_MIN_BYTES and ctx.request_read_s > 0:
+            sample = ctx.request_bytes * 8 / ctx.request_read_s / 1e6
+            self.network_mbps = sample if self.network_mbps is None else 0.8 * self.network_mbps + 0.2 * sample
+

@@ -1,0 +1,106 @@
+"""Inference sessions of one server: their KV pages in the pool, positions, duplicate-step replies and timeouts."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.errors import BlocksNotHosted, MaxLengthExceeded, OutOfPages, ServerBusy, SessionNotFound
+from swarm.memory import KVOwner, PagePool
+from swarm.model import BlockRange, KVCache
+
+
+@dataclass
+class Session:
+    """One client's attention state for blocks [start, end) of this server, reserved up to `max_length` tokens."""
+
+    session_id: str
+    start: int
+    end: int
+    batch: int
+    max_length: int
+    caches: dict[int, KVCache]
+    position: int = 0
+    last_step_id: str | None = None
+    last_output: torch.Tensor | None = None
+    last_active_s: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class SessionTable:
+    """Opens, finds and closes sessions; every session's KV lives in pages of the server's one pool."""
+
+    def __init__(self, blocks: BlockRange, pool: PagePool, *, max_length: int) -> None:
+        self.blocks = blocks
+        self.pool = pool
+        self.max_length = max_length
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def kv_pages_per_block(self, batch: int, max_length: int) -> int:
+        """Gives the pages one block's cache takes for a session of `batch` sequences up to `max_length` tokens."""
+        return self.pool.pages_needed(batch * max_length * self.blocks.kv_bytes_per_token())
+
+    def open(self, session_id: str, start: int, end: int, *, batch: int, max_length: int) -> Session:
+        """Gives a new session with its KV pages reserved, or raises a typed error and reserves nothing."""
+        if not (self.blocks.start <= start < end <= self.blocks.end):
+            raise BlocksNotHosted(
+                f"blocks {start}:{end} requested, but this server hosts {self.blocks.start}:{self.blocks.end}"
+            )
+        if not 0 < max_length <= self.max_length:
+            raise MaxLengthExceeded(f"max_length {max_length} is outside 1..{self.max_length} (the server's limit)")
+        if not 0 < batch <= 64:
+            raise MaxLengthExceeded(f"batch {batch} is outside 1..64")
+        pages_per_block = self.kv_pages_per_block(batch, max_length)
+        with self._lock:
+            if session_id in self._sessions:
+                raise ServerBusy(f"session {session_id!r} is already open on this server")
+            try:
+                for block in range(start, end):
+                    self.pool.allocate(KVOwner(session_id, block), pages_per_block)
+            except OutOfPages as error:
+                self.pool.free_session(session_id)
+                message = f"no room for a session of {max_length} tokens x {end - start} blocks: {error}"
+                raise ServerBusy(message) from None
+            session = Session(session_id, start, end, batch, max_length, caches={})
+            self._sessions[session_id] = session
+        try:
+            session.caches = self.blocks.new_caches(start, end, batch=batch, capacity=max_length)
+        except BaseException:
+            self.close(session_id)
+            raise
+        return session
+
+    def get(self, session_id: str) -> Session:
+        """Gives the open session `session_id`, or raises SessionNotFound."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"session {session_id!r} is not open on this server (unknown, closed or timed out)")
+        return session
+
+    def close(self, session_id: str) -> bool:
+        """Frees a session's pages and caches; gives False if it was not open."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+            self.pool.free_session(session_id)
+        if session is None:
+            return False
+        session.caches = {}
+        session.last_output = None
+        return True
+
+    def close_idle(self, idle_timeout_s: float) -> list[str]:
+        """Closes the sessions idle for longer than `idle_timeout_s`; gives their ids."""
+        now = time.monotonic()
+        expired = [s.session_id for s in list(self._sessions.values()) if now - s.last_active_s > idle_timeout_s]
+        return [session_id for session_id in expired if self.close(session_id)]
+
+    def close_all(self) -> int:
+        """Closes every session; gives how many were open."""
+        return sum(self.close(session_id) for session_id in list(self._sessions))

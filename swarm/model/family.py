@@ -1,0 +1,71 @@
+"""Model families: one small adapter per architecture, registered by `model_type`, never an `if` in generic code."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from swarm.errors import UnsupportedArchitecture
+
+
+@dataclass(frozen=True)
+class DecoderFamily:
+    """How to build and run one decoder-only family whose checkpoints use the `model.layers.{i}` layout.
+
+    Llama, Mistral and Qwen2 share this layout in transformers; what differs is the classes that build a block,
+    the rotary embedding and the final norm, and whether a block attends over a sliding window.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    decoder_layer: type[nn.Module]
+    rotary_embedding: type[nn.Module]
+    rms_norm: type[nn.Module]
+    sliding_window: Callable[[PretrainedConfig, int], int | None] = lambda config, index: None
+    layer_prefix: str = "model.layers.{index}."
+    embed_key: str = "model.embed_tokens.weight"
+    norm_key: str = "model.norm.weight"
+    lm_head_key: str = "lm_head.weight"
+
+    def build_block(self, config: PretrainedConfig, index: int) -> nn.Module:
+        """Gives an uninitialised block `index` on the meta device, ready for `load_state_dict(assign=True)`."""
+        with torch.device("meta"):
+            return self.decoder_layer(config, layer_idx=index)
+
+    def block_prefix(self, index: int) -> str:
+        """Gives the checkpoint key prefix of block `index`."""
+        return self.layer_prefix.format(index=index)
+
+    def kv_shape(self, config: PretrainedConfig) -> tuple[int, int]:
+        """Gives (kv_heads, head_dim) of one block's attention cache."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return config.num_key_value_heads, head_dim
+
+
+_FAMILIES: dict[str, DecoderFamily] = {}
+
+
+def register_family(family: DecoderFamily) -> DecoderFamily:
+    """Makes `family` available to `get_family` for each of its model types."""
+    for model_type in family.model_types:
+        _FAMILIES[model_type] = family
+    return family
+
+
+def get_family(config: PretrainedConfig) -> DecoderFamily:
+    """Gives the adapter for `config.model_type`, or raises UnsupportedArchitecture naming the supported ones."""
+    model_type = getattr(config, "model_type", None)
+    family = _FAMILIES.get(str(model_type))
+    if family is None:
+        supported = ", ".join(sorted(_FAMILIES))
+        raise UnsupportedArchitecture(f"model_type {model_type!r} is not supported (supported: {supported})")
+    return family
+
+
+def supported_model_types() -> list[str]:
+    """Gives the model types that have an adapter."""
+    return sorted(_FAMILIES)

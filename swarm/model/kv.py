@@ -1,0 +1,62 @@
+"""Per-session attention caches, preallocated to the reserved length, and the view transformers writes into."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """One session's keys and values for one block, preallocated for `capacity` tokens of a `batch`."""
+
+    def __init__(
+        self, *, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.key = torch.zeros(shape, dtype=dtype, device=device)
+        self.value = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.key.nbytes + self.value.nbytes
+
+
+class CacheView:
+    """The `past_key_values` a transformers attention layer sees: writes new keys at `position`, returns the prefix.
+
+    Nothing here advances a length: the session commits its position only after every block succeeded, so a step
+    that fails halfway leaves the visible history unchanged.
+    """
+
+    def __init__(self, caches: dict[int, KVCache], position: int) -> None:
+        self.caches = caches
+        self.position = position
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self.caches[layer_idx]
+        end = self.position + key_states.shape[2]
+        cache.key[:, :, self.position : end] = key_states
+        cache.value[:, :, self.position : end] = value_states
+        return cache.key[:, :, :end], cache.value[:, :, :end]
+
+
+def causal_mask(
+    new_tokens: int, position: int, *, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Gives the boolean attention mask for `new_tokens` queries after `position` cached tokens, or None if SDPA's
+    own causal flag is exact (a single query, or a prompt starting at 0 without an active window)."""
+    total = position + new_tokens
+    window_active = sliding_window is not None and total > sliding_window
+    if not window_active and (new_tokens == 1 or position == 0):
+        return None
+    query_pos = torch.arange(position, total, device=device)[:, None]
+    key_pos = torch.arange(total, device=device)[None, :]
+    allowed = key_pos <= query_pos
+    if window_active:
+        allowed &= key_pos > query_pos - sliding_window
+    return allowed[None, None]

@@ -1,0 +1,102 @@
+"""Pydantic models of what servers announce on the DHT, validated strictly because any peer can write there."""
+
+from __future__ import annotations
+
+import logging
+from enum import StrEnum
+from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+logger = logging.getLogger(__name__)
+
+MAX_BLOCKS = 100_000
+MAX_ADDRS = 16
+MAX_PUBLIC_NAME_CHARS = 64
+MAX_ID_CHARS = 128
+MAX_MODEL_ID_CHARS = 256
+MAX_ADDR_CHARS = 256
+MAX_TAG_CHARS = 32
+MAX_VERSION_CHARS = 64
+
+
+def _software_version() -> str:
+    try:
+        return version("chainswarm")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+SOFTWARE_VERSION = _software_version()
+
+AddrText = Annotated[str, Field(min_length=1, max_length=MAX_ADDR_CHARS)]
+
+
+class ServerState(StrEnum):
+    """Where a server is in its lifetime; clients route new sessions only to `online` servers."""
+
+    joining = "joining"
+    online = "online"
+    draining = "draining"
+
+
+class ServerRecord(BaseModel):
+    """What one server announces: the blocks it hosts, its memory pages and its measured speed."""
+
+    # Strict: a record comes from an untrusted peer, so "3" is not silently an int and True is not 1.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    peer_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    model_id: str = Field(min_length=1, max_length=MAX_MODEL_ID_CHARS)
+    block_start: int = Field(ge=0, lt=MAX_BLOCKS)
+    block_end: int = Field(gt=0, le=MAX_BLOCKS)
+    # Not strict: the wire carries the enum's string value.
+    state: ServerState = Field(strict=False)
+    pages_total: int = Field(ge=0)
+    pages_params: int = Field(ge=0)
+    pages_kv: int = Field(ge=0)
+    pages_free: int = Field(ge=0)
+    page_bytes: int = Field(gt=0)
+    kv_bytes_per_token: int = Field(ge=0, description="KV bytes one token takes in one block")
+    block_compute_ms: float = Field(ge=0, allow_inf_nan=False, description="mean time of one block for one token")
+    network_mbps: float | None = Field(ge=0, allow_inf_nan=False, description="measured inbound throughput")
+    session_count: int = Field(ge=0)
+    max_length: int = Field(gt=0)
+    dtype: str = Field(min_length=1, max_length=MAX_TAG_CHARS)
+    quant: str = Field(min_length=1, max_length=MAX_TAG_CHARS)
+    version: str = Field(min_length=1, max_length=MAX_VERSION_CHARS)
+    public_name: str | None = Field(max_length=MAX_PUBLIC_NAME_CHARS)
+    addrs: list[AddrText] = Field(max_length=MAX_ADDRS)
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> ServerRecord:
+        if self.block_start >= self.block_end:
+            raise ValueError(f"empty block range [{self.block_start}, {self.block_end})")
+        pages_accounted = self.pages_params + self.pages_kv + self.pages_free
+        if pages_accounted != self.pages_total:
+            raise ValueError(
+                f"pages_params + pages_kv + pages_free = {pages_accounted} != pages_total {self.pages_total}"
+            )
+        return self
+
+    @property
+    def block_range(self) -> range:
+        """Gives the hosted block indices."""
+        return range(self.block_start, self.block_end)
+
+    def to_wire(self) -> dict[str, Any]:
+        """Gives a JSON- and msgpack-safe dict of this record."""
+        return self.model_dump(mode="json")
+
+    @staticmethod
+    def from_wire(obj: object) -> ServerRecord | None:
+        """Gives the record in `obj`, or None when it does not validate (logged at debug level)."""
+        if not isinstance(obj, dict):
+            logger.debug("dropping server record that is not a map: %.200r", obj)
+            return None
+        try:
+            return ServerRecord.model_validate(obj)
+        except ValidationError as error:
+            logger.debug("dropping invalid server record: %s", error)
+            return None

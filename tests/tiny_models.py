@@ -1,0 +1,36 @@
+"""Tiny random checkpoints (Llama, Qwen2, Mistral) written to disk, so tests never need a model hub."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+
+COMMON = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+
+def tiny_config(family: str) -> PretrainedConfig:
+    """Gives a small random-model config of `family` with 8 blocks and grouped-query attention."""
+    if family == "llama":
+        return LlamaConfig(**COMMON, tie_word_embeddings=False)
+    if family == "qwen2":
+        return Qwen2Config(**COMMON, tie_word_embeddings=True)
+    if family == "mistral":
+        return MistralConfig(**COMMON, sliding_window=None, tie_word_embeddings=False)
+    raise ValueError(family)
+
+
+def write_tiny_checkpoint(family: str, path: Path, *, seed: int = 0) -> Path:
+    """Gives `path` holding a seeded random checkpoint of `family` in safetensors form."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+    # random init leaves logits nearly flat; scale up so greedy decoding has clear winners
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(4.0) if parameter.dim() > 1 else None
+    model.save_pretrained(path)
+    return path
