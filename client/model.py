@@ -7,6 +7,7 @@ eos, streamers). Each `generate()` runs inside an inference session; only new to
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,7 +32,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         self.source = source
         self.swarm = swarm
         self.head = ClientHead(source, dtype=dtype)
-        self._active_session: InferenceSession | None = None
+        self._thread_state = threading.local()  # each thread's generate() runs in its own session
         generation_file = Path(source.path) / "generation_config.json"
         if generation_file.is_file():
             self.generation_config = GenerationConfig.from_pretrained(source.path)
@@ -51,6 +52,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         config = source.config
         config._attn_implementation = "sdpa"
         return cls(config, source=source, swarm=swarm, dtype=dtype).eval()
+
+    @property
+    def _active_session(self) -> InferenceSession | None:
+        return getattr(self._thread_state, "session", None)
+
+    @_active_session.setter
+    def _active_session(self, session: InferenceSession | None) -> None:
+        self._thread_state.session = session
 
     def inference_session(self, *, max_length: int, batch: int = 1) -> InferenceSession:
         """Gives a new session holding up to `max_length` tokens on every server of its chain."""

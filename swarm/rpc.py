@@ -3,6 +3,8 @@
 Request: ``{"id": int, "method": str, "payload": map}``.
 Reply: ``{"id": int, "ok": map}`` or ``{"id": int | None, "error": {"code": str, "message": str}}``.
 A stream carries any number of calls, answered in order; each stream is served by its own coroutine.
+A peer ends a stream by closing it (there is no half-close): the server then cancels the request it is
+handling and runs the stream's close callbacks, which is how sessions die with their stream.
 """
 
 from __future__ import annotations
@@ -280,10 +282,10 @@ class RpcConnection:
         """Gives the `ok` map the peer answered to `method(payload)`.
 
         Raises the typed error the peer sent; RpcTimeout if no reply came within `timeout` (the time spent
-        waiting behind other calls counts; a call that timed out after sending breaks the connection);
+        waiting behind other calls counts; a call that timed out or was cancelled after sending breaks the
+        connection);
         PeerUnreachable if the stream is closed, broken or dies; FrameTooLarge for a request over the limit.
         """
-        sent = False
         try:
             async with asyncio.timeout(timeout), self._lock:
                 if self._unusable is not None:
@@ -293,7 +295,6 @@ class RpcConnection:
                     {"id": request_id, "method": method, "payload": payload}, max_bytes=self.max_frame_bytes
                 )
                 started = time.perf_counter()
-                sent = True
                 try:
                     self._writer.write(frame)
                     await self._writer.drain()
@@ -304,13 +305,14 @@ class RpcConnection:
                 except SwarmError as e:  # an unreadable reply: the stream can no longer be trusted
                     self._break(f"unreadable reply to {method!r}: {e.message}")
                     raise
+                except asyncio.CancelledError:
+                    # A late reply would be taken for the next call's, so the stream is given up.
+                    self._break(f"{method!r} timed out or was cancelled before its reply")
+                    raise
                 finally:
                     self.last_call_s = time.perf_counter() - started
                 return self._unwrap(reply, request_id, method)
         except TimeoutError:
-            if sent:
-                # A late reply would be taken for the next call's, so the stream is given up.
-                self._break(f"{method!r} timed out")
             raise RpcTimeout(f"{self.peer_id} did not answer {method!r} within {timeout} s") from None
 
     def _unwrap(self, reply: dict[str, Any], request_id: int, method: str) -> dict[str, Any]:

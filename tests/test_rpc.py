@@ -252,12 +252,13 @@ def test_close_callbacks_run_once_when_the_client_closes_the_stream() -> None:
     run_with_peers(scenario)
 
 
-def test_rpc_timeout_breaks_the_connection_and_cancels_the_hung_handler() -> None:
+def test_rpc_timeout_or_cancel_breaks_the_connection_and_cancels_the_hung_handler() -> None:
     async def scenario(server_p2p: P2P, client_p2p: P2P) -> None:
-        handler_cancelled, stream_released = asyncio.Event(), asyncio.Event()
+        in_handler, handler_cancelled, stream_released = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
         async def hang(payload: dict, ctx: CallContext) -> dict:
             ctx.add_close_callback(stream_released.set)
+            in_handler.set()
             try:
                 await asyncio.Event().wait()
             finally:
@@ -274,6 +275,21 @@ def test_rpc_timeout_breaks_the_connection_and_cancels_the_hung_handler() -> Non
                     await connection.call("hang", {}, timeout=WAIT_S)
                 await asyncio.wait_for(handler_cancelled.wait(), WAIT_S)
                 await asyncio.wait_for(stream_released.wait(), WAIT_S)
+            finally:
+                await connection.close()
+
+            # A call cancelled by its caller after sending gives the connection up for the same reason.
+            in_handler.clear()
+            handler_cancelled.clear()
+            connection = await RpcConnection.open(client_p2p, server_p2p.peer_id, timeout=WAIT_S)
+            try:
+                call = asyncio.create_task(connection.call("hang", {}, timeout=WAIT_S))
+                await asyncio.wait_for(in_handler.wait(), WAIT_S)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                assert connection.is_closed
+                await asyncio.wait_for(handler_cancelled.wait(), WAIT_S)
             finally:
                 await connection.close()
 

@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny random checkpoints on disk and a factory of real swarm processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from swarm.local_swarm import SwarmProcesses
+
+from tests.tiny_models import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint("llama", tmp_path_factory.mktemp("models") / "tiny-llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint("qwen2", tmp_path_factory.mktemp("models") / "tiny-qwen2", seed=1)
+
+
+@pytest.fixture(scope="module")
+def swarm_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwarmProcesses]:
+    swarm = SwarmProcesses(tmp_path_factory.mktemp("swarm"))
+    try:
+        yield swarm
+    finally:
+        swarm.close()

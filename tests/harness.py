@@ -1,0 +1,116 @@
+"""Real swarm processes for integration tests: a `swarm-dht` bootstrap and `swarm-server`s on 127.0.0.1.
+
+Every process is started by `SwarmProcesses`, whose `close()` always terminates (then kills) all of them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 180.0
+
+
+@dataclass
+class Proc:
+    """One started OS process and the file its output goes to."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def peer_id(self) -> str:
+        for line in self.output().splitlines():
+            if line.startswith("ready peer_id="):
+                return line.split()[1].removeprefix("peer_id=")
+        raise AssertionError(f"{self.name} has not announced a peer id:\n{self.output()[-3000:]}")
+
+
+class SwarmProcesses:
+    """Starts and always cleans up the processes of one test swarm."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[Proc] = []
+        self.initial_peers: list[str] = []
+
+    def _spawn(self, name: str, args: list[str]) -> Proc:
+        log_path = self.workdir / f"{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen(
+                [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                start_new_session=True,
+            )
+        proc = Proc(name, popen, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def _wait_for_line(self, proc: Proc, prefix: str, timeout_s: float = START_TIMEOUT_S) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in proc.output().splitlines():
+                if line.startswith(prefix):
+                    return line
+            if proc.popen.poll() is not None:
+                raise AssertionError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.output()[-3000:]}")
+            time.sleep(0.2)
+        raise AssertionError(f"{proc.name} printed no {prefix!r} within {timeout_s} s:\n{proc.output()[-3000:]}")
+
+    def start_dht(self) -> Proc:
+        """Starts the bootstrap node and remembers its multiaddrs as the swarm's initial peers."""
+        proc = self._spawn("dht", ["-m", "swarm.dht_cli", "--host", "127.0.0.1"])
+        line = self._wait_for_line(proc, "initial_peers:")
+        self.initial_peers = line.split()[1:]
+        return proc
+
+    def start_server(self, model: str | Path, blocks: str, *extra: str, name: str | None = None,
+                     wait: bool = True) -> Proc:
+        """Starts a swarm-server for `blocks` of `model`; with `wait`, returns once it is serving."""
+        args = ["-m", "server.cli", "--model", str(model), "--blocks", blocks, "--host", "127.0.0.1",
+                "--initial-peers", *self.initial_peers, "--announce-period", "1", "--record-ttl", "4",
+                "--compute-threads", "1", *extra]
+        proc = self._spawn(name or f"server-{blocks.replace(':', '-')}-{len(self.procs)}", args)
+        if wait:
+            self.wait_ready(proc)
+        return proc
+
+    def wait_ready(self, proc: Proc) -> None:
+        self._wait_for_line(proc, "ready peer_id=")
+
+    def run_to_exit(self, args: list[str], timeout_s: float = 120.0) -> tuple[int, str]:
+        """Runs a command to completion; gives its exit code and output."""
+        proc = self._spawn(f"run-{len(self.procs)}", args)
+        proc.popen.wait(timeout=timeout_s)
+        return proc.popen.returncode, proc.output()
+
+    def kill(self, proc: Proc, signum: int = signal.SIGKILL) -> None:
+        """Sends `signum` to the process group of `proc` (p2pd daemons included)."""
+        try:
+            os.killpg(proc.popen.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        """Terminates every process (SIGTERM, then SIGKILL after a grace period) and reaps them."""
+        for proc in self.procs:
+            if proc.popen.poll() is None:
+                self.kill(proc, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in self.procs:
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            self.kill(proc, signal.SIGKILL)  # also reaps a group's leftover p2pd children
+            proc.popen.wait(timeout=10)

@@ -1,0 +1,147 @@
+"""A real swarm of tiny-model servers on loopback gives the same logits and tokens as the local HF model."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from swarm.local_swarm import SwarmProcesses
+from transformers import AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+from client import DistributedModelForCausalLM
+
+pytestmark = pytest.mark.slow
+
+
+def start_swarm(swarm: SwarmProcesses, model: Path, block_ranges: list[str]) -> None:
+    swarm.start_dht()
+    servers = [swarm.start_server(model, blocks, wait=False) for blocks in block_ranges]
+    for server in servers:
+        swarm.wait_ready(server)
+
+
+def prompt(seed: int, length: int = 9) -> torch.Tensor:
+    return torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def llama_local(tiny_llama: Path) -> AutoModelForCausalLM:
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llama_remote(swarm_factory: SwarmProcesses, tiny_llama: Path) -> Iterator[DistributedModelForCausalLM]:
+    start_swarm(swarm_factory, tiny_llama, ["0:2", "2:4", "4:6", "6:8"])
+    model = DistributedModelForCausalLM.from_pretrained(str(tiny_llama), initial_peers=swarm_factory.initial_peers)
+    try:
+        yield model
+    finally:
+        model.shutdown()
+
+
+class TokenCollector(BaseStreamer):
+    """Collects what generate() streams, as a user's streamer would see it."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.ended = False
+
+    def put(self, value: torch.Tensor) -> None:
+        self.tokens.extend(value.flatten().tolist())
+
+    def end(self) -> None:
+        self.ended = True
+
+
+def test_logits_match_local_model_through_four_servers(llama_remote, llama_local) -> None:
+    input_ids = prompt(0, 12)
+    with torch.no_grad():
+        expected = llama_local(input_ids).logits
+    actual = llama_remote(input_ids).logits
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    with llama_remote.inference_session(max_length=32) as session:
+        llama_remote.generate(input_ids, session=session, max_new_tokens=1)
+        assert [span.peer_id for span in session.route] and len(session.route) == 4
+
+
+def test_greedy_tokens_match_local_model(llama_remote, llama_local) -> None:
+    for seed in (1, 2):
+        input_ids = prompt(seed)
+        expected = llama_local.generate(input_ids, max_new_tokens=16, do_sample=False)
+        actual = llama_remote.generate(input_ids, max_new_tokens=16, do_sample=False)
+        assert actual.tolist() == expected.tolist()
+
+
+def test_sampling_with_seed_matches_local_model(llama_remote, llama_local) -> None:
+    input_ids = prompt(3)
+    torch.manual_seed(1234)
+    expected = llama_local.generate(input_ids, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20)
+    torch.manual_seed(1234)
+    actual = llama_remote.generate(input_ids, max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20)
+    assert actual.tolist() == expected.tolist()
+
+
+def test_eos_stops_generation_like_local_model(llama_remote, llama_local) -> None:
+    input_ids = prompt(4)
+    greedy = llama_local.generate(input_ids, max_new_tokens=10, do_sample=False)
+    eos = int(greedy[0, input_ids.shape[1] + 2])  # the third generated token becomes end-of-sequence
+    expected = llama_local.generate(input_ids, max_new_tokens=10, do_sample=False, eos_token_id=eos)
+    actual = llama_remote.generate(input_ids, max_new_tokens=10, do_sample=False, eos_token_id=eos)
+    assert actual.tolist() == expected.tolist()
+    assert actual.shape[1] < greedy.shape[1]
+
+
+def test_streamer_receives_the_generated_tokens(llama_remote) -> None:
+    input_ids = prompt(5)
+    streamer = TokenCollector()
+    output = llama_remote.generate(input_ids, max_new_tokens=6, do_sample=False, streamer=streamer)
+    assert streamer.ended
+    assert streamer.tokens == output[0].tolist()  # the prompt first, then each new token
+
+
+def test_multi_turn_session_sends_only_new_tokens_and_matches_local(llama_remote, llama_local) -> None:
+    first_turn, second_turn = prompt(6), prompt(7, 4)
+    with llama_remote.inference_session(max_length=64) as session:
+        first = llama_remote.generate(first_turn, session=session, max_new_tokens=5, do_sample=False)
+        held_after_first = session.position
+        second = llama_remote.generate(second_turn, session=session, max_new_tokens=5, do_sample=False)
+        assert held_after_first == first.shape[1] - 1  # the last token is only sent with the next turn
+        assert session.position == first.shape[1] + second.shape[1] - 1
+    history = torch.cat([first, second_turn], dim=1)
+    expected = llama_local.generate(history, max_new_tokens=5, do_sample=False)
+    assert second.tolist() == expected[:, first.shape[1]:].tolist()
+
+
+def test_concurrent_sessions_each_match_local_model(llama_remote, llama_local) -> None:
+    prompts = [prompt(10 + i) for i in range(3)]
+    results: dict[int, list[list[int]]] = {}
+    errors: list[BaseException] = []
+
+    def generate(index: int) -> None:
+        try:
+            results[index] = llama_remote.generate(prompts[index], max_new_tokens=10, do_sample=False).tolist()
+        except BaseException as error:  # surfaced below; a thread cannot fail the test itself
+            errors.append(error)
+
+    threads = [threading.Thread(target=generate, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors
+    for index, input_ids in enumerate(prompts):
+        assert results[index] == llama_local.generate(input_ids, max_new_tokens=10, do_sample=False).tolist()
+
+
+def test_an_idle_session_does_not_stall_others(llama_remote, llama_local) -> None:
+    idle_prompt, busy_prompt = prompt(20), prompt(21)
+    with llama_remote.inference_session(max_length=40) as idle:
+        llama_remote.generate(idle_prompt, session=idle, max_new_tokens=2, do_sample=False)
+        busy = llama_remote.generate(busy_prompt, max_new_tokens=8, do_sample=False)  # while `idle` holds its KV
+        assert busy.tolist() == llama_local.generate(busy_prompt, max_new_tokens=8, do_sample=False).tolist()
+        resumed = llama_remote.generate(prompt(22, 3), session=idle, max_new_tokens=3, do_sample=False)
+    assert resumed.shape[1] == 6
