@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from swarm.local_swarm import SwarmProcesses
 
+from swarm.local_swarm import SwarmProcesses
 from tests.tiny_models import write_tiny_checkpoint
 
 

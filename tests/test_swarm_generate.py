@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm.local_swarm import SwarmProcesses
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from client import DistributedModelForCausalLM
+from swarm.local_swarm import SwarmProcesses
 
 pytestmark = pytest.mark.slow
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm.local_swarm import SwarmProcesses
 from transformers import AutoModelForCausalLM
 
 from client import DistributedModelForCausalLM
+from swarm.local_swarm import SwarmProcesses
 from tests.test_swarm_generate import prompt, start_swarm
 
 pytestmark = pytest.mark.slow

@@ -1,6 +1,7 @@
-"""Real swarm processes for integration tests: a `swarm-dht` bootstrap and `swarm-server`s on 127.0.0.1.
+"""A swarm of real OS processes on one machine: a `swarm-dht` bootstrap and `swarm-server`s on 127.0.0.1.
 
-Every process is started by `SwarmProcesses`, whose `close()` always terminates (then kills) all of them.
+Used by the demo, the integration tests and the benchmarks. Every process is started by `SwarmProcesses`,
+whose `close()` always terminates (then kills) all of them, p2pd daemons included (one process group each).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]  # so `python -m server.cli` resolves without an installed package
 START_TIMEOUT_S = 180.0
 
 
@@ -37,10 +38,11 @@ class Proc:
 
 
 class SwarmProcesses:
-    """Starts and always cleans up the processes of one test swarm."""
+    """Starts and always cleans up the processes of one local swarm; a context manager."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *, announce_period_s: float = 1.0, record_ttl_s: float = 4.0) -> None:
         self.workdir = workdir
+        self.announce_period_s, self.record_ttl_s = announce_period_s, record_ttl_s
         self.procs: list[Proc] = []
         self.initial_peers: list[str] = []
 
@@ -78,8 +80,8 @@ class SwarmProcesses:
                      wait: bool = True) -> Proc:
         """Starts a swarm-server for `blocks` of `model`; with `wait`, returns once it is serving."""
         args = ["-m", "server.cli", "--model", str(model), "--blocks", blocks, "--host", "127.0.0.1",
-                "--initial-peers", *self.initial_peers, "--announce-period", "1", "--record-ttl", "4",
-                "--compute-threads", "1", *extra]
+                "--initial-peers", *self.initial_peers, "--announce-period", str(self.announce_period_s),
+                "--record-ttl", str(self.record_ttl_s), *extra]
         proc = self._spawn(name or f"server-{blocks.replace(':', '-')}-{len(self.procs)}", args)
         if wait:
             self.wait_ready(proc)
@@ -114,3 +116,9 @@ class SwarmProcesses:
                 pass
             self.kill(proc, signal.SIGKILL)  # also reaps a group's leftover p2pd children
             proc.popen.wait(timeout=10)
+
+    def __enter__(self) -> SwarmProcesses:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
