@@ -89,11 +89,12 @@ async def serve(config: ServerConfig) -> None:
     """Runs a server until SIGTERM or SIGINT, then shuts it down cleanly."""
     server = SwarmServer(config)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
     try:
         await server.start()
+        # Only now: the DHT's forked process must not inherit these handlers, or it would ignore its own SIGTERM.
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
         record = server.record()
         print(f"ready peer_id={record.peer_id} blocks={record.block_start}:{record.block_end}", flush=True)
         await stop.wait()

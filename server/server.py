@@ -142,7 +142,10 @@ class SwarmServer:
             return
         self.state = ServerState.draining
         if self.announcer is not None:
-            await self.announcer.stop()  # announces `draining` with a short expiry so clients route elsewhere
+            try:  # announces `draining` so clients route elsewhere; bounded, the DHT may already be gone
+                await asyncio.wait_for(self.announcer.stop(), timeout=self.config.drain_timeout_s)
+            except TimeoutError:
+                log.warning("Could not announce draining within %.0f s", self.config.drain_timeout_s)
         deadline = time.monotonic() + self.config.drain_timeout_s
         while self._inflight_steps and time.monotonic() < deadline:
             self._idle.clear()
@@ -151,13 +154,14 @@ class SwarmServer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        open_sessions = len(self.sessions)
         if self.rpc is not None:
-            await self.rpc.stop()
-        closed = self.sessions.close_all()
+            await self.rpc.stop()  # closing the streams frees their sessions
+        self.sessions.close_all()
         self.executor.shutdown(wait=True, cancel_futures=True)
         if self.dht is not None:
             self.dht.shutdown()
-        log.info("Shut down; closed %d session(s); pool %s", closed, self.pool.stats())
+        log.info("Shut down; freed %d open session(s); pool %s", open_sessions, self.pool.stats())
 
     async def _expire_sessions_loop(self) -> None:
         period_s = max(0.2, min(5.0, self.config.session_timeout_s / 4))

@@ -1,0 +1,356 @@
+"""Swarm overhead vs the local model: decode tokens/s, time to first token and per-hop latency, in one run.
+
+Runs the embedded SmolLM2-135M-Instruct locally (Hugging Face, float32) and through fresh loopback swarms of
+1, 2 and 3 `swarm-server` processes (blocks split evenly), greedy, and prints one table and a one-line verdict
+against the target "3-server swarm reaches >= 0.85x local decode tokens/s". It never asserts.
+
+Both paths are timed the same way: a streamer stamps `time.perf_counter()` at every token `generate()` emits.
+Time to first token is prefill plus the first token; decode tokens/s counts only the tokens after it. For the
+swarm, the session is opened (route + `open` calls) before the clock starts; its cost is printed separately.
+
+    .venv/bin/python benchmarks/overhead.py [--max-new-tokens 48] [--prompt-tokens 32] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.streamers import BaseStreamer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from client import DistributedModelForCausalLM
+from client.inference import InferenceSession
+from swarm.local_swarm import SwarmProcesses
+from swarm.model import DEFAULT_MODEL, ModelSource, resolve_model
+
+TARGET_RATIO = 0.85
+TARGET_SERVERS = 3
+PROMPT_TEXT = (
+    "The history of distributed computing begins with time-sharing systems, where many users shared one "
+    "machine. Later, networks of workstations cooperated on large problems, splitting work between nodes. "
+)
+NOOP_PROBES = 20  # `info` round trips per server, to price a hop that computes nothing
+
+
+class StepClock(BaseStreamer):
+    """Stamps the time of every put: the first put is the prompt, each later one a generated token."""
+
+    def __init__(self, on_first_token: Callable[[], None] | None = None) -> None:
+        self.stamps_s: list[float] = []
+        self.on_first_token = on_first_token
+
+    def put(self, value: torch.Tensor) -> None:
+        self.stamps_s.append(time.perf_counter())
+        if len(self.stamps_s) == 2 and self.on_first_token is not None:
+            self.on_first_token()
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass
+class HopSample:
+    """One server's decode-step timings in one timed run (prefill excluded)."""
+
+    blocks: tuple[int, int]
+    steps: int
+    round_trip_ms: float
+    compute_ms: float
+
+
+@dataclass
+class RunSample:
+    """One timed generate()."""
+
+    ttft_ms: float
+    decode_tokens_per_s: float
+    tokens: list[int]
+    hops: list[HopSample] = field(default_factory=list)
+    open_ms: float = 0.0
+
+
+@dataclass
+class ConfigResult:
+    """The medians of one configuration's timed runs, plus diagnostics."""
+
+    name: str
+    servers: int
+    runs: list[RunSample]
+    noop_rtt_ms: list[float] = field(default_factory=list)  # per server, median of `info` round trips
+    paired_local: ConfigResult | None = None  # local runs interleaved with this swarm's runs
+    error: str | None = None
+
+    @property
+    def ttft_ms(self) -> float:
+        return statistics.median(run.ttft_ms for run in self.runs)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return statistics.median(run.decode_tokens_per_s for run in self.runs)
+
+    @property
+    def open_ms(self) -> float:
+        return statistics.median(run.open_ms for run in self.runs)
+
+    @property
+    def ratio_vs_local(self) -> float:
+        """Gives decode tokens/s relative to the local runs taken alongside (run for run, under the same load)."""
+        if self.paired_local is None:
+            return float("nan")
+        return self.decode_tokens_per_s / self.paired_local.decode_tokens_per_s
+
+    def median_run(self) -> RunSample:
+        """Gives the run with the median decode tokens/s (the upper one of an even count)."""
+        return sorted(self.runs, key=lambda run: run.decode_tokens_per_s)[len(self.runs) // 2]
+
+    def hops(self) -> list[tuple[tuple[int, int], float, float]]:
+        """Gives, per server in chain order, (blocks, RTT ms per step, compute ms per step) of the median run.
+
+        One run, not per-column medians, so that a step's parts add up to the step under a fluctuating load.
+        """
+        return [(hop.blocks, hop.round_trip_ms / hop.steps, hop.compute_ms / hop.steps)
+                for hop in self.median_run().hops]
+
+
+def even_block_ranges(num_blocks: int, servers: int) -> list[str]:
+    """Gives `servers` contiguous ranges covering [0, num_blocks), as even as possible."""
+    bounds = [round(i * num_blocks / servers) for i in range(servers + 1)]
+    return [f"{start}:{end}" for start, end in itertools.pairwise(bounds)]
+
+
+def fixed_prompt(source: ModelSource, prompt_tokens: int) -> torch.Tensor:
+    """Gives exactly `prompt_tokens` ids of a fixed English text (repeated as needed)."""
+    tokenizer = AutoTokenizer.from_pretrained(source.path)
+    ids = tokenizer(PROMPT_TEXT, add_special_tokens=False)["input_ids"]
+    ids = (ids * (prompt_tokens // len(ids) + 1))[:prompt_tokens]
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def generate_kwargs(max_new_tokens: int) -> dict[str, object]:
+    # min_new_tokens keeps every run at full length even if greedy decoding would hit end-of-sequence.
+    return {"max_new_tokens": max_new_tokens, "min_new_tokens": max_new_tokens, "do_sample": False,
+            "temperature": None, "top_p": None, "top_k": None}
+
+
+def summarize_clock(clock: StepClock, started_s: float, input_len: int, output: torch.Tensor) -> RunSample:
+    stamps = clock.stamps_s
+    ttft_ms = (stamps[1] - started_s) * 1000
+    decode_tokens = len(stamps) - 2
+    decode_s = stamps[-1] - stamps[1]
+    return RunSample(ttft_ms, decode_tokens / decode_s if decode_s > 0 else float("nan"),
+                     output[0, input_len:].tolist())
+
+
+def run_local(model: AutoModelForCausalLM, input_ids: torch.Tensor, max_new_tokens: int) -> RunSample:
+    clock = StepClock()
+    started_s = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(input_ids, streamer=clock, **generate_kwargs(max_new_tokens))
+    return summarize_clock(clock, started_s, input_ids.shape[1], output)
+
+
+def _snapshot(session: InferenceSession) -> list[tuple[tuple[int, int], int, float, float]]:
+    return [(t.blocks, t.steps, t.round_trip_ms, t.compute_ms) for t in session.timings()]
+
+
+def run_swarm(model: DistributedModelForCausalLM, input_ids: torch.Tensor, max_new_tokens: int) -> RunSample:
+    opened_s = time.perf_counter()
+    session = model.inference_session(max_length=input_ids.shape[1] + max_new_tokens)
+    open_ms = (time.perf_counter() - opened_s) * 1000
+    with session:
+        after_prefill: list[tuple[tuple[int, int], int, float, float]] = []
+        clock = StepClock(on_first_token=lambda: after_prefill.extend(_snapshot(session)))
+        started_s = time.perf_counter()
+        output = model.generate(input_ids, session=session, streamer=clock, **generate_kwargs(max_new_tokens))
+        sample = summarize_clock(clock, started_s, input_ids.shape[1], output)
+        for before, after in zip(after_prefill, _snapshot(session), strict=True):
+            sample.hops.append(HopSample(after[0], after[1] - before[1], after[2] - before[2], after[3] - before[3]))
+        if session.failovers:
+            print(f"  warning: {session.failovers} failover(s) during a timed run", flush=True)
+    sample.open_ms = open_ms
+    return sample
+
+
+def probe_noop_rtt(model: DistributedModelForCausalLM, session: InferenceSession) -> list[float]:
+    """Gives, per server of the session's chain, the median round trip of an `info` call (no block compute)."""
+
+    async def probe() -> list[float]:
+        medians = []
+        for span_session in session.remote.spans:
+            samples = []
+            for _ in range(NOOP_PROBES):
+                started = time.perf_counter()
+                await span_session.connection.call("info", {}, timeout=10)
+                samples.append((time.perf_counter() - started) * 1000)
+            medians.append(statistics.median(samples))
+        return medians
+
+    return model.swarm.run(probe())
+
+
+def measure_swarm(source: ModelSource, servers: int, local_model: AutoModelForCausalLM, input_ids: torch.Tensor,
+                  args: argparse.Namespace, workdir: Path) -> ConfigResult:
+    """Gives the swarm's result, with the local runs interleaved with its own (the same load, run for run)."""
+    ranges = even_block_ranges(source.num_blocks, servers)
+    name = f"swarm {' '.join(ranges)}"
+    started_s = time.perf_counter()
+    # Servers' own default announce period and TTL, so background DHT traffic is what a real swarm has.
+    with SwarmProcesses(workdir, announce_period_s=10.0, record_ttl_s=30.0) as swarm:
+        swarm.start_dht()
+        procs = [swarm.start_server(DEFAULT_MODEL, blocks, wait=False) for blocks in ranges]
+        for proc in procs:
+            swarm.wait_ready(proc)
+        model = DistributedModelForCausalLM.from_pretrained(DEFAULT_MODEL, initial_peers=swarm.initial_peers)
+        try:
+            print(f"  {name}: up in {time.perf_counter() - started_s:.1f} s; warming up", flush=True)
+            with model.inference_session(max_length=input_ids.shape[1] + 4) as session:
+                model.generate(input_ids, session=session, **generate_kwargs(4))
+                noop_rtt_ms = probe_noop_rtt(model, session)
+            swarm_runs, local_runs = [], []
+            for repeat in range(args.repeats):
+                local_runs.append(run_local(local_model, input_ids, args.max_new_tokens))
+                swarm_runs.append(run_swarm(model, input_ids, args.max_new_tokens))
+                print(f"  {name}: run {repeat + 1}/{args.repeats}: {swarm_runs[-1].decode_tokens_per_s:.1f} tok/s "
+                      f"(local {local_runs[-1].decode_tokens_per_s:.1f}), TTFT {swarm_runs[-1].ttft_ms:.0f} ms "
+                      f"(local {local_runs[-1].ttft_ms:.0f}); loadavg {os.getloadavg()[0]:.2f}", flush=True)
+        finally:
+            model.shutdown()
+    return ConfigResult(name, servers, swarm_runs, noop_rtt_ms, ConfigResult("local HF", 0, local_runs))
+
+
+def measure_local_alone(local_model: AutoModelForCausalLM, input_ids: torch.Tensor,
+                        args: argparse.Namespace) -> ConfigResult:
+    runs = []
+    for repeat in range(args.repeats):
+        runs.append(run_local(local_model, input_ids, args.max_new_tokens))
+        print(f"  local: run {repeat + 1}/{args.repeats}: {runs[-1].decode_tokens_per_s:.1f} tok/s, "
+              f"TTFT {runs[-1].ttft_ms:.0f} ms", flush=True)
+    return ConfigResult("local HF", 0, runs)
+
+
+def print_header(source: ModelSource, args: argparse.Namespace) -> None:
+    load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
+    print(f"# chainswarm overhead benchmark, {datetime.datetime.now().isoformat(timespec='seconds')}")
+    print(f"model: {DEFAULT_MODEL} ({source.num_blocks} blocks, hidden {source.config.hidden_size}), float32, CPU")
+    print(f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
+          f"cpu_count={os.cpu_count()}, torch {torch.__version__}, torch.get_num_threads()={torch.get_num_threads()}")
+    print(f"python: {platform.python_version()}; loadavg at start (1, 5, 15 min): {load}")
+    print(f"prompt {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens (greedy), "
+          f"median of {args.repeats} repeats after one warm-up generate; each swarm run is paired with a local run "
+          f"just before it, and its ratio is against those paired local runs")
+    print(flush=True)
+
+
+def print_table(local: ConfigResult, results: list[ConfigResult]) -> None:
+    header = ["config", "servers", "TTFT ms", "decode tok/s", "ratio vs local", "per-hop RTT ms",
+              "per-hop compute ms", "per-hop overhead ms", "tokens match"]
+    rows = [[local.name, "-", f"{local.ttft_ms:.0f}", f"{local.decode_tokens_per_s:.1f}", "1.00", "-", "-", "-",
+             "-"]]
+    local_tokens = local.runs[0].tokens
+    for result in results:
+        if result.error is not None:
+            rows.append([result.name, str(result.servers), "error", "-", "-", "-", "-", "-", "-"])
+            continue
+        hops = result.hops()
+        rtt = statistics.mean(h[1] for h in hops)
+        compute = statistics.mean(h[2] for h in hops)
+        match = all(run.tokens == local_tokens for run in result.runs)
+        rows.append([result.name, str(result.servers), f"{result.ttft_ms:.0f}", f"{result.decode_tokens_per_s:.1f}",
+                     f"{result.ratio_vs_local:.2f}", f"{rtt:.1f}", f"{compute:.1f}", f"{rtt - compute:.1f}",
+                     "yes" if match else "NO"])
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
+
+
+def print_breakdown(results: list[ConfigResult]) -> None:
+    """Prints where a swarm decode step's time goes: per server, and the client's share."""
+    print()
+    print("where a decode step goes, median run (ms/token; per hop: round trip = server compute + overhead):")
+    for result in results:
+        if result.error is not None:
+            print(f"  {result.name}: {result.error}")
+            continue
+        step_ms = 1000 / result.median_run().decode_tokens_per_s
+        hops = result.hops()
+        sum_rtt = sum(h[1] for h in hops)
+        local_ms = 1000 / result.paired_local.decode_tokens_per_s if result.paired_local else float("nan")
+        print(f"  {result.name}: {step_ms:.1f} = hops {sum_rtt:.1f} + client (embed, head, generate, loop) "
+              f"{step_ms - sum_rtt:.1f}; local alongside (median) {local_ms:.1f}; "
+              f"session open {result.open_ms:.0f} ms (not in TTFT)")
+        for ((start, end), rtt, compute), noop in zip(hops, result.noop_rtt_ms, strict=False):
+            print(f"    blocks {start}:{end}: rtt {rtt:.1f} = compute {compute:.1f} + overhead {rtt - compute:.1f}; "
+                  f"no-op `info` rtt {noop:.1f}")
+
+
+def print_verdict(results: list[ConfigResult]) -> None:
+    target = next((r for r in results if r.servers == TARGET_SERVERS and r.error is None), None)
+    goal = f"{TARGET_SERVERS}-server swarm reaches >= {TARGET_RATIO}x local decode tokens/s"
+    print()
+    if target is None:
+        print(f"verdict: NOT MEASURED: {goal} (no {TARGET_SERVERS}-server result)")
+        return
+    ratio = target.ratio_vs_local
+    status = "PASS" if ratio >= TARGET_RATIO else "FAIL"
+    print(f"verdict: {status}: {goal}: measured {ratio:.2f}x "
+          f"({target.decode_tokens_per_s:.1f} vs {target.decode_tokens_per_s / ratio:.1f} tok/s paired local)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per timed run")
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="length of the fixed prompt")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median reported)")
+    parser.add_argument("--servers", default="1,2,3", help="comma-separated swarm sizes to measure")
+    args = parser.parse_args(argv)
+    args.server_counts = [int(part) for part in args.servers.split(",") if part.strip()]
+    if args.max_new_tokens < 3 or args.prompt_tokens < 1 or args.repeats < 1:
+        parser.error("need --max-new-tokens >= 3, --prompt-tokens >= 1 and --repeats >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    source = resolve_model(DEFAULT_MODEL)
+    input_ids = fixed_prompt(source, args.prompt_tokens)
+    print_header(source, args)
+    local_model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
+    run_local(local_model, input_ids, 4)  # warm-up
+    results = []
+    with tempfile.TemporaryDirectory(prefix="chainswarm-bench-") as tmp:
+        for servers in args.server_counts:
+            workdir = Path(tmp) / f"swarm-{servers}"
+            workdir.mkdir()
+            try:
+                results.append(measure_swarm(source, servers, local_model, input_ids, args, workdir))
+            except Exception as error:  # one failed configuration should not hide the others' numbers
+                message = f"{type(error).__name__}: {str(error)[-500:]}"
+                print(f"  {servers} server(s) failed: {message}", flush=True)
+                results.append(ConfigResult(f"swarm x{servers}", servers, [], error=message))
+    local_runs = [run for result in results if result.paired_local for run in result.paired_local.runs]
+    local = ConfigResult("local HF", 0, local_runs or measure_local_alone(local_model, input_ids, args).runs)
+    print()
+    print_table(local, results)
+    print_breakdown(results)
+    print_verdict(results)
+    print(f"loadavg at end (1, 5, 15 min): {', '.join(f'{value:.2f}' for value in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Server lifecycle as processes: DHT expiry and rejoin, idle-session timeout, clean shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from client import SwarmClient
+from swarm.errors import SessionNotFound
+from swarm.local_swarm import SwarmProcesses
+from swarm.model import resolve_model
+from swarm.records import ServerRecord
+from swarm.wire import encode_tensor
+
+pytestmark = pytest.mark.slow
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def online_peers(client: SwarmClient) -> dict[str, ServerRecord]:
+    return client.run(client.servers(), timeout=30)
+
+
+def test_dead_server_vanishes_within_its_ttl_and_rejoins_with_the_same_identity(
+    swarm_factory: SwarmProcesses, tiny_llama: Path, tmp_path: Path
+) -> None:
+    swarm_factory.start_dht()
+    identity = tmp_path / "server.id"
+    args = ("--identity", str(identity))
+    first = swarm_factory.start_server(tiny_llama, "0:8", *args)
+    source = resolve_model(str(tiny_llama))
+    client = SwarmClient(source.model_id, source.num_blocks, swarm_factory.initial_peers)
+    try:
+        assert first.peer_id in online_peers(client)
+        swarm_factory.kill(first, signal.SIGKILL)
+        # --record-ttl is 4 s in the harness; allow for DHT clock slack and a loaded machine
+        wait_until(lambda: first.peer_id not in online_peers(client), 20, "the killed server left the DHT")
+        second = swarm_factory.start_server(tiny_llama, "0:8", *args)
+        assert second.peer_id == first.peer_id
+        wait_until(lambda: first.peer_id in online_peers(client), 20, "the restarted server is back")
+    finally:
+        client.shutdown()
+
+
+def test_idle_session_times_out_and_frees_its_pages_then_sigterm_shuts_down_cleanly(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    swarm_factory.start_dht()
+    server = swarm_factory.start_server(tiny_llama, "0:8", "--session-timeout", "2", "--drain-timeout", "5")
+    source = resolve_model(str(tiny_llama))
+    client = SwarmClient(source.model_id, source.num_blocks, swarm_factory.initial_peers)
+    try:
+        (record,) = online_peers(client).values()
+        connection = client.run(client.connect(record))
+
+        def call(method: str, payload: dict) -> dict:  # type: ignore[type-arg]
+            return client.run(connection.call(method, payload, timeout=30))
+
+        def pages_kv() -> int:
+            return call("info", {})["record"]["pages_kv"]
+
+        session_id = call("open", {"blocks": [0, 8], "max_length": 32})["session_id"]
+        call("step", {"session_id": session_id, "hidden": encode_tensor(torch.ones(1, 3, 64))})
+        assert pages_kv() > 0
+        wait_until(lambda: pages_kv() == 0, 20, "the idle session was freed")
+        with pytest.raises(SessionNotFound):
+            call("step", {"session_id": session_id, "hidden": encode_tensor(torch.ones(1, 1, 64))})
+
+        call("open", {"blocks": [0, 8], "max_length": 32})  # an open session at shutdown is freed too
+        os.kill(server.popen.pid, signal.SIGTERM)  # as `kill PID` does
+        assert server.popen.wait(timeout=60) == 0
+        log = server.output()
+        assert "Signal received: draining" in log and "freed 1 open session(s)" in log and "Traceback" not in log
+        wait_until(
+            lambda: all(r.state != "online" for r in online_peers(client).values()), 20, "the record says draining"
+        )
+    finally:
+        client.shutdown()
