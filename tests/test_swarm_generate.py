@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from client import DistributedModelForCausalLM
+from client import ClientConfig, DistributedModelForCausalLM
 from swarm.local_swarm import SwarmProcesses
 
 pytestmark = pytest.mark.slow
@@ -145,3 +145,19 @@ def test_an_idle_session_does_not_stall_others(llama_remote, llama_local) -> Non
         assert busy.tolist() == llama_local.generate(busy_prompt, max_new_tokens=8, do_sample=False).tolist()
         resumed = llama_remote.generate(prompt(22, 3), session=idle, max_new_tokens=3, do_sample=False)
     assert resumed.shape[1] == 6
+
+
+
+def test_fp16_transport_compression_stays_close(llama_remote, llama_local, swarm_factory, tiny_llama: Path) -> None:
+    compressed = DistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama), initial_peers=swarm_factory.initial_peers, client_config=ClientConfig(compression="fp16")
+    )
+    try:
+        input_ids = prompt(40, 12)
+        with torch.no_grad():
+            expected = llama_local(input_ids).logits
+        actual = compressed(input_ids).logits
+        assert not torch.equal(actual, expected)  # hidden states really crossed the wire as fp16
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0.05 * float(expected.abs().max()))
+    finally:
+        compressed.shutdown()
