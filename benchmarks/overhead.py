@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.streamers import BaseStreamer
@@ -39,11 +40,44 @@ from swarm.model import DEFAULT_MODEL, ModelSource, resolve_model
 
 TARGET_RATIO = 0.85
 TARGET_SERVERS = 3
+BUSY_MACHINE_PCT = 10.0  # others' share of all CPUs above which a verdict is flagged unreliable
 PROMPT_TEXT = (
     "The history of distributed computing begins with time-sharing systems, where many users shared one "
     "machine. Later, networks of workstations cooperated on large problems, splitting work between nodes. "
 )
 NOOP_PROBES = 20  # `info` round trips per server, to price a hop that computes nothing
+
+
+class OthersCpu:
+    """Measures the share of all CPUs that processes outside this benchmark's tree used between start and stop.
+
+    The machine may be shared; a run during which others used much CPU says little about chainswarm.
+    """
+
+    def __init__(self) -> None:
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float]:
+        system = psutil.cpu_times()
+        total_s = sum(system)
+        busy_s = total_s - system.idle - getattr(system, "iowait", 0.0)
+        own_s = 0.0
+        me = psutil.Process()
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+                own_s += times.user + times.system
+            except psutil.Error:  # exited between listing and reading
+                pass
+        return total_s, busy_s, own_s
+
+    def percent(self) -> float:
+        """Gives others' CPU use since construction, in % of all CPUs (0-100)."""
+        total_s, busy_s, own_s = self._sample()
+        elapsed_s = total_s - self._start[0]
+        others_s = (busy_s - self._start[1]) - (own_s - self._start[2])
+        return max(0.0, 100 * others_s / elapsed_s) if elapsed_s > 0 else float("nan")
 
 
 class StepClock(BaseStreamer):
@@ -81,6 +115,7 @@ class RunSample:
     tokens: list[int]
     hops: list[HopSample] = field(default_factory=list)
     open_ms: float = 0.0
+    others_cpu_pct: float = 0.0
 
 
 @dataclass
@@ -101,6 +136,12 @@ class ConfigResult:
     @property
     def decode_tokens_per_s(self) -> float:
         return statistics.median(run.decode_tokens_per_s for run in self.runs)
+
+    @property
+    def others_cpu_max_pct(self) -> float:
+        """Gives the most CPU other processes took during any timed run of this config or its paired local runs."""
+        runs = [*self.runs, *(self.paired_local.runs if self.paired_local else [])]
+        return max((run.others_cpu_pct for run in runs), default=float("nan"))
 
     @property
     def open_ms(self) -> float:
@@ -157,10 +198,13 @@ def summarize_clock(clock: StepClock, started_s: float, input_len: int, output: 
 
 def run_local(model: AutoModelForCausalLM, input_ids: torch.Tensor, max_new_tokens: int) -> RunSample:
     clock = StepClock()
+    others = OthersCpu()
     started_s = time.perf_counter()
     with torch.inference_mode():
         output = model.generate(input_ids, streamer=clock, **generate_kwargs(max_new_tokens))
-    return summarize_clock(clock, started_s, input_ids.shape[1], output)
+    sample = summarize_clock(clock, started_s, input_ids.shape[1], output)
+    sample.others_cpu_pct = others.percent()
+    return sample
 
 
 def _snapshot(session: InferenceSession) -> list[tuple[tuple[int, int], int, float, float]]:
@@ -174,9 +218,11 @@ def run_swarm(model: DistributedModelForCausalLM, input_ids: torch.Tensor, max_n
     with session:
         after_prefill: list[tuple[tuple[int, int], int, float, float]] = []
         clock = StepClock(on_first_token=lambda: after_prefill.extend(_snapshot(session)))
+        others = OthersCpu()
         started_s = time.perf_counter()
         output = model.generate(input_ids, session=session, streamer=clock, **generate_kwargs(max_new_tokens))
         sample = summarize_clock(clock, started_s, input_ids.shape[1], output)
+        sample.others_cpu_pct = others.percent()
         for before, after in zip(after_prefill, _snapshot(session), strict=True):
             sample.hops.append(HopSample(after[0], after[1] - before[1], after[2] - before[2], after[3] - before[3]))
         if session.failovers:
@@ -226,7 +272,8 @@ def measure_swarm(source: ModelSource, servers: int, local_model: AutoModelForCa
                 swarm_runs.append(run_swarm(model, input_ids, args.max_new_tokens))
                 print(f"  {name}: run {repeat + 1}/{args.repeats}: {swarm_runs[-1].decode_tokens_per_s:.1f} tok/s "
                       f"(local {local_runs[-1].decode_tokens_per_s:.1f}), TTFT {swarm_runs[-1].ttft_ms:.0f} ms "
-                      f"(local {local_runs[-1].ttft_ms:.0f}); loadavg {os.getloadavg()[0]:.2f}", flush=True)
+                      f"(local {local_runs[-1].ttft_ms:.0f}); others' CPU {swarm_runs[-1].others_cpu_pct:.0f}% "
+                      f"(local {local_runs[-1].others_cpu_pct:.0f}%)", flush=True)
         finally:
             model.shutdown()
     return ConfigResult(name, servers, swarm_runs, noop_rtt_ms, ConfigResult("local HF", 0, local_runs))
@@ -238,7 +285,7 @@ def measure_local_alone(local_model: AutoModelForCausalLM, input_ids: torch.Tens
     for repeat in range(args.repeats):
         runs.append(run_local(local_model, input_ids, args.max_new_tokens))
         print(f"  local: run {repeat + 1}/{args.repeats}: {runs[-1].decode_tokens_per_s:.1f} tok/s, "
-              f"TTFT {runs[-1].ttft_ms:.0f} ms", flush=True)
+              f"TTFT {runs[-1].ttft_ms:.0f} ms; others' CPU {runs[-1].others_cpu_pct:.0f}%", flush=True)
     return ConfigResult("local HF", 0, runs)
 
 
@@ -293,7 +340,7 @@ def print_breakdown(results: list[ConfigResult]) -> None:
         local_ms = 1000 / result.paired_local.decode_tokens_per_s if result.paired_local else float("nan")
         print(f"  {result.name}: {step_ms:.1f} = hops {sum_rtt:.1f} + client (embed, head, generate, loop) "
               f"{step_ms - sum_rtt:.1f}; local alongside (median) {local_ms:.1f}; "
-              f"session open {result.open_ms:.0f} ms (not in TTFT)")
+              f"session open {result.open_ms:.0f} ms (not in TTFT); others' CPU up to {result.others_cpu_max_pct:.0f}%")
         for ((start, end), rtt, compute), noop in zip(hops, result.noop_rtt_ms, strict=False):
             print(f"    blocks {start}:{end}: rtt {rtt:.1f} = compute {compute:.1f} + overhead {rtt - compute:.1f}; "
                   f"no-op `info` rtt {noop:.1f}")
@@ -308,8 +355,11 @@ def print_verdict(results: list[ConfigResult]) -> None:
         return
     ratio = target.ratio_vs_local
     status = "PASS" if ratio >= TARGET_RATIO else "FAIL"
+    busy = target.others_cpu_max_pct
+    caveat = "" if busy <= BUSY_MACHINE_PCT else (
+        f"; UNRELIABLE: other processes used up to {busy:.0f}% of the CPUs during these runs, rerun on a quiet machine")
     print(f"verdict: {status}: {goal}: measured {ratio:.2f}x "
-          f"({target.decode_tokens_per_s:.1f} vs {target.decode_tokens_per_s / ratio:.1f} tok/s paired local)")
+          f"({target.decode_tokens_per_s:.1f} vs {target.decode_tokens_per_s / ratio:.1f} tok/s paired local){caveat}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -13,9 +13,12 @@ import argparse
 import dataclasses
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -67,6 +70,25 @@ def start_swarm(swarm: SwarmProcesses) -> None:
     ]
     for server in servers:
         swarm.wait_ready(server)
+
+
+def stop_gracefully(swarm: SwarmProcesses, timeout_s: float = 20.0) -> None:
+    """Lets the servers, then the DHT bootstrap, drain and exit; `SwarmProcesses.close()` kills any straggler.
+
+    Only each process itself gets SIGTERM: `close()` signals the whole process group, which also stops the
+    process's DHT child and p2pd daemon before the server could announce that it is draining (it then hangs
+    until it is killed).
+    """
+    servers = [proc for proc in swarm.procs if proc.name != "dht"]
+    bootstrap = [proc for proc in swarm.procs if proc.name == "dht"]
+    for group in (servers, bootstrap):
+        for proc in group:
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in group:
+            with suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(max(0.1, deadline - time.monotonic()))
 
 
 def timing_table(timings: list[SpanTimings], prefill: dict[str, SpanTimings]) -> str:
@@ -140,18 +162,22 @@ def run(args: argparse.Namespace, log_dir: Path) -> None:
     # steal the cores of the one computing (a 2-core host decodes ~2.5x slower). The servers inherit this.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     with SwarmProcesses(log_dir) as swarm:
-        started = time.perf_counter()
-        print(f"Starting a DHT bootstrap and {len(BLOCK_RANGES)} servers (blocks {', '.join(BLOCK_RANGES)}) ...",
-              flush=True)
-        start_swarm(swarm)
-        print(f"Swarm ready in {time.perf_counter() - started:.1f} s; initial peers: {' '.join(swarm.initial_peers)}")
-        model = DistributedModelForCausalLM.from_pretrained(DEFAULT_MODEL, initial_peers=swarm.initial_peers)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(source.path)
-            chat_once(model, tokenizer, args.question, args.max_new_tokens)
+            started = time.perf_counter()
+            print(f"Starting a DHT bootstrap and {len(BLOCK_RANGES)} servers (blocks {', '.join(BLOCK_RANGES)}) ...",
+                  flush=True)
+            start_swarm(swarm)
+            print(f"Swarm ready in {time.perf_counter() - started:.1f} s; "
+                  f"initial peers: {' '.join(swarm.initial_peers)}")
+            model = DistributedModelForCausalLM.from_pretrained(DEFAULT_MODEL, initial_peers=swarm.initial_peers)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(source.path)
+                chat_once(model, tokenizer, args.question, args.max_new_tokens)
+            finally:
+                model.shutdown()
         finally:
-            model.shutdown()
             print("\nShutting down the swarm ...", flush=True)
+            stop_gracefully(swarm)
 
 
 def main(argv: list[str] | None = None) -> int:

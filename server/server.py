@@ -73,6 +73,7 @@ class SwarmServer:
         self.network_mbps: float | None = None
         self.executor = ThreadPoolExecutor(max_workers=config.compute_threads, thread_name_prefix="compute")
         self.dht: hivemind.DHT | None = None
+        self._addrs: list[str] = []
         self.rpc: RpcServer | None = None
         self.announcer: Announcer | None = None
         self._inflight_steps = 0
@@ -108,7 +109,7 @@ class SwarmServer:
             quant=self.blocks.quant,
             version=SOFTWARE_VERSION,
             public_name=self.config.public_name,
-            addrs=[str(addr) for addr in self.dht.get_visible_maddrs()][:16],
+            addrs=self._addrs,
         )
 
     async def start(self) -> None:
@@ -120,6 +121,7 @@ class SwarmServer:
             identity_path=str(self.config.identity) if self.config.identity else None,
             start=True,
         )
+        self._addrs = [str(addr) for addr in self.dht.get_visible_maddrs()][:16]
         p2p = await self.dht.replicate_p2p()
         self.rpc = RpcServer(p2p, max_frame_bytes=self.config.max_frame_bytes)
         for name, method in (("info", self._info), ("open", self._open), ("step", self._step), ("close", self._close)):
@@ -141,7 +143,7 @@ class SwarmServer:
         if self.state == ServerState.draining:
             return
         self.state = ServerState.draining
-        if self.announcer is not None:
+        if self.announcer is not None and self.dht is not None and self.dht.is_alive():
             try:  # announces `draining` so clients route elsewhere; bounded, the DHT may already be gone
                 await asyncio.wait_for(self.announcer.stop(), timeout=self.config.drain_timeout_s)
             except TimeoutError:

@@ -104,11 +104,11 @@ class SwarmProcesses:
             pass
 
     def close(self) -> None:
-        """Terminates every process (SIGTERM, then SIGKILL after a grace period) and reaps them."""
+        """Stops every process: SIGTERM to each (a clean shutdown), then SIGKILL to what is left of its group."""
         for proc in self.procs:
             if proc.popen.poll() is None:
-                self.kill(proc, signal.SIGTERM)
-        deadline = time.monotonic() + 15
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
         for proc in self.procs:
             try:
                 proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
