@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from server.config import ServerConfig
@@ -18,29 +19,27 @@ from swarm.model import DEFAULT_MODEL, QUANT_MODES, ModelNotFound, parse_block_r
 log = logging.getLogger("swarm-server")
 
 
-def _block_range(text: str) -> str:
-    try:
-        parse_block_range(text)
-    except InvalidBlockRange as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
+def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """Gives an argparse type that keeps the text but reports `parse`'s error as a usage error."""
 
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as error:  # InvalidBlockRange is a ValueError too
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return text
 
-def _size(text: str) -> str:
-    try:
-        parse_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
+    return check
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Gives the argument parser of swarm-server."""
     parser = argparse.ArgumentParser(prog="swarm-server", description=__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="hub-style name, checkpoint folder or .gguf file")
-    parser.add_argument("--blocks", required=True, type=_block_range, help="block range START:END, 0-based, end excl.")
-    parser.add_argument("--memory", type=_size, help="memory budget for parameters + KV, e.g. 2GB (default: derived)")
-    parser.add_argument("--page-size", type=_size, default=str(DEFAULT_PAGE_BYTES), help="bytes per memory page")
+    block_range, size = _checked(parse_block_range), _checked(parse_size)
+    parser.add_argument("--blocks", required=True, type=block_range, help="block range START:END, 0-based, end excl.")
+    parser.add_argument("--memory", type=size, help="memory budget for parameters + KV, e.g. 2GB (default: derived)")
+    parser.add_argument("--page-size", type=size, default=str(DEFAULT_PAGE_BYTES), help="bytes per memory page")
     parser.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of any peers already in the swarm")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (ignored with --host-maddrs)")
     parser.add_argument("--port", type=int, default=0, help="TCP port to listen on, 0 = any")
