@@ -17,7 +17,9 @@ import torch
 from client.routing import Span
 from client.swarm_client import SwarmClient
 from swarm.errors import (
+    BlocksNotHosted,
     InternalServerError,
+    MaxLengthExceeded,
     NoRouteFound,
     PeerUnreachable,
     PositionMismatch,
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 RECOVERABLE = (
     PeerUnreachable, RpcTimeout, ServerDraining, ServerBusy, SessionNotFound, InternalServerError, PositionMismatch
 )
+# When opening a session, a stale record (blocks no longer hosted) or a lower --max-length also means: try another.
+RECOVERABLE_AT_OPEN = (*RECOVERABLE, BlocksNotHosted, MaxLengthExceeded)
 
 
 @dataclass
@@ -89,7 +93,7 @@ class RemoteInferenceSession:
                 for span in route:
                     opened.append(await self._open_span(span))
                 return opened
-            except RECOVERABLE as error:
+            except RECOVERABLE_AT_OPEN as error:
                 log.warning("Server %s refused a session (%s: %s); rerouting", span.peer_id,
                             type(error).__name__, error.message)
                 self.client.ban(span.peer_id)

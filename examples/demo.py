@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shutil
 import signal
 import subprocess
@@ -158,9 +157,6 @@ def run(args: argparse.Namespace, log_dir: Path) -> None:
     print(f"Resolving {DEFAULT_MODEL} (converted into the local cache once, then reused) ...", flush=True)
     source = resolve_model(DEFAULT_MODEL)
     print(f"Checkpoint: {source.path}\nProcess logs: {log_dir}")
-    # Idle OpenMP threads spin by default; with 3 servers and a client on a few cores, the spinning servers
-    # steal the cores of the one computing (a 2-core host decodes ~2.5x slower). The servers inherit this.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     with SwarmProcesses(log_dir) as swarm:
         try:
             started = time.perf_counter()

@@ -235,6 +235,9 @@ class SwarmServer:
                 self._idle.set()
         session.position += new_tokens
         session.last_step_id, session.last_output = step_id, output
+        if new_tokens == 1:  # decode steps refine the start-up measurement under the real load
+            sample_ms = compute_ms / (session.end - session.start)
+            self.block_compute_ms = 0.9 * self.block_compute_ms + 0.1 * sample_ms
         session.last_active_s = time.monotonic()
         return self._step_reply(session, output, compression, compute_ms=compute_ms)
 

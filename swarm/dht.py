@@ -143,7 +143,9 @@ async def lookup_async(
 
 async def _await_dht(future: MPFuture[T], timeout_s: float) -> T:
     try:
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout=timeout_s)
+        # Shielded: cancelling this wait must not cancel hivemind's future, which it resolves from another
+        # thread and would then log as an InvalidStateError.
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout=timeout_s)
     except TimeoutError as error:
         raise RpcTimeout(f"DHT request did not finish within {timeout_s} s") from error
 

@@ -48,7 +48,8 @@ class SwarmProcesses:
 
     def _spawn(self, name: str, args: list[str]) -> Proc:
         log_path = self.workdir / f"{name}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+        # Idle OpenMP threads of one process would spin on the cores another process needs to compute.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), OMP_WAIT_POLICY="PASSIVE")
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(
                 [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
