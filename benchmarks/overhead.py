@@ -8,7 +8,10 @@ Both paths are timed the same way: a streamer stamps `time.perf_counter()` at ev
 Time to first token is prefill plus the first token; decode tokens/s counts only the tokens after it. For the
 swarm, the session is opened (route + `open` calls) before the clock starts; its cost is printed separately.
 
-    .venv/bin/python benchmarks/overhead.py [--max-new-tokens 48] [--prompt-tokens 32] [--repeats 3]
+    .venv/bin/python benchmarks/overhead.py [--max-new-tokens 48] [--prompt-tokens 32] [--repeats 3] [--servers 1,2,3]
+
+The machine may be shared: each run also reports the CPU share other processes took meanwhile, and the verdict is
+flagged UNRELIABLE when that exceeds 10%.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ NOOP_PROBES = 20  # `info` round trips per server, to price a hop that computes 
 
 
 class OthersCpu:
-    """Measures the share of all CPUs that processes outside this benchmark's tree used between start and stop.
+    """Measures the share of all CPUs that processes outside this benchmark's tree used since its construction.
 
     The machine may be shared; a run during which others used much CPU says little about chainswarm.
     """
@@ -60,7 +63,8 @@ class OthersCpu:
     @staticmethod
     def _sample() -> tuple[float, float, float]:
         system = psutil.cpu_times()
-        total_s = sum(system)
+        # guest time is already counted in user time
+        total_s = sum(system) - getattr(system, "guest", 0.0) - getattr(system, "guest_nice", 0.0)
         busy_s = total_s - system.idle - getattr(system, "iowait", 0.0)
         own_s = 0.0
         me = psutil.Process()
@@ -116,6 +120,7 @@ class RunSample:
     hops: list[HopSample] = field(default_factory=list)
     open_ms: float = 0.0
     others_cpu_pct: float = 0.0
+    body_ms: float = float("nan")  # local only: mean time per decode step in the transformer blocks
 
 
 @dataclass
@@ -163,8 +168,9 @@ class ConfigResult:
 
         One run, not per-column medians, so that a step's parts add up to the step under a fluctuating load.
         """
-        return [(hop.blocks, hop.round_trip_ms / hop.steps, hop.compute_ms / hop.steps)
-                for hop in self.median_run().hops]
+        return [
+            (hop.blocks, hop.round_trip_ms / hop.steps, hop.compute_ms / hop.steps) for hop in self.median_run().hops
+        ]
 
 
 def even_block_ranges(num_blocks: int, servers: int) -> list[str]:
@@ -183,8 +189,14 @@ def fixed_prompt(source: ModelSource, prompt_tokens: int) -> torch.Tensor:
 
 def generate_kwargs(max_new_tokens: int) -> dict[str, object]:
     # min_new_tokens keeps every run at full length even if greedy decoding would hit end-of-sequence.
-    return {"max_new_tokens": max_new_tokens, "min_new_tokens": max_new_tokens, "do_sample": False,
-            "temperature": None, "top_p": None, "top_k": None}
+    return {
+        "max_new_tokens": max_new_tokens,
+        "min_new_tokens": max_new_tokens,
+        "do_sample": False,
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+    }
 
 
 def summarize_clock(clock: StepClock, started_s: float, input_len: int, output: torch.Tensor) -> RunSample:
@@ -192,18 +204,32 @@ def summarize_clock(clock: StepClock, started_s: float, input_len: int, output: 
     ttft_ms = (stamps[1] - started_s) * 1000
     decode_tokens = len(stamps) - 2
     decode_s = stamps[-1] - stamps[1]
-    return RunSample(ttft_ms, decode_tokens / decode_s if decode_s > 0 else float("nan"),
-                     output[0, input_len:].tolist())
+    return RunSample(
+        ttft_ms, decode_tokens / decode_s if decode_s > 0 else float("nan"), output[0, input_len:].tolist()
+    )
 
 
 def run_local(model: AutoModelForCausalLM, input_ids: torch.Tensor, max_new_tokens: int) -> RunSample:
+    # Hooks time the decoder body (what the servers run), so a step splits into body and head + generate.
+    body_ms: list[float] = []
+    entered_s = [0.0]
+    body = model.get_decoder()
+    hooks = [
+        body.register_forward_pre_hook(lambda *_: entered_s.__setitem__(0, time.perf_counter())),
+        body.register_forward_hook(lambda *_: body_ms.append((time.perf_counter() - entered_s[0]) * 1000)),
+    ]
     clock = StepClock()
     others = OthersCpu()
-    started_s = time.perf_counter()
-    with torch.inference_mode():
-        output = model.generate(input_ids, streamer=clock, **generate_kwargs(max_new_tokens))
+    try:
+        started_s = time.perf_counter()
+        with torch.inference_mode():
+            output = model.generate(input_ids, streamer=clock, **generate_kwargs(max_new_tokens))
+    finally:
+        for hook in hooks:
+            hook.remove()
     sample = summarize_clock(clock, started_s, input_ids.shape[1], output)
     sample.others_cpu_pct = others.percent()
+    sample.body_ms = statistics.mean(body_ms[1:]) if len(body_ms) > 1 else float("nan")  # [0] is the prefill
     return sample
 
 
@@ -248,8 +274,14 @@ def probe_noop_rtt(model: DistributedModelForCausalLM, session: InferenceSession
     return model.swarm.run(probe())
 
 
-def measure_swarm(source: ModelSource, servers: int, local_model: AutoModelForCausalLM, input_ids: torch.Tensor,
-                  args: argparse.Namespace, workdir: Path) -> ConfigResult:
+def measure_swarm(
+    source: ModelSource,
+    servers: int,
+    local_model: AutoModelForCausalLM,
+    input_ids: torch.Tensor,
+    args: argparse.Namespace,
+    workdir: Path,
+) -> ConfigResult:
     """Gives the swarm's result, with the local runs interleaved with its own (the same load, run for run)."""
     ranges = even_block_ranges(source.num_blocks, servers)
     name = f"swarm {' '.join(ranges)}"
@@ -270,22 +302,29 @@ def measure_swarm(source: ModelSource, servers: int, local_model: AutoModelForCa
             for repeat in range(args.repeats):
                 local_runs.append(run_local(local_model, input_ids, args.max_new_tokens))
                 swarm_runs.append(run_swarm(model, input_ids, args.max_new_tokens))
-                print(f"  {name}: run {repeat + 1}/{args.repeats}: {swarm_runs[-1].decode_tokens_per_s:.1f} tok/s "
-                      f"(local {local_runs[-1].decode_tokens_per_s:.1f}), TTFT {swarm_runs[-1].ttft_ms:.0f} ms "
-                      f"(local {local_runs[-1].ttft_ms:.0f}); others' CPU {swarm_runs[-1].others_cpu_pct:.0f}% "
-                      f"(local {local_runs[-1].others_cpu_pct:.0f}%)", flush=True)
+                print(
+                    f"  {name}: run {repeat + 1}/{args.repeats}: {swarm_runs[-1].decode_tokens_per_s:.1f} tok/s "
+                    f"(local {local_runs[-1].decode_tokens_per_s:.1f}), TTFT {swarm_runs[-1].ttft_ms:.0f} ms "
+                    f"(local {local_runs[-1].ttft_ms:.0f}); others' CPU {swarm_runs[-1].others_cpu_pct:.0f}% "
+                    f"(local {local_runs[-1].others_cpu_pct:.0f}%)",
+                    flush=True,
+                )
         finally:
             model.shutdown()
     return ConfigResult(name, servers, swarm_runs, noop_rtt_ms, ConfigResult("local HF", 0, local_runs))
 
 
-def measure_local_alone(local_model: AutoModelForCausalLM, input_ids: torch.Tensor,
-                        args: argparse.Namespace) -> ConfigResult:
+def measure_local_alone(
+    local_model: AutoModelForCausalLM, input_ids: torch.Tensor, args: argparse.Namespace
+) -> ConfigResult:
     runs = []
     for repeat in range(args.repeats):
         runs.append(run_local(local_model, input_ids, args.max_new_tokens))
-        print(f"  local: run {repeat + 1}/{args.repeats}: {runs[-1].decode_tokens_per_s:.1f} tok/s, "
-              f"TTFT {runs[-1].ttft_ms:.0f} ms; others' CPU {runs[-1].others_cpu_pct:.0f}%", flush=True)
+        print(
+            f"  local: run {repeat + 1}/{args.repeats}: {runs[-1].decode_tokens_per_s:.1f} tok/s, "
+            f"TTFT {runs[-1].ttft_ms:.0f} ms; others' CPU {runs[-1].others_cpu_pct:.0f}%",
+            flush=True,
+        )
     return ConfigResult("local HF", 0, runs)
 
 
@@ -293,20 +332,32 @@ def print_header(source: ModelSource, args: argparse.Namespace) -> None:
     load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
     print(f"# chainswarm overhead benchmark, {datetime.datetime.now().isoformat(timespec='seconds')}")
     print(f"model: {DEFAULT_MODEL} ({source.num_blocks} blocks, hidden {source.config.hidden_size}), float32, CPU")
-    print(f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
-          f"cpu_count={os.cpu_count()}, torch {torch.__version__}, torch.get_num_threads()={torch.get_num_threads()}")
+    print(
+        f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
+        f"cpu_count={os.cpu_count()}, torch {torch.__version__}, torch.get_num_threads()={torch.get_num_threads()}"
+    )
     print(f"python: {platform.python_version()}; loadavg at start (1, 5, 15 min): {load}")
-    print(f"prompt {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens (greedy), "
-          f"median of {args.repeats} repeats after one warm-up generate; each swarm run is paired with a local run "
-          f"just before it, and its ratio is against those paired local runs")
+    print(
+        f"prompt {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens (greedy), "
+        f"median of {args.repeats} repeats after one warm-up generate; each swarm run is paired with a local run "
+        f"just before it, and its ratio is against those paired local runs"
+    )
     print(flush=True)
 
 
 def print_table(local: ConfigResult, results: list[ConfigResult]) -> None:
-    header = ["config", "servers", "TTFT ms", "decode tok/s", "ratio vs local", "per-hop RTT ms",
-              "per-hop compute ms", "per-hop overhead ms", "tokens match"]
-    rows = [[local.name, "-", f"{local.ttft_ms:.0f}", f"{local.decode_tokens_per_s:.1f}", "1.00", "-", "-", "-",
-             "-"]]
+    header = [
+        "config",
+        "servers",
+        "TTFT ms",
+        "decode tok/s",
+        "ratio vs local",
+        "per-hop RTT ms",
+        "per-hop compute ms",
+        "per-hop overhead ms",
+        "tokens match",
+    ]
+    rows = [[local.name, "-", f"{local.ttft_ms:.0f}", f"{local.decode_tokens_per_s:.1f}", "1.00", "-", "-", "-", "-"]]
     local_tokens = local.runs[0].tokens
     for result in results:
         if result.error is not None:
@@ -316,9 +367,19 @@ def print_table(local: ConfigResult, results: list[ConfigResult]) -> None:
         rtt = statistics.mean(h[1] for h in hops)
         compute = statistics.mean(h[2] for h in hops)
         match = all(run.tokens == local_tokens for run in result.runs)
-        rows.append([result.name, str(result.servers), f"{result.ttft_ms:.0f}", f"{result.decode_tokens_per_s:.1f}",
-                     f"{result.ratio_vs_local:.2f}", f"{rtt:.1f}", f"{compute:.1f}", f"{rtt - compute:.1f}",
-                     "yes" if match else "NO"])
+        rows.append(
+            [
+                result.name,
+                str(result.servers),
+                f"{result.ttft_ms:.0f}",
+                f"{result.decode_tokens_per_s:.1f}",
+                f"{result.ratio_vs_local:.2f}",
+                f"{rtt:.1f}",
+                f"{compute:.1f}",
+                f"{rtt - compute:.1f}",
+                "yes" if match else "NO",
+            ]
+        )
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
@@ -336,14 +397,24 @@ def print_breakdown(results: list[ConfigResult]) -> None:
             continue
         step_ms = 1000 / result.median_run().decode_tokens_per_s
         hops = result.hops()
-        sum_rtt = sum(h[1] for h in hops)
-        local_ms = 1000 / result.paired_local.decode_tokens_per_s if result.paired_local else float("nan")
-        print(f"  {result.name}: {step_ms:.1f} = hops {sum_rtt:.1f} + client (embed, head, generate, loop) "
-              f"{step_ms - sum_rtt:.1f}; local alongside (median) {local_ms:.1f}; "
-              f"session open {result.open_ms:.0f} ms (not in TTFT); others' CPU up to {result.others_cpu_max_pct:.0f}%")
+        sum_rtt, sum_compute = sum(h[1] for h in hops), sum(h[2] for h in hops)
+        print(
+            f"  {result.name}: {step_ms:.1f} = servers' compute {sum_compute:.1f} + hop overhead "
+            f"{sum_rtt - sum_compute:.1f} + client (embed, head, generate, loop) {step_ms - sum_rtt:.1f}; "
+            f"session open {result.open_ms:.0f} ms (not in TTFT); others' CPU up to {result.others_cpu_max_pct:.0f}%"
+        )
+        if result.paired_local is not None:
+            local_run = result.paired_local.median_run()
+            local_ms = 1000 / local_run.decode_tokens_per_s
+            print(
+                f"    local alongside, median run: {local_ms:.1f} = blocks {local_run.body_ms:.1f} "
+                f"+ head, generate {local_ms - local_run.body_ms:.1f}"
+            )
         for ((start, end), rtt, compute), noop in zip(hops, result.noop_rtt_ms, strict=False):
-            print(f"    blocks {start}:{end}: rtt {rtt:.1f} = compute {compute:.1f} + overhead {rtt - compute:.1f}; "
-                  f"no-op `info` rtt {noop:.1f}")
+            print(
+                f"    blocks {start}:{end}: rtt {rtt:.1f} = compute {compute:.1f} + overhead {rtt - compute:.1f}; "
+                f"no-op `info` rtt {noop:.1f}"
+            )
 
 
 def print_verdict(results: list[ConfigResult]) -> None:
@@ -356,10 +427,13 @@ def print_verdict(results: list[ConfigResult]) -> None:
     ratio = target.ratio_vs_local
     status = "PASS" if ratio >= TARGET_RATIO else "FAIL"
     busy = target.others_cpu_max_pct
-    caveat = "" if busy <= BUSY_MACHINE_PCT else (
-        f"; UNRELIABLE: other processes used up to {busy:.0f}% of the CPUs during these runs, rerun on a quiet machine")
-    print(f"verdict: {status}: {goal}: measured {ratio:.2f}x "
-          f"({target.decode_tokens_per_s:.1f} vs {target.decode_tokens_per_s / ratio:.1f} tok/s paired local){caveat}")
+    caveat = ""
+    if busy > BUSY_MACHINE_PCT:
+        caveat = f"; UNRELIABLE: other processes used up to {busy:.0f}% of the CPUs meanwhile, rerun on a quiet machine"
+    print(
+        f"verdict: {status}: {goal}: measured {ratio:.2f}x "
+        f"({target.decode_tokens_per_s:.1f} vs {target.decode_tokens_per_s / ratio:.1f} tok/s paired local){caveat}"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
