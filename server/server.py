@@ -223,11 +223,9 @@ class SwarmServer:
             raise ServerBusy(f"session {session.session_id!r} is already running a step")
         self._inflight_steps += 1
         try:
-            started = time.perf_counter()
-            output = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.blocks.forward, hidden, session.caches, session.position
+            output, compute_ms = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self._timed_forward, hidden, session
             )
-            compute_ms = (time.perf_counter() - started) * 1000
         finally:
             session.lock.release()
             self._inflight_steps -= 1
@@ -240,6 +238,12 @@ class SwarmServer:
             self.block_compute_ms = 0.9 * self.block_compute_ms + 0.1 * sample_ms
         session.last_active_s = time.monotonic()
         return self._step_reply(session, output, compression, compute_ms=compute_ms)
+
+    def _timed_forward(self, hidden: torch.Tensor, session: Session) -> tuple[torch.Tensor, float]:
+        """Gives the blocks' output and their compute time in ms, timed on the compute thread itself."""
+        started = time.perf_counter()
+        output = self.blocks.forward(hidden, session.caches, session.position)
+        return output, (time.perf_counter() - started) * 1000
 
     def _decode_hidden(self, payload: dict[str, Any], session: Session) -> torch.Tensor:
         if "hidden" not in payload:
