@@ -12,12 +12,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -69,25 +66,6 @@ def start_swarm(swarm: SwarmProcesses) -> None:
     ]
     for server in servers:
         swarm.wait_ready(server)
-
-
-def stop_gracefully(swarm: SwarmProcesses, timeout_s: float = 20.0) -> None:
-    """Lets the servers, then the DHT bootstrap, drain and exit; `SwarmProcesses.close()` kills any straggler.
-
-    Only each process itself gets SIGTERM: `close()` signals the whole process group, which also stops the
-    process's DHT child and p2pd daemon before the server could announce that it is draining (it then hangs
-    until it is killed).
-    """
-    servers = [proc for proc in swarm.procs if proc.name != "dht"]
-    bootstrap = [proc for proc in swarm.procs if proc.name == "dht"]
-    for group in (servers, bootstrap):
-        for proc in group:
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for proc in group:
-            with suppress(subprocess.TimeoutExpired):
-                proc.popen.wait(max(0.1, deadline - time.monotonic()))
 
 
 def timing_table(timings: list[SpanTimings], prefill: dict[str, SpanTimings]) -> str:
@@ -173,7 +151,6 @@ def run(args: argparse.Namespace, log_dir: Path) -> None:
                 model.shutdown()
         finally:
             print("\nShutting down the swarm ...", flush=True)
-            stop_gracefully(swarm)
 
 
 def main(argv: list[str] | None = None) -> int:

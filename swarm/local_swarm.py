@@ -105,18 +105,22 @@ class SwarmProcesses:
             pass
 
     def close(self) -> None:
-        """Stops every process: SIGTERM to each (a clean shutdown), then SIGKILL to what is left of its group."""
-        for proc in self.procs:
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for proc in self.procs:
-            try:
-                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            self.kill(proc, signal.SIGKILL)  # also reaps a group's leftover p2pd children
-            proc.popen.wait(timeout=10)
+        """Stops every process: servers first, then the bootstrap, each with SIGTERM to its own process (a clean
+        drain), then SIGKILL to whatever is left of its group (p2pd daemons included)."""
+        servers = [proc for proc in self.procs if proc.name != "dht"]
+        bootstraps = [proc for proc in self.procs if proc.name == "dht"]
+        for group in (servers, bootstraps):
+            for proc in group:
+                if proc.popen.poll() is None:
+                    proc.popen.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            for proc in group:
+                try:
+                    proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                self.kill(proc, signal.SIGKILL)
+                proc.popen.wait(timeout=10)
 
     def __enter__(self) -> SwarmProcesses:
         return self
