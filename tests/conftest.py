@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from swarm.local_swarm import SwarmProcesses
+from tests.netem_support import remove_session_runs
 from tests.tiny_models import write_tiny_checkpoint
 
 
@@ -28,3 +30,12 @@ def swarm_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwarmPro
         yield swarm
     finally:
         swarm.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def netem_safety_net() -> Iterator[None]:
+    """Removes any emulated network (namespaces, links, processes) a netem test of this session left behind."""
+    yield
+    leftovers = remove_session_runs()
+    if leftovers:
+        warnings.warn(f"netem runs left behind by tests were removed: {', '.join(leftovers)}", stacklevel=1)
