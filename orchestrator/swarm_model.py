@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 
 def per_ms(rate_per_s: float) -> float:
@@ -58,12 +59,14 @@ class SwarmModel:
         if len(set(names)) != len(names):
             raise ValueError("server names must be unique")
 
+    @cached_property
+    def _by_name(self) -> dict[str, ServerSpec]:
+        # frozen, so the index never goes stale; cached_property writes the instance dict, not a field
+        return {server.name: server for server in self.servers}
+
     def server(self, name: str) -> ServerSpec:
-        """Gives the server called `name`."""
-        for server in self.servers:
-            if server.name == name:
-                return server
-        raise KeyError(name)
+        """Gives the server called `name` (KeyError if there is none)."""
+        return self._by_name[name]
 
 
 @dataclass(frozen=True)

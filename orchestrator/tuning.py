@@ -1,0 +1,149 @@
+"""Tuning the required capacity c of GBP-CR: the surrogate (13)-(14) and the paper's bound-based method.
+
+A small c leaves room for more blocks per server (short, fast chains, few cache slots); a large c reserves cache
+(more jobs at once, longer chains). The paper's method (Sec. 3.2.3) runs GBP-CR then GCA for every c, skips the c
+whose chains cannot carry the load (lambda >= nu), and keeps the c with the smallest Theorem 3.7 lower bound.
+
+The search over c is exact but pruned: any chain's service time is at least L x the smallest amortized per-block
+time t~_j(c) of the servers that can host a block, the lower (and upper) bound is at least the fastest chain's
+service time, and t~_j(c) only grows with c. So once L min_j t~_j(c) reaches the best bound found, no larger c
+can win. Placements that repeat across c are allocated once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from orchestrator.allocation import gca, total_rate_per_ms
+from orchestrator.analysis import mean_response_bounds
+from orchestrator.placement import amortized_time_ms, gbp_cr_plan
+from orchestrator.swarm_model import Chain, Placement, SwarmModel
+
+TuningMethod = Literal["lower_bound", "upper_bound", "surrogate"]
+TUNING_METHODS: tuple[TuningMethod, ...] = ("lower_bound", "upper_bound", "surrogate")
+
+
+@dataclass(frozen=True)
+class TunedPlan:
+    """A composed swarm: capacity c, GBP-CR's placement, GCA's chains and JFFC's mean response bounds (ms).
+
+    The bounds are infinite when the chains cannot carry the arrival rate (lambda >= nu).
+    """
+
+    c: int
+    placement: Placement
+    chains: tuple[Chain, ...]
+    lower_ms: float
+    upper_ms: float
+
+    @property
+    def stable(self) -> bool:
+        return math.isfinite(self.lower_ms)
+
+    @property
+    def total_rate_per_ms(self) -> float:
+        """Gives nu = sum_k c_k mu_k of the chains, in jobs per ms."""
+        return total_rate_per_ms(self.chains)
+
+
+def capacity_limit(swarm: SwarmModel) -> int:
+    """Gives c_max = floor((max_j M_j - s_m) / s_c): the most jobs any server could run on one hosted block."""
+    model = swarm.model
+    largest = max((server.memory_gb for server in swarm.servers), default=0.0)
+    return max(0, math.floor((largest - model.block_gb) / model.cache_gb + 1e-9))
+
+
+def _check_inputs(swarm: SwarmModel, arrival_rate_per_ms: float, rho_bar: float) -> int:
+    if not (arrival_rate_per_ms > 0 and math.isfinite(arrival_rate_per_ms)):
+        raise ValueError("the arrival rate must be finite and > 0")
+    if not 0 < rho_bar <= 1:
+        raise ValueError(f"rho_bar must be in (0, 1], got {rho_bar}")
+    limit = capacity_limit(swarm)
+    if limit < 1:
+        raise ValueError("no server has memory for one block plus one cache slot: there is no capacity to tune")
+    return limit
+
+
+def response_bounds_ms(arrival_rate_per_ms: float, chains: tuple[Chain, ...] | list[Chain]) -> tuple[float, float]:
+    """Gives Theorem 3.7's (lower, upper) mean response time in ms, or (inf, inf) if the chains are unstable."""
+    if not chains or arrival_rate_per_ms >= total_rate_per_ms(chains):
+        return math.inf, math.inf
+    rates = [chain.rate_per_ms for chain in chains]
+    capacities = [chain.capacity for chain in chains]
+    return mean_response_bounds(arrival_rate_per_ms, rates, capacities)
+
+
+def plan_for_capacity(swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rho_bar: float) -> TunedPlan:
+    """Gives the plan for a fixed c: GBP-CR's placement, GCA's chains and their bounds."""
+    _check_inputs(swarm, arrival_rate_per_ms, rho_bar)
+    placement = gbp_cr_plan(swarm, capacity, arrival_rate_per_ms, rho_bar).placement
+    chains = tuple(gca(swarm, placement))
+    lower, upper = response_bounds_ms(arrival_rate_per_ms, chains)
+    return TunedPlan(capacity, placement, chains, lower, upper)
+
+
+def surrogate_chains(swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rho_bar: float) -> int | None:
+    """Gives K(c) of (13): how many GBP-CR chains reach rate lambda / (rho_bar c), or None if all servers do not."""
+    plan = gbp_cr_plan(swarm, capacity, arrival_rate_per_ms, rho_bar)
+    return len(plan.chains) if plan.target_met else None
+
+
+def surrogate_objective(swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rho_bar: float) -> float:
+    """Gives c K(c), the number of job servers of (14) (divide by lambda for a time); infinite if infeasible."""
+    chains = surrogate_chains(swarm, capacity, arrival_rate_per_ms, rho_bar)
+    return math.inf if chains is None else float(capacity * chains)
+
+
+def surrogate_capacity(swarm: SwarmModel, arrival_rate_per_ms: float, rho_bar: float) -> int:
+    """Gives c* = argmin_c c K(c) of (14) over 1..c_max (ties: the smallest c); ValueError if no c is feasible."""
+    limit = _check_inputs(swarm, arrival_rate_per_ms, rho_bar)
+    best_c, best_value = 0, math.inf
+    for capacity in range(1, limit + 1):
+        value = surrogate_objective(swarm, capacity, arrival_rate_per_ms, rho_bar)
+        if value < best_value:
+            best_c, best_value = capacity, value
+    if best_c == 0:
+        raise ValueError("no capacity c lets GBP-CR's chains reach lambda / (rho_bar c): too few servers for the load")
+    return best_c
+
+
+def fastest_possible_chain_ms(swarm: SwarmModel, capacity: int) -> float:
+    """Gives L x min_j t~_j(c): no chain over a GBP-CR placement for c can be faster (inf if no server fits)."""
+    fastest = min((amortized_time_ms(server, swarm.model, capacity) for server in swarm.servers), default=math.inf)
+    return swarm.model.blocks * fastest
+
+
+def tune_capacity(
+    swarm: SwarmModel, arrival_rate_per_ms: float, rho_bar: float, *, method: TuningMethod = "lower_bound"
+) -> TunedPlan:
+    """Gives the plan whose c minimizes the chosen objective (ties: the smallest c).
+
+    `lower_bound` (the paper's choice) and `upper_bound` minimize Theorem 3.7's bound over GBP-CR + GCA, skipping
+    c with lambda >= nu; `surrogate` minimizes c K(c). Raises ValueError when no c keeps the swarm stable.
+    """
+    limit = _check_inputs(swarm, arrival_rate_per_ms, rho_bar)
+    if method == "surrogate":
+        return plan_for_capacity(swarm, surrogate_capacity(swarm, arrival_rate_per_ms, rho_bar), arrival_rate_per_ms,
+                                 rho_bar)
+    if method not in TUNING_METHODS:
+        raise ValueError(f"unknown tuning method {method!r}; choose one of {', '.join(TUNING_METHODS)}")
+    best: TunedPlan | None = None
+    best_value = math.inf
+    chains_of: dict[tuple[tuple[str, int, int], ...], tuple[Chain, ...]] = {}
+    for capacity in range(1, limit + 1):
+        if fastest_possible_chain_ms(swarm, capacity) >= best_value:
+            break  # the floor only grows with c: no larger c can beat the best bound
+        placement = gbp_cr_plan(swarm, capacity, arrival_rate_per_ms, rho_bar).placement
+        key = tuple((name, first, count) for name, (first, count) in placement.blocks.items())
+        if key not in chains_of:
+            chains_of[key] = tuple(gca(swarm, placement))
+        chains = chains_of[key]
+        lower, upper = response_bounds_ms(arrival_rate_per_ms, chains)
+        value = lower if method == "lower_bound" else upper
+        if value < best_value:
+            best, best_value = TunedPlan(capacity, placement, chains, lower, upper), value
+    if best is None:
+        raise ValueError("no capacity c gives chains that carry the arrival rate (lambda >= nu for every c)")
+    return best

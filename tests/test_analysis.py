@@ -1,0 +1,109 @@
+"""JFFC response times: Theorem 3.7 bounds, the exact solution (Appendix A.3) and their agreement."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.analysis import exact_mean_response, exact_two_chain_mean_response, mean_response_bounds
+
+
+def test_the_specs_check_values() -> None:
+    lower, upper = mean_response_bounds(1.0, [1.0, 0.3], [2, 3])
+    exact = exact_two_chain_mean_response(1.0, [1.0, 0.3], [2, 3])
+    assert (round(lower, 3), round(exact, 3), round(upper, 3)) == (1.135, 1.456, 2.636)
+
+
+def test_chain_order_does_not_matter() -> None:
+    assert mean_response_bounds(1.0, [0.3, 1.0], [3, 2]) == mean_response_bounds(1.0, [1.0, 0.3], [2, 3])
+    assert exact_two_chain_mean_response(1.0, [0.3, 1.0], [3, 2]) == pytest.approx(1.4555505868213647, rel=1e-12)
+
+
+def closed_form_two_single_chains(arrival: float, mu1: float, mu2: float) -> float:
+    """Gives the mean response time from the spec's closed form for c1 = c2 = 1 (unnormalized, p00 = 1)."""
+    d = 2 * arrival + mu1 + mu2
+    p10 = arrival * (arrival + mu1 + mu2) / (mu1 * d)
+    p01 = arrival**2 / (mu2 * d)
+    p11 = arrival**2 * (arrival + mu2) / (mu1 * mu2 * d)
+    rho = arrival / (mu1 + mu2)
+    normalizer = 1 + p10 + p01 + p11 / (1 - rho)
+    occupancy = p10 + p01 + p11 * (2 / (1 - rho) + rho / (1 - rho) ** 2)
+    return occupancy / normalizer / arrival
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(0.05, 5.0), st.floats(0.05, 5.0), st.floats(0.01, 0.99))
+def test_exact_solver_matches_the_closed_form_for_single_slot_chains(mu1: float, mu2: float, load: float) -> None:
+    fast, slow = max(mu1, mu2), min(mu1, mu2)
+    arrival = load * (fast + slow)
+    expected = closed_form_two_single_chains(arrival, fast, slow)
+    assert exact_two_chain_mean_response(arrival, [fast, slow], [1, 1]) == pytest.approx(expected, rel=1e-9)
+
+
+def erlang_c_mean_response(arrival: float, mu: float, servers: int) -> float:
+    """Gives the M/M/c mean response time (Erlang C), an independent check for a single chain."""
+    offered = arrival / mu
+    rho = offered / servers
+    terms = sum(offered**k / math.factorial(k) for k in range(servers))
+    last = offered**servers / math.factorial(servers) / (1 - rho)
+    wait_probability = last / (terms + last)
+    return 1 / mu + wait_probability / (servers * mu - arrival)
+
+
+@pytest.mark.parametrize(("arrival", "mu", "servers"), [(0.5, 1.0, 1), (2.5, 1.0, 3), (7.9, 0.2, 40)])
+def test_one_chain_is_an_mmc_queue(arrival: float, mu: float, servers: int) -> None:
+    expected = erlang_c_mean_response(arrival, mu, servers)
+    lower, upper = mean_response_bounds(arrival, [mu], [servers])
+    assert lower == pytest.approx(expected, rel=1e-9) and upper == pytest.approx(expected, rel=1e-9)
+    assert exact_mean_response(arrival, [mu], [servers]) == pytest.approx(expected, rel=1e-9)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0.05, 4.0), st.integers(1, 6)), min_size=2, max_size=2),
+    st.floats(0.02, 0.98),
+)
+def test_bounds_bracket_the_exact_two_chain_result(chains: list[tuple[float, int]], load: float) -> None:
+    rates, capacities = [rate for rate, _ in chains], [capacity for _, capacity in chains]
+    arrival = load * sum(rate * capacity for rate, capacity in chains)
+    lower, upper = mean_response_bounds(arrival, rates, capacities)
+    exact = exact_two_chain_mean_response(arrival, rates, capacities)
+    assert lower <= exact * (1 + 1e-9) and exact <= upper * (1 + 1e-9)
+    assert lower >= 1 / max(rates) * (1 - 1e-9)  # nobody is served faster than the fastest chain
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0.05, 4.0), st.integers(1, 4)), min_size=3, max_size=4),
+    st.floats(0.02, 0.98),
+)
+def test_bounds_bracket_the_exact_result_for_more_chains(chains: list[tuple[float, int]], load: float) -> None:
+    rates, capacities = [rate for rate, _ in chains], [capacity for _, capacity in chains]
+    arrival = load * sum(rate * capacity for rate, capacity in chains)
+    lower, upper = mean_response_bounds(arrival, rates, capacities)
+    exact = exact_mean_response(arrival, rates, capacities)
+    assert lower <= exact * (1 + 1e-9) and exact <= upper * (1 + 1e-9)
+
+
+def test_unstable_or_malformed_input_raises() -> None:
+    with pytest.raises(ValueError, match="unstable"):
+        mean_response_bounds(2.9, [1.0, 0.3], [2, 3])
+    with pytest.raises(ValueError, match="unstable"):
+        exact_two_chain_mean_response(3.0, [1.0, 0.3], [2, 3])
+    with pytest.raises(ValueError, match="exactly two"):
+        exact_two_chain_mean_response(0.1, [1.0], [2])
+    with pytest.raises(ValueError, match="capacities"):
+        mean_response_bounds(0.1, [1.0], [0])
+    with pytest.raises(ValueError, match="one rate and one capacity"):
+        mean_response_bounds(0.1, [1.0, 2.0], [1])
+    with pytest.raises(ValueError, match="exceed"):
+        exact_mean_response(0.1, [1.0, 0.5, 0.2], [100, 100, 100])
+
+
+def test_many_slots_and_heavy_load_stay_finite() -> None:
+    # prod lambda / d(i) overflows a float here unless the chain is computed in logarithms
+    lower, upper = mean_response_bounds(4999.0, [1.0, 1e-3], [5000, 100])
+    assert math.isfinite(lower) and math.isfinite(upper) and 1.0 <= lower <= upper

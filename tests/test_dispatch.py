@@ -1,0 +1,82 @@
+"""JFFC (Alg. 3): fastest free chain first, one FIFO queue, no idle capacity while jobs wait."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.dispatch import JFFC
+from orchestrator.swarm_model import Chain
+
+
+def chain(service_time_ms: float, capacity: int) -> Chain:
+    return Chain(("s",), (1,), capacity, service_time_ms)
+
+
+def test_arrivals_fill_the_fastest_chain_first_then_queue_in_fifo_order() -> None:
+    jffc = JFFC([chain(300.0, 1), chain(100.0, 2)])  # chain 1 is the fastest
+    assert [jffc.arrive(job) for job in "abc"] == [1, 1, 0]
+    assert jffc.arrive("d") is None and jffc.arrive("e") is None
+    assert jffc.queue_length == 2 and jffc.jobs_in_service == 3
+    assert jffc.complete(0) == "d"  # the head starts on the chain that freed up, even the slow one
+    assert jffc.busy(0) == 1 and jffc.queue_length == 1
+    assert jffc.complete(1) == "e"
+    assert jffc.complete(1) is None and jffc.busy(1) == 1
+    assert jffc.arrive("f") == 1  # the fast chain has room again
+
+
+def test_equal_rates_go_to_the_lowest_index() -> None:
+    jffc = JFFC([chain(200.0, 1), chain(100.0, 1), chain(100.0, 1)])
+    assert [jffc.arrive(job) for job in range(3)] == [1, 2, 0]
+    assert jffc.complete(2) is None
+    assert jffc.complete(1) is None
+    assert jffc.arrive(3) == 1
+
+
+def test_completing_an_idle_chain_is_an_error_and_zero_capacity_chains_are_never_used() -> None:
+    jffc = JFFC([chain(10.0, 0), chain(50.0, 1)])
+    with pytest.raises(ValueError, match="runs no job"):
+        jffc.complete(1)
+    assert jffc.arrive("a") == 1
+    assert jffc.arrive("b") is None
+    assert jffc.capacity(0) == 0 and jffc.num_chains == 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 5), st.integers(0, 3)), min_size=1, max_size=6),
+    st.lists(st.integers(0, 99), max_size=120),
+)
+def test_no_chain_idles_while_jobs_wait(chain_specs: list[tuple[int, int]], events: list[int]) -> None:
+    """Random arrivals and completions: checked against a direct reading of Alg. 3 after every event."""
+    chains = [chain(float(time), capacity) for time, capacity in chain_specs]
+    jffc = JFFC(chains)
+    running: list[list[int]] = [[] for _ in chains]  # jobs per chain, as the caller tracks them
+    waiting: list[int] = []
+    for job, event in enumerate(events):
+        busy_chains = [index for index, jobs in enumerate(running) if jobs]
+        if event % 3 and busy_chains:  # a completion on some busy chain
+            index = busy_chains[event % len(busy_chains)]
+            running[index].pop(0)
+            started = jffc.complete(index)
+            if waiting:
+                assert started == waiting.pop(0)  # FIFO: the head starts on the freed chain
+                running[index].append(started)
+            else:
+                assert started is None
+        else:
+            free = [index for index, spec in enumerate(chains) if len(running[index]) < spec.capacity]
+            target = jffc.arrive(job)
+            if free:
+                fastest = min(free, key=lambda index: (chains[index].service_time_ms, index))
+                assert target == fastest
+                running[target].append(job)
+            else:
+                assert target is None
+                waiting.append(job)
+        for index, spec in enumerate(chains):
+            assert jffc.busy(index) == len(running[index]) <= spec.capacity
+            if waiting:  # work conservation: nothing free while anyone waits
+                assert jffc.busy(index) == spec.capacity
+        assert jffc.queue_length == len(waiting)
