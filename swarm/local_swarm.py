@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,13 +47,13 @@ class SwarmProcesses:
         self.procs: list[Proc] = []
         self.initial_peers: list[str] = []
 
-    def _spawn(self, name: str, args: list[str]) -> Proc:
+    def _spawn(self, name: str, args: list[str], launcher: Sequence[str] = ()) -> Proc:
         log_path = self.workdir / f"{name}.log"
         # Idle OpenMP threads of one process would spin on the cores another process needs to compute.
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), OMP_WAIT_POLICY="PASSIVE")
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(
-                [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                [*launcher, sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                 start_new_session=True,
             )
         proc = Proc(name, popen, log_path)
@@ -70,20 +71,23 @@ class SwarmProcesses:
             time.sleep(0.2)
         raise AssertionError(f"{proc.name} printed no {prefix!r} within {timeout_s} s:\n{proc.output()[-3000:]}")
 
-    def start_dht(self) -> Proc:
-        """Starts the bootstrap node and remembers its multiaddrs as the swarm's initial peers."""
-        proc = self._spawn("dht", ["-m", "swarm.dht_cli", "--host", "127.0.0.1"])
+    def start_dht(self, *, host: str = "127.0.0.1", launcher: Sequence[str] = ()) -> Proc:
+        """Starts the bootstrap node and remembers its multiaddrs as the swarm's initial peers.
+
+        `launcher` prefixes the command, e.g. `ip netns exec NS` (netem runs each process in its own namespace,
+        listening on that namespace's `host` address)."""
+        proc = self._spawn("dht", ["-m", "swarm.dht_cli", "--host", host], launcher)
         line = self._wait_for_line(proc, "initial_peers:")
         self.initial_peers = line.split()[1:]
         return proc
 
     def start_server(self, model: str | Path, blocks: str, *extra: str, name: str | None = None,
-                     wait: bool = True) -> Proc:
+                     wait: bool = True, host: str = "127.0.0.1", launcher: Sequence[str] = ()) -> Proc:
         """Starts a swarm-server for `blocks` of `model`; with `wait`, returns once it is serving."""
-        args = ["-m", "server.cli", "--model", str(model), "--blocks", blocks, "--host", "127.0.0.1",
+        args = ["-m", "server.cli", "--model", str(model), "--blocks", blocks, "--host", host,
                 "--initial-peers", *self.initial_peers, "--announce-period", str(self.announce_period_s),
                 "--record-ttl", str(self.record_ttl_s), *extra]
-        proc = self._spawn(name or f"server-{blocks.replace(':', '-')}-{len(self.procs)}", args)
+        proc = self._spawn(name or f"server-{blocks.replace(':', '-')}-{len(self.procs)}", args, launcher)
         if wait:
             self.wait_ready(proc)
         return proc

@@ -1,0 +1,110 @@
+"""A swarm across emulated WAN links: DHT, 3 servers and the client each in its own namespace, RTTs derived from
+RIPE Atlas; greedy tokens equal the local model's and every decode step takes at least what the delays imply.
+
+Only physical lower bounds are asserted, never a speed. A decode step must cross the chain:
+- client calls each server in turn (round trip per span): step >= sum_k RTT(client, s_k);
+- servers push to the next server: step >= (RTT(c, s1) + RTT(s1, s2) + RTT(s2, s3) + RTT(s3, c)) / 2.
+The weaker of the two holds in both designs; it is asserted, both are printed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from netem import ripe
+from netem.network import EmulatedNetwork
+from netem.probe import measure_rtts
+from netem.topology import Topology
+from swarm.local_swarm import SwarmProcesses
+from tests.netem_support import next_run_id, skip_reason
+
+RIPE_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "ripe_atlas_eu_rtt.csv"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(skip_reason() is not None, reason=f"netem cannot run here: {skip_reason()}"),
+    pytest.mark.skipif(not RIPE_DATA.is_file(), reason=f"RIPE Atlas data missing at {RIPE_DATA}"),
+]
+HOSTS = ["dht", "s0", "s1", "s2", "client"]
+SERVERS = {"s0": "0:3", "s1": "3:6", "s2": "6:8"}
+NEW_TOKENS = 8
+CLIENT_TIMEOUT_S = 180.0
+CLOCK_SLACK_MS = 0.05  # the client's timestamps and the fabric's deadlines come from the same clock; rounding only
+
+
+def decode_bounds_ms(topology: Topology, chain: list[str]) -> tuple[float, float]:
+    """Gives the least time a decode step can take through `chain`: (round trip per span, server push)."""
+    per_span = sum(topology.rtt("client", server) for server in chain)
+    path = ["client", *chain, "client"]
+    push = sum(topology.rtt(a, b) for a, b in itertools.pairwise(path)) / 2
+    return per_span, push
+
+
+@pytest.fixture(scope="module")
+def wan_swarm(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Iterator[tuple]:
+    topology = ripe.from_ripe_atlas(len(HOSTS), seed=3, path=RIPE_DATA, hosts=HOSTS)
+    workdir = tmp_path_factory.mktemp("netem-swarm")
+    # Exits in reverse: the client, then the swarm drains over the still-running network, then the network goes.
+    with EmulatedNetwork(topology, run_id=next_run_id()) as network, SwarmProcesses(workdir) as swarm:
+        swarm.start_dht(host=network.address("dht"), launcher=network.command("dht", []))
+        procs = {
+            host: swarm.start_server(tiny_llama, blocks, wait=False, name=host, host=network.address(host),
+                                     launcher=network.command(host, []))
+            for host, blocks in SERVERS.items()
+        }
+        for proc in procs.values():
+            swarm.wait_ready(proc)
+        client = network.spawn(
+            "client", [sys.executable, "-m", "tests.netem_client", "--model", str(tiny_llama), "--initial-peers",
+                       *swarm.initial_peers], name="client", log_dir=workdir, interactive=True,
+            env={"OMP_WAIT_POLICY": "PASSIVE"},
+        )
+        try:
+            ready = client.read_line(CLIENT_TIMEOUT_S)
+            assert ready == '{"ready": true}', ready
+            hosts_by_peer = {proc.peer_id: host for host, proc in procs.items()}
+            yield network, client, hosts_by_peer
+        finally:
+            client.stop()
+
+
+def test_measured_rtts_match_the_ripe_derived_matrix(wan_swarm: tuple) -> None:
+    network, _, _ = wan_swarm
+    measurement = measure_rtts(network, proto="udp", count=10)
+    print(f"RTTs {network.topology.source}\n{measurement.table()}")
+    assert measurement.failures() == []
+
+
+@pytest.mark.parametrize("rtt_scale", [1.0, 3.0])
+def test_generate_across_namespaces_matches_local_and_pays_the_path_rtts(
+    wan_swarm: tuple, tiny_llama: Path, rtt_scale: float
+) -> None:
+    network, client, hosts_by_peer = wan_swarm
+    base = ripe.from_ripe_atlas(len(HOSTS), seed=3, path=RIPE_DATA, hosts=HOSTS)
+    topology = base.scaled(rtt_scale)
+    network.set_topology(topology)
+    input_ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(int(rtt_scale)))
+    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    expected = local.generate(input_ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+    reply = client.request({"op": "generate", "input_ids": input_ids.tolist(), "max_new_tokens": NEW_TOKENS},
+                           CLIENT_TIMEOUT_S)
+    assert "error" not in reply, reply["error"]
+    assert reply["tokens"] == expected.tolist()
+
+    chain = [hosts_by_peer[peer] for peer in reply["route"]]
+    assert chain == ["s0", "s1", "s2"]
+    per_span_ms, push_ms = decode_bounds_ms(topology, chain)
+    steps = sorted(reply["step_ms"])
+    print(
+        f"RTTs x{rtt_scale:g}: decode step min {steps[0]:.1f} / median {steps[len(steps) // 2]:.1f} ms; lower bounds: "
+        f"round trip per span {per_span_ms:.1f} ms, server push {push_ms:.1f} ms; prefill {reply['prefill_ms']:.1f} ms"
+    )
+    assert len(steps) == NEW_TOKENS - 1
+    assert steps[0] >= min(per_span_ms, push_ms) - CLOCK_SLACK_MS
