@@ -16,8 +16,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy.sparse import coo_matrix
-from scipy.sparse.linalg import spsolve
 
 # beyond this many occupancy states the exact sparse solve takes more than a few seconds (fill-in grows fast with K)
 MAX_EXACT_STATES_TWO_CHAINS = 60_000
@@ -90,6 +88,9 @@ def exact_mean_response(
     arrival_rate: float, rates: Sequence[float], capacities: Sequence[int], *, max_states: int | None = None
 ) -> float:
     """Gives JFFC's exact mean response time for any number of chains, with prod (c_k + 1) <= max_states states."""
+    from scipy.sparse import coo_matrix  # imported here: scipy takes a second to load and only this needs it
+    from scipy.sparse.linalg import spsolve
+
     sorted_rates, sorted_capacities = _checked(arrival_rate, rates, capacities)
     num_states = math.prod(capacity + 1 for capacity in sorted_capacities)
     if max_states is None:

@@ -1,0 +1,116 @@
+"""Tuning c: the surrogate c K(c) of (13)-(14), and the paper's choice by Theorem 3.7's bound over GBP-CR + GCA."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.swarm_model import ModelSpec, ServerSpec, SwarmModel
+from orchestrator.tuning import (
+    TunedPlan,
+    capacity_limit,
+    fastest_possible_chain_ms,
+    plan_for_capacity,
+    surrogate_capacity,
+    surrogate_chains,
+    surrogate_objective,
+    tune_capacity,
+)
+from tests.test_allocation import paper_like_swarm
+
+
+def one_server_swarm() -> SwarmModel:
+    """L = 2, s_m = s_c = 1 GB; 10 GB and 10 ms per block: m(c) = 2 for c <= 4 (one 20 ms chain), then 1."""
+    return SwarmModel(ModelSpec(2, 1.0, 1.0), (ServerSpec("x", 10.0, 0.0, 10.0),))
+
+
+def test_surrogate_by_hand() -> None:
+    swarm = one_server_swarm()
+    assert capacity_limit(swarm) == 9
+    # the chain's rate 1/20 per ms must reach lambda / (rho_bar c) = 0.1 / c: c >= 2, and c <= 4 to hold 2 blocks
+    assert [surrogate_chains(swarm, c, 0.1, 1.0) for c in range(1, 7)] == [None, 1, 1, 1, None, None]
+    assert surrogate_objective(swarm, 3, 0.1, 1.0) == 3.0
+    assert surrogate_objective(swarm, 1, 0.1, 1.0) == math.inf
+    assert surrogate_capacity(swarm, 0.1, 1.0) == 2
+    plan = tune_capacity(swarm, 0.1, 1.0, method="surrogate")
+    assert plan.c == 2 and plan.placement.blocks == {"x": (1, 2)}
+    assert [(chain.servers, chain.capacity, chain.service_time_ms) for chain in plan.chains] == [(("x",), 4, 20.0)]
+    with pytest.raises(ValueError, match="too few servers"):
+        surrogate_capacity(swarm, 1.0, 1.0)
+
+
+def test_lower_bound_tuning_by_hand() -> None:
+    # c = 1..4 all give the same 20 ms chain with (10 - 2) // 2 = 4 slots: an M/M/4 queue, so the bounds tie and
+    # the smallest c wins; c >= 5 cannot hold both blocks, so there is no chain at all
+    swarm = one_server_swarm()
+    plan = tune_capacity(swarm, 0.1, 1.0)
+    assert plan.c == 1 and plan.stable
+    assert plan.lower_ms == pytest.approx(plan.upper_ms) and plan.lower_ms >= 20.0
+    assert not plan_for_capacity(swarm, 6, 0.1, 1.0).stable
+    with pytest.raises(ValueError, match="lambda >= nu"):
+        tune_capacity(swarm, 0.25, 1.0)  # 4 jobs x 1/20 per ms = 0.2 per ms < 0.25
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.c = 3  # type: ignore[misc]
+
+
+def exhaustive(swarm: SwarmModel, arrival_rate: float, rho_bar: float, method: str) -> TunedPlan | None:
+    """Gives the plan an unpruned search over every c picks (ties: the smallest c)."""
+    best: TunedPlan | None = None
+    for capacity in range(1, capacity_limit(swarm) + 1):
+        plan = plan_for_capacity(swarm, capacity, arrival_rate, rho_bar)
+        value = plan.lower_ms if method == "lower_bound" else plan.upper_ms
+        if plan.stable and (best is None or value < (best.lower_ms if method == "lower_bound" else best.upper_ms)):
+            best = plan
+    return best
+
+
+@st.composite
+def small_swarms(draw: st.DrawFn) -> SwarmModel:
+    model = ModelSpec(draw(st.integers(2, 10)), 1.0, draw(st.sampled_from([0.25, 0.5, 1.0])))
+    servers = tuple(
+        ServerSpec(f"s{index}", float(draw(st.integers(2, 12))), float(draw(st.integers(0, 30))),
+                   float(draw(st.integers(1, 30))))
+        for index in range(draw(st.integers(1, 6)))
+    )
+    return SwarmModel(model, servers)
+
+
+def scaled_rate(swarm: SwarmModel, load: float) -> float:
+    """Gives load / (the fastest chain's time at c = 1), so instances need one job at a time, or several."""
+    chains = plan_for_capacity(swarm, 1, 1e-9, 1.0).chains
+    return load / chains[0].service_time_ms if chains else load
+
+
+@settings(max_examples=60, deadline=None)
+@given(small_swarms(), st.floats(0.05, 6.0), st.floats(0.3, 1.0), st.sampled_from(["lower_bound", "upper_bound"]))
+def test_pruned_tuning_equals_the_exhaustive_search(
+    swarm: SwarmModel, load: float, rho_bar: float, method: str
+) -> None:
+    arrival_rate = scaled_rate(swarm, load)
+    expected = exhaustive(swarm, arrival_rate, rho_bar, method)
+    if expected is None:
+        with pytest.raises(ValueError):
+            tune_capacity(swarm, arrival_rate, rho_bar, method=method)  # type: ignore[arg-type]
+        return
+    assert tune_capacity(swarm, arrival_rate, rho_bar, method=method) == expected  # type: ignore[arg-type]
+
+
+@settings(max_examples=40, deadline=None)
+@given(small_swarms(), st.integers(1, 12))
+def test_no_chain_beats_the_pruning_floor(swarm: SwarmModel, capacity: int) -> None:
+    plan = plan_for_capacity(swarm, capacity, 0.01, 1.0)
+    floor = fastest_possible_chain_ms(swarm, capacity)
+    assert all(chain.service_time_ms >= floor * (1 - 1e-12) for chain in plan.chains)
+
+
+def test_paper_setting_picks_a_stable_plan_whose_bounds_order() -> None:
+    swarm = paper_like_swarm(20, seed=1)
+    rate = 0.2 / 1000.0  # 0.2 jobs/s, the paper's default
+    plan = tune_capacity(swarm, rate, 0.7)
+    assert plan.stable and plan.total_rate_per_ms > rate
+    assert plan.chains[0].service_time_ms <= plan.lower_ms <= plan.upper_ms
+    assert plan == exhaustive(swarm, rate, 0.7, "lower_bound")
