@@ -20,6 +20,7 @@ from typing import Any
 
 from orchestrator.allocation import slot_use
 from orchestrator.analysis import exact_mean_response, mean_response_bounds
+from orchestrator.sim import cli as sim_cli
 from orchestrator.spec import SwarmSpecError, load_swarm_spec
 from orchestrator.tuning import TUNING_METHODS, TunedPlan, plan_for_capacity, tune_capacity
 
@@ -180,6 +181,7 @@ def register_analyze(subparsers: Any) -> None:
 SUBCOMMANDS: list[Registrar] = [
     register_compose,
     register_analyze,
+    sim_cli.register,  # run, fig3 ... fig8
 ]
 
 

@@ -1,0 +1,157 @@
+"""Per-request routing over servers with cache slots: the shared part of PETALS, BPRR and Helix-style.
+
+A path policy picks a server path for each arriving request (its own rule) and then the request waits until every
+server on the path has the m_ij cache slots it needs. Waiting is FIFO per server, as a Petals server allocates
+cache in arrival order: a waiting request keeps its place in line at every server of its path, so a later request
+that shares a server cannot overtake it. Paths only move forward in blocks (servers ordered by last block), so
+requests that hold nothing while they wait cannot deadlock. A path is never chosen through a server whose total
+slots are fewer than the path needs there, so every request eventually starts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from orchestrator.sim.policy import NoFeasiblePlan, Route, Start, path_service_time_ms, server_slots
+from orchestrator.swarm_model import Placement, SwarmModel
+
+# cost of entering server j processing `count` blocks there; math.inf forbids the link
+LinkCost = Callable[[str, int], float]
+
+
+@dataclass(frozen=True)
+class Hop:
+    """A server that may follow `previous` (None: the dummy start server) and the blocks it then processes."""
+
+    previous: str | None
+    blocks: int
+
+
+class PlacementGraph:
+    """The routing DAG of a placement: who may follow whom, with shortest paths by dynamic programming.
+
+    Servers are processed in order of their last block, which strictly increases along every link, so one pass
+    over that order finds the shortest path for any non-negative link cost in O(links).
+    """
+
+    def __init__(self, swarm: SwarmModel, placement: Placement) -> None:
+        self.swarm = swarm
+        self.placement = placement
+        self.blocks = swarm.model.blocks
+        hosts = placement.hosting()
+        self.last_block = {name: placement.first_block(name) + placement.num_blocks(name) - 1 for name in hosts}
+        self.order = sorted(hosts, key=lambda name: (self.last_block[name], name))
+        self.hops: dict[str, list[Hop]] = {}
+        for name in self.order:
+            first, last = placement.first_block(name), self.last_block[name]
+            hops = [Hop(None, last)] if first == 1 else []
+            for previous in self.order:
+                previous_last = self.last_block[previous]
+                if first <= previous_last + 1 <= last:
+                    hops.append(Hop(previous, last - previous_last))
+            self.hops[name] = hops
+        self.exits = [name for name in self.order if self.last_block[name] == self.blocks]
+
+    def shortest_path(self, cost: LinkCost) -> tuple[tuple[str, ...], float] | None:
+        """Gives the cheapest path from block 1 to block L and its cost, or None if no finite path exists."""
+        distance: dict[str, float] = {}
+        parent: dict[str, str | None] = {}
+        for name in self.order:
+            best, best_parent = math.inf, None
+            for hop in self.hops[name]:
+                base = 0.0 if hop.previous is None else distance.get(hop.previous, math.inf)
+                if base == math.inf:
+                    continue
+                total = base + cost(name, hop.blocks)
+                if total < best:
+                    best, best_parent = total, hop.previous
+            if best < math.inf:
+                distance[name], parent[name] = best, best_parent
+        reachable = [name for name in self.exits if name in distance]
+        if not reachable:
+            return None
+        end = min(reachable, key=lambda name: (distance[name], self.order.index(name)))
+        path = [end]
+        while parent[path[-1]] is not None:
+            path.append(parent[path[-1]])  # type: ignore[arg-type]
+        return tuple(reversed(path)), distance[end]
+
+    def route(self, servers: tuple[str, ...]) -> Route:
+        """Gives the route along `servers`: blocks per hop and the mean service time."""
+        counts, last = [], 0
+        for name in servers:
+            counts.append(self.last_block[name] - last)
+            last = self.last_block[name]
+        return Route(servers, tuple(counts), path_service_time_ms(self.swarm, servers, counts))
+
+
+class PathPolicy:
+    """Base of per-request routing policies: FIFO-per-server waiting for cache slots, and slot bookkeeping."""
+
+    name = "path"
+
+    def __init__(self, swarm: SwarmModel, placement: Placement) -> None:
+        self.swarm = swarm
+        self.placement = placement
+        self.chains: tuple = ()
+        self.graph = PlacementGraph(swarm, placement)
+        self.slots_total = server_slots(swarm, placement)
+        self.slots_free = dict(self.slots_total)
+        self._waiting: list[tuple[int, Route]] = []
+        self._running: dict[int, Route] = {}
+        probe = self.graph.shortest_path(self.base_cost)
+        if probe is None:
+            raise NoFeasiblePlan("the placement leaves no path through blocks 1..L with enough cache slots")
+
+    def base_cost(self, name: str, count: int) -> float:
+        """Gives the link cost with no load: tau_c[j] + tau_p[j] * m_ij, or inf where j can never hold the job."""
+        if count > self.slots_total[name]:
+            return math.inf
+        server = self.swarm.server(name)
+        return server.tau_c_ms + server.tau_p_ms * count
+
+    def choose(self, job: int, now_ms: float) -> Route:
+        """Gives the route for a new request; subclasses implement their routing rule."""
+        raise NotImplementedError
+
+    def started(self, job: int, route: Route, now_ms: float) -> None:
+        """Hook: `job` took its slots at `now_ms`."""
+
+    def finished(self, job: int, route: Route, now_ms: float) -> None:
+        """Hook: `job` released its slots at `now_ms`."""
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def arrive(self, job: int, now_ms: float) -> list[Start]:
+        self._waiting.append((job, self.choose(job, now_ms)))
+        return self._drain(now_ms)
+
+    def complete(self, job: int, now_ms: float) -> list[Start]:
+        route = self._running.pop(job)
+        for name, count in zip(route.servers, route.blocks_per_server, strict=True):
+            self.slots_free[name] += count
+        self.finished(job, route, now_ms)
+        return self._drain(now_ms)
+
+    def _drain(self, now_ms: float) -> list[Start]:
+        """Starts waiting requests in arrival order; one that cannot start holds its place at its servers."""
+        starts: list[Start] = []
+        blocked: set[str] = set()
+        still_waiting: list[tuple[int, Route]] = []
+        for job, route in self._waiting:
+            pairs = list(zip(route.servers, route.blocks_per_server, strict=True))
+            if any(name in blocked for name, _ in pairs) or any(self.slots_free[n] < c for n, c in pairs):
+                blocked.update(route.servers)
+                still_waiting.append((job, route))
+                continue
+            for name, count in pairs:
+                self.slots_free[name] -= count
+            self._running[job] = route
+            self.started(job, route, now_ms)
+            starts.append(Start(job, route))
+        self._waiting = still_waiting
+        return starts

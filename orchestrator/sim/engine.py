@@ -1,0 +1,123 @@
+"""The discrete-event engine: drives a `DispatchPolicy` through a workload and times every job.
+
+Events are arrivals (from the workload, in order) and completions (a heap keyed by time, then by start order), so a
+run is a pure function of the policy, the workload and the seed that made them. At equal times completions go
+first: a job that ends at t frees its slots for a job arriving at t. The engine checks every start: the job has
+arrived and not started before, its route covers blocks 1..L in order on the policy's placement, no server holds
+more cache slots than it has, and no fixed chain runs more jobs than its capacity.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+from orchestrator.sim.metrics import RunResult
+from orchestrator.sim.policy import DispatchPolicy, Route, Start, hop_blocks, server_slots
+from orchestrator.sim.workload import Workload
+from orchestrator.swarm_model import SwarmModel
+
+
+class CapacityViolation(AssertionError):
+    """A policy started a job that does not fit: more slots than a server has, or more jobs than a chain holds."""
+
+
+class PolicyError(AssertionError):
+    """A policy broke the protocol: started a job twice or before it arrived, used a bad route, or stalled."""
+
+
+@dataclass
+class _Ledger:
+    """What is running where: slots in use per server and jobs per fixed chain."""
+
+    slots: dict[str, int]
+    used: dict[str, int]
+    chain_jobs: list[int]
+
+
+def simulate(policy: DispatchPolicy, workload: Workload, swarm: SwarmModel, *, warmup_jobs: int = 0) -> RunResult:
+    """Gives the per-job times and utilizations of one run of `policy` on `workload`."""
+    jobs = workload.jobs
+    arrivals, sizes = workload.arrivals_ms, workload.sizes
+    start = np.full(jobs, np.nan)
+    end = np.full(jobs, np.nan)
+    chain_of = np.full(jobs, -1, dtype=np.int64)
+    slots = server_slots(swarm, policy.placement)
+    ledger = _Ledger(slots, dict.fromkeys(slots, 0), [0] * len(policy.chains))
+    slot_ms = dict.fromkeys(slots, 0.0)
+    routes: dict[int, Route] = {}
+    checked_routes: set[tuple[tuple[str, ...], tuple[int, ...]]] = set()
+    completions: list[tuple[float, int, int]] = []
+    order = 0
+
+    def begin(started: list[Start], now: float) -> None:
+        nonlocal order
+        for item in started:
+            job, route = item.job, item.route
+            if not 0 <= job < jobs or job in routes or not np.isnan(start[job]) or arrivals[job] > now:
+                raise PolicyError(f"{policy.name}: job {job} started at {now} ms twice, unknown or before arriving")
+            _check_route(route, policy, swarm, checked_routes)
+            _take(ledger, route, policy)
+            routes[job] = route
+            start[job] = now
+            end[job] = now + sizes[job] * route.service_time_ms
+            chain_of[job] = -1 if route.chain is None else route.chain
+            for name, count in zip(route.servers, route.blocks_per_server, strict=True):
+                slot_ms[name] += count * (end[job] - now)
+            heapq.heappush(completions, (float(end[job]), order, job))
+            order += 1
+
+    next_arrival = 0
+    while next_arrival < jobs or completions:
+        if completions and (next_arrival >= jobs or completions[0][0] <= arrivals[next_arrival]):
+            now, _, job = heapq.heappop(completions)
+            _release(ledger, routes.pop(job))
+            begin(policy.complete(job, now), now)
+        else:
+            now = float(arrivals[next_arrival])
+            begin(policy.arrive(next_arrival, now), now)
+            next_arrival += 1
+    if np.isnan(start).any():
+        stuck = int(np.isnan(start).sum())
+        raise PolicyError(f"{policy.name}: {stuck} jobs never started although every other job finished")
+    return RunResult.from_run(policy, workload, start, end, chain_of, slot_ms, slots, warmup_jobs)
+
+
+def _check_route(route: Route, policy: DispatchPolicy, swarm: SwarmModel, seen: set) -> None:
+    key = (route.servers, route.blocks_per_server)
+    if key in seen:
+        return
+    try:
+        expected = hop_blocks(policy.placement, route.servers, swarm.model.blocks)
+    except ValueError as error:
+        raise PolicyError(f"{policy.name}: invalid route {route.servers}: {error}") from None
+    if expected != route.blocks_per_server:
+        raise PolicyError(f"{policy.name}: route {route.servers} holds {route.blocks_per_server}, not {expected}")
+    if route.chain is not None and not 0 <= route.chain < len(policy.chains):
+        raise PolicyError(f"{policy.name}: route names chain {route.chain} of {len(policy.chains)}")
+    seen.add(key)
+
+
+def _take(ledger: _Ledger, route: Route, policy: DispatchPolicy) -> None:
+    for name, count in zip(route.servers, route.blocks_per_server, strict=True):
+        ledger.used[name] += count
+        if ledger.used[name] > ledger.slots[name]:
+            raise CapacityViolation(
+                f"{policy.name}: server {name} would hold {ledger.used[name]} cache slots; it has {ledger.slots[name]}"
+            )
+    if route.chain is not None:
+        ledger.chain_jobs[route.chain] += 1
+        capacity = policy.chains[route.chain].capacity
+        if ledger.chain_jobs[route.chain] > capacity:
+            raise CapacityViolation(
+                f"{policy.name}: chain {route.chain} would run {capacity + 1} jobs; its capacity is {capacity}"
+            )
+
+
+def _release(ledger: _Ledger, route: Route) -> None:
+    for name, count in zip(route.servers, route.blocks_per_server, strict=True):
+        ledger.used[name] -= count
+    if route.chain is not None:
+        ledger.chain_jobs[route.chain] -= 1

@@ -1,0 +1,82 @@
+"""Every policy `swarm-sim` can run, by name, built for one swarm, arrival rate, rho_bar and seed.
+
+"proposed" is the paper's method with the shipped code: c tuned by the Theorem 3.7 lower bound, GBP-CR, GCA, JFFC.
+"jffc", "jsq", "jiq", "sed", "sa-jsq" dispatch over the same GBP-CR + GCA chains (Fig. 5a); the others are the
+baselines of `orchestrator.baselines`, each with its own placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from orchestrator.baselines.bprr import bprr
+from orchestrator.baselines.helix import helix
+from orchestrator.baselines.jffc import JFFCPolicy, jffc_only
+from orchestrator.baselines.load_balancing import RULES, DedicatedQueues
+from orchestrator.baselines.parallax import parallax
+from orchestrator.baselines.petals import petals
+from orchestrator.sim.policy import DispatchPolicy, NoFeasiblePlan
+from orchestrator.swarm_model import Chain, Placement, SwarmModel
+from orchestrator.tuning import plan_for_capacity, tune_capacity
+
+BASELINES = ("petals", "bprr", "parallax", "helix", "jffc-only")
+LOAD_BALANCERS = ("jffc", *RULES)
+POLICIES = ("proposed", *BASELINES, *LOAD_BALANCERS)
+FIG8_POLICIES = ("petals", "bprr", "parallax", "helix", "jffc-only", "proposed")
+POLICY_STREAM = 33  # the seed stream of a policy's own randomness (PETALS' join order, JSQ ties, ...)
+
+
+@dataclass(frozen=True)
+class Composition:
+    """GBP-CR + GCA for one c: the placement, the chains and the c used (tuned or given)."""
+
+    capacity: int
+    placement: Placement
+    chains: tuple[Chain, ...]
+
+
+@lru_cache(maxsize=256)
+def compose(swarm: SwarmModel, arrival_rate_per_ms: float, rho_bar: float, capacity: int | None = None) -> Composition:
+    """Gives the proposed composition: c tuned by the lower bound unless `capacity` is given, GBP-CR, then GCA."""
+    if capacity is None:
+        try:
+            plan = tune_capacity(swarm, arrival_rate_per_ms, rho_bar, method="lower_bound")
+        except ValueError as error:
+            raise NoFeasiblePlan(f"proposed: {error}") from None
+        return Composition(plan.c, plan.placement, tuple(plan.chains))
+    plan = plan_for_capacity(swarm, capacity, arrival_rate_per_ms, rho_bar)
+    if not plan.chains:
+        raise NoFeasiblePlan(f"proposed: GBP-CR with c = {capacity} leaves no chain through every block")
+    return Composition(capacity, plan.placement, plan.chains)
+
+
+def build_policy(
+    name: str,
+    swarm: SwarmModel,
+    arrival_rate_per_ms: float,
+    rho_bar: float,
+    seed: int,
+    *,
+    capacity: int | None = None,
+) -> DispatchPolicy:
+    """Gives a fresh policy `name` for one run; raises NoFeasiblePlan when it cannot serve this swarm."""
+    rng = np.random.default_rng([seed, POLICY_STREAM])
+    if name == "proposed" or name in LOAD_BALANCERS:
+        plan = compose(swarm, arrival_rate_per_ms, rho_bar, capacity)
+        if name in ("proposed", "jffc"):
+            return JFFCPolicy(plan.chains, plan.placement, name=name)
+        return DedicatedQueues(plan.chains, plan.placement, name, rng)
+    if name == "petals":
+        return petals(swarm, rng)
+    if name == "bprr":
+        return bprr(swarm, arrival_rate_per_ms)
+    if name == "parallax":
+        return parallax(swarm)
+    if name == "helix":
+        return helix(swarm)
+    if name == "jffc-only":
+        return jffc_only(swarm)
+    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

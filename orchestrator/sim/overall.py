@@ -1,0 +1,196 @@
+"""Fig. 8: the overall comparison, mean response time of every policy over J x eta, averaged over seeds.
+
+Every (J, eta, seed) is one random Sec. 4.1 swarm and one Poisson workload; all policies of that seed see the same
+swarm and the same jobs. A policy that cannot serve a swarm at all (e.g. "JFFC only" when no server fits the whole
+model) is reported as infeasible there, not averaged in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from orchestrator.sim.methods import FIG8_POLICIES, compose
+from orchestrator.sim.metrics import summarize
+from orchestrator.sim.policy import NoFeasiblePlan
+from orchestrator.sim.presets import (
+    DEFAULT_RATE_PER_MS,
+    DEFAULT_RHO_BAR,
+    RttMatrix,
+    default_rtt,
+    paper_swarm,
+)
+from orchestrator.sim.report import format_table, seconds
+from orchestrator.sim.runner import map_tasks, run_policy, seeded_poisson
+
+FIG8_SERVERS = (10, 20, 30, 40)
+FIG8_ETAS = (0.1, 0.2, 0.3, 0.4)
+PAPER_REDUCTION = (0.08, 0.83)
+
+
+@lru_cache(maxsize=4)
+def cached_rtt(path: str | None) -> RttMatrix:
+    return default_rtt(path)
+
+
+@dataclass(frozen=True)
+class CellRun:
+    """One (J, eta, seed) of the grid, with every setting a worker needs."""
+
+    servers: int
+    eta: float
+    seed: int
+    policies: tuple[str, ...]
+    jobs: int
+    warmup_jobs: int
+    rate_per_ms: float
+    rho_bar: float
+    rtt_path: str | None
+
+
+def run_cell(task: CellRun) -> dict:
+    """Gives each policy's per-job times (or the reason it cannot run) on one swarm and workload."""
+    instance = paper_swarm(task.servers, task.eta, task.seed, cached_rtt(task.rtt_path))
+    workload = seeded_poisson(task.rate_per_ms, task.jobs, task.seed)
+    out: dict = {"rtt_source": instance.rtt_source, "policies": {}}
+    for name in task.policies:
+        result = run_policy(
+            name, instance.swarm, workload, task.rate_per_ms, task.rho_bar, task.seed, warmup_jobs=task.warmup_jobs
+        )
+        if isinstance(result, NoFeasiblePlan):
+            out["policies"][name] = {"infeasible": str(result)}
+            continue
+        entry = {
+            "response_ms": result.response_ms,
+            "waiting_ms": result.waiting_ms,
+            "service_ms": result.service_ms,
+            "chains": len(result.chain_utilization),
+        }
+        if name == "proposed":
+            entry["c"] = compose(instance.swarm, task.rate_per_ms, task.rho_bar).capacity
+        out["policies"][name] = entry
+    return out
+
+
+def fig8(
+    *,
+    servers: tuple[int, ...] = FIG8_SERVERS,
+    etas: tuple[float, ...] = FIG8_ETAS,
+    seeds: int = 20,
+    first_seed: int = 0,
+    policies: tuple[str, ...] = FIG8_POLICIES,
+    jobs: int = 1000,
+    warmup_jobs: int = 100,
+    rate_per_ms: float = DEFAULT_RATE_PER_MS,
+    rho_bar: float = DEFAULT_RHO_BAR,
+    rtt_path: str | None = None,
+    workers: int = 1,
+    progress: bool = True,
+) -> dict:
+    """Gives the Fig. 8 grid: per cell and policy the mean response (mean over seeds of each run's mean)."""
+    tasks = [
+        CellRun(j, eta, first_seed + s, policies, jobs, warmup_jobs, rate_per_ms, rho_bar, rtt_path)
+        for j in servers
+        for eta in etas
+        for s in range(seeds)
+    ]
+    runs = map_tasks(run_cell, tasks, workers=workers, description="fig8", progress=progress)
+    cells, pooled = [], {name: {"response": [], "waiting": [], "service": [], "means": []} for name in policies}
+    for j in servers:
+        for eta in etas:
+            mine = [run for task, run in zip(tasks, runs, strict=True) if task.servers == j and task.eta == eta]
+            cell = {"servers": j, "eta": eta, "policies": {}}
+            for name in policies:
+                entries = [run["policies"][name] for run in mine]
+                ok = [e for e in entries if "infeasible" not in e]
+                means = [float(np.mean(e["response_ms"])) for e in ok]
+                stats = {
+                    "runs": len(ok),
+                    "infeasible": len(entries) - len(ok),
+                    "mean_response_ms": float(np.mean(means)) if means else math.nan,
+                    "mean_response_per_run_ms": means,
+                    "ci95_ms": 1.96 * float(np.std(means, ddof=1)) / math.sqrt(len(means))
+                    if len(means) > 1
+                    else math.nan,
+                    "mean_waiting_ms": float(np.mean([np.mean(e["waiting_ms"]) for e in ok])) if ok else math.nan,
+                    "mean_service_ms": float(np.mean([np.mean(e["service_ms"]) for e in ok])) if ok else math.nan,
+                }
+                if name == "proposed" and ok:
+                    stats["c"] = [e["c"] for e in ok]
+                if len(ok) < len(entries):
+                    stats["reason"] = next(e["infeasible"] for e in entries if "infeasible" in e)
+                cell["policies"][name] = stats
+                for e in ok:
+                    bucket = pooled[name]
+                    bucket["response"].append(e["response_ms"])
+                    bucket["waiting"].append(e["waiting_ms"])
+                    bucket["service"].append(e["service_ms"])
+                    bucket["means"].append(float(np.mean(e["response_ms"])))
+            petals, proposed = (
+                cell["policies"].get(n, {}).get("mean_response_ms", math.nan) for n in ("petals", "proposed")
+            )
+            cell["reduction_vs_petals"] = 1.0 - proposed / petals if petals and math.isfinite(petals) else math.nan
+            cells.append(cell)
+    overall = {}
+    for name, bucket in pooled.items():
+        if not bucket["response"]:
+            overall[name] = None
+            continue
+        overall[name] = {
+            "runs": len(bucket["means"]),
+            "response_ms": summarize(np.concatenate(bucket["response"])),
+            "waiting_ms": summarize(np.concatenate(bucket["waiting"])),
+            "service_ms": summarize(np.concatenate(bucket["service"])),
+        }
+    return {
+        "figure": 8,
+        "settings": {
+            "servers": list(servers), "etas": list(etas), "seeds": seeds, "first_seed": first_seed, "jobs": jobs,
+            "warmup_jobs": warmup_jobs, "arrival_rate_per_s": rate_per_ms * 1000.0, "rho_bar": rho_bar,
+            "policies": list(policies),
+        },
+        "rtt_source": runs[0]["rtt_source"] if runs else None,
+        "cells": cells,
+        "overall": overall,
+    }
+
+
+def paired_verdicts(cell: dict) -> dict[str, str]:
+    """Gives, per baseline that ran on every seed, "win", "tie" or "loss" of the proposed method.
+
+    Seeds pair the runs (same swarm, same jobs), so the per-seed difference baseline - proposed has a 95% interval;
+    "tie" means the interval contains 0.
+    """
+    policies = cell["policies"]
+    mine = policies.get("proposed", {}).get("mean_response_per_run_ms")
+    verdicts = {}
+    for name, stats in policies.items():
+        theirs = stats.get("mean_response_per_run_ms")
+        if name == "proposed" or not mine or not theirs or len(theirs) != len(mine):
+            continue
+        diff = np.array(theirs) - np.array(mine)
+        half = 1.96 * diff.std(ddof=1) / math.sqrt(diff.size) if diff.size > 1 else 0.0
+        low, high = diff.mean() - half, diff.mean() + half
+        verdicts[name] = "win" if low > 0 else "loss" if high < 0 else "tie"
+    return verdicts
+
+
+def fig8_table(result: dict) -> str:
+    """Gives the grid as a table: mean response (s) per policy per cell, and the reduction vs PETALS."""
+    policies = result["settings"]["policies"]
+    rows = []
+    for cell in result["cells"]:
+        row: list[object] = [cell["servers"], f"{cell['eta']:.1f}"]
+        for name in policies:
+            stats = cell["policies"][name]
+            row.append(seconds(stats["mean_response_ms"]) if stats["runs"] else "infeasible")
+        reduction = cell["reduction_vs_petals"]
+        row.append("-" if not math.isfinite(reduction) else f"{100 * reduction:.0f}%")
+        verdicts = paired_verdicts(cell)
+        others = [f"{v} vs {n}" for n, v in verdicts.items() if v != "win"]
+        row.append("yes" if not others else "; ".join(others))
+        rows.append(row)
+    return format_table(["J", "eta", *policies, "vs PETALS", "proposed best"], rows)

@@ -1,0 +1,186 @@
+"""The simulator: determinism, workloads, presets, the engine's own checks, and agreement with the queueing analysis."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orchestrator.analysis import exact_two_chain_mean_response, mean_response_bounds
+from orchestrator.baselines.jffc import JFFCPolicy
+from orchestrator.cli import main as swarm_sim
+from orchestrator.sim.engine import CapacityViolation, PolicyError, simulate
+from orchestrator.sim.policy import Route, Start
+from orchestrator.sim.presets import (
+    HIGH_PERFORMANCE,
+    INPUT_TOKENS,
+    LOW_PERFORMANCE,
+    OUTPUT_TOKENS,
+    load_ripe_rtt,
+    paper_swarm,
+    per_block_time_ms,
+    synthetic_rtt,
+)
+from orchestrator.sim.workload import Workload, load_azure_trace, poisson_workload, trace_workload
+from orchestrator.swarm_model import Chain, ModelSpec, Placement, ServerSpec, SwarmModel
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+RIPE = DATA / "ripe_atlas_eu_rtt.csv"
+AZURE_CONV = DATA / "azure_llm_inference_2023_conv.csv"
+
+
+def one_block_chains(rates_per_ms: list[float], capacities: list[int]) -> tuple[SwarmModel, Placement, list[Chain]]:
+    """Gives a swarm where chain k is one server hosting the single block, with exactly c_k cache slots."""
+    model = ModelSpec(blocks=1, block_gb=1.0, cache_gb=1.0)
+    servers = tuple(
+        ServerSpec(f"k{k}", 1.0 + capacity, 0.0, 1.0 / rate)
+        for k, (rate, capacity) in enumerate(zip(rates_per_ms, capacities, strict=True))
+    )
+    placement = Placement({server.name: (1, 1) for server in servers})
+    chains = [Chain((s.name,), (1,), c, s.tau_p_ms) for s, c in zip(servers, capacities, strict=True)]
+    return SwarmModel(model, servers), placement, chains
+
+
+def batch_means(values: np.ndarray, batches: int = 20) -> tuple[float, float]:
+    """Gives the mean and a 95% half-width from `batches` consecutive batch means (t quantile for 19 d.o.f.)."""
+    usable = values[: values.size - values.size % batches].reshape(batches, -1).mean(axis=1)
+    return float(usable.mean()), 2.093 * float(usable.std(ddof=1)) / math.sqrt(batches)
+
+
+def test_same_seed_gives_identical_json_and_another_seed_differs(tmp_path):
+    args = ["run", "--jobs", "300", "--no-progress", "--no-plot", "--policy", "proposed,petals,bprr,parallax,helix,jsq"]
+    paths = [tmp_path / name for name in ("a.json", "b.json", "c.json")]
+    assert swarm_sim([*args, "--seed", "3", "--json", str(paths[0])]) == 0
+    assert swarm_sim([*args, "--seed", "3", "--json", str(paths[1])]) == 0
+    assert swarm_sim([*args, "--seed", "4", "--json", str(paths[2])]) == 0
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    assert paths[0].read_bytes() != paths[2].read_bytes()
+
+
+def test_run_reads_a_yaml_swarm_and_reports_an_infeasible_policy(tmp_path, capsys):
+    spec = tmp_path / "swarm.yaml"
+    spec.write_text(
+        "model: {blocks: 8, block_gb: 1.0, cache_gb: 0.1}\n"
+        "servers:\n"
+        + "".join(f"  - {{name: s{i}, memory_gb: {4 + i}, tau_c_ms: 20, tau_p_ms: {50 + 10 * i}}}\n" for i in range(5))
+        + "arrival_rate: 2.0\nrho_bar: 0.7\n"
+    )
+    out = tmp_path / "out.json"
+    code = swarm_sim(["run", "--spec", str(spec), "--jobs", "200", "--no-progress", "--no-plot", "--json", str(out),
+                      "--policy", "proposed,jffc-only,petals"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "no server fits the whole model" in text and "proposed" in text
+    assert '"infeasible"' in out.read_text()
+
+
+def test_engine_rejects_a_policy_that_overfills_a_server():
+    swarm, placement, _ = one_block_chains([1.0], [1])
+
+    class Greedy:  # starts every job at once, ignoring the single slot
+        name, placement, chains = "greedy", None, ()
+
+        def __init__(self, placement):
+            self.placement = placement
+
+        def arrive(self, job, now_ms):
+            return [Start(job, Route(("k0",), (1,), 1.0))]
+
+        def complete(self, job, now_ms):
+            return []
+
+    workload = Workload(np.array([0.0, 0.0]), np.array([1.0, 1.0]), "two at once")
+    with pytest.raises(CapacityViolation):
+        simulate(Greedy(placement), workload, swarm)
+
+
+def test_engine_rejects_a_route_that_skips_blocks():
+    model = ModelSpec(blocks=4, block_gb=1.0, cache_gb=1.0)
+    swarm = SwarmModel(model, (ServerSpec("a", 10.0, 1.0, 1.0), ServerSpec("b", 10.0, 1.0, 1.0)))
+    placement = Placement({"a": (1, 2), "b": (3, 2)})
+
+    class Skipper:
+        name, chains = "skipper", ()
+
+        def __init__(self):
+            self.placement = placement
+
+        def arrive(self, job, now_ms):
+            return [Start(job, Route(("b",), (2,), 3.0))]
+
+        def complete(self, job, now_ms):
+            return []
+
+    with pytest.raises(PolicyError):
+        simulate(Skipper(), Workload(np.array([0.0]), np.array([1.0]), "one"), swarm)
+
+
+@pytest.mark.parametrize("instance", range(6))
+def test_theorem_37_bounds_bracket_simulated_jffc_on_random_instances(instance):
+    rng = np.random.default_rng([2024, instance])
+    chains = int(rng.integers(2, 4))
+    rates = sorted(rng.uniform(0.2, 2.0, size=chains).tolist(), reverse=True)
+    capacities = rng.integers(1, 4, size=chains).tolist()
+    nu = sum(r * c for r, c in zip(rates, capacities, strict=True))
+    arrival = float(rng.uniform(0.3, 0.85)) * nu
+    swarm, placement, chain_list = one_block_chains(rates, capacities)
+    lower, upper = mean_response_bounds(arrival, rates, capacities)
+    workload = poisson_workload(arrival, 40_000, np.random.default_rng([2024, instance, 1]))
+    result = simulate(JFFCPolicy(chain_list, placement), workload, swarm, warmup_jobs=2000)
+    mean, half = batch_means(result.response_ms)
+    margin = 3 * half + 0.01 * mean
+    assert lower - margin <= mean <= upper + margin, (lower, mean, upper, half)
+
+
+def test_exact_two_chain_response_matches_a_long_simulation():
+    rates, capacities, arrival = [1.0, 0.3], [2, 3], 1.0
+    exact = exact_two_chain_mean_response(arrival, rates, capacities)
+    assert exact == pytest.approx(1.456, abs=5e-4)
+    swarm, placement, chains = one_block_chains(rates, capacities)
+    workload = poisson_workload(arrival, 120_000, np.random.default_rng(7))
+    result = simulate(JFFCPolicy(chains, placement), workload, swarm, warmup_jobs=5000)
+    mean, half = batch_means(result.response_ms, batches=30)
+    assert abs(mean - exact) <= 3 * half, (mean, half, exact)
+    assert half < 0.03 * exact  # the run is long enough for the comparison to mean something
+
+
+def test_poisson_workload_has_the_requested_rate_and_unit_sizes():
+    workload = poisson_workload(0.002, 20_000, np.random.default_rng(1))
+    assert workload.rate_per_ms == pytest.approx(0.002, rel=0.03)
+    assert workload.sizes.mean() == pytest.approx(1.0, rel=0.03)
+    assert workload.arrivals_ms[0] == 0.0 and np.all(np.diff(workload.arrivals_ms) >= 0)
+
+
+def test_paper_gpu_types_give_the_papers_per_block_times():
+    assert per_block_time_ms(HIGH_PERFORMANCE, INPUT_TOKENS, OUTPUT_TOKENS) == pytest.approx(109, abs=0.5)
+    assert per_block_time_ms(LOW_PERFORMANCE, INPUT_TOKENS, OUTPUT_TOKENS) == pytest.approx(175, abs=0.5)
+
+
+def test_paper_swarm_has_round_eta_j_fast_servers_and_rtt_based_tau_c():
+    instance = paper_swarm(30, 0.3, seed=5, rtt=synthetic_rtt())
+    fast = [s for s in instance.swarm.servers if s.memory_gb == 40.0]
+    assert len(fast) == 9 and tuple(s.name for s in fast) == instance.high_performance
+    assert all(s.tau_c_ms > 18.0 for s in instance.swarm.servers)
+    assert paper_swarm(30, 0.3, seed=5, rtt=synthetic_rtt()) == instance
+
+
+@pytest.mark.skipif(not RIPE.exists(), reason=f"RIPE Atlas data not found at {RIPE}")
+def test_ripe_rtt_matrix_is_derived_symmetric_and_european_scale():
+    rtt = load_ripe_rtt(RIPE)
+    assert rtt.nodes == 320 and "derived" in rtt.source
+    assert np.allclose(rtt.rtt_ms, rtt.rtt_ms.T) and np.all(np.diag(rtt.rtt_ms) == 0)
+    off = rtt.rtt_ms[~np.eye(rtt.nodes, dtype=bool)]
+    assert 1.0 < np.median(off) < 60.0
+
+
+@pytest.mark.skipif(not AZURE_CONV.exists(), reason=f"Azure trace not found at {AZURE_CONV}")
+def test_azure_trace_replays_scaled_to_a_rate_with_token_derived_sizes():
+    trace = load_azure_trace(AZURE_CONV)
+    assert len(trace) == 19366 and trace.seconds[0] == 0.0 and np.all(np.diff(trace.seconds) >= 0)
+    workload = trace_workload(trace, jobs=5000, rate_per_ms=0.0002, sizes="trace", rng=np.random.default_rng(0))
+    assert workload.rate_per_ms == pytest.approx(0.0002, rel=1e-9)
+    assert workload.jobs == 5000 and np.all(workload.sizes > 0)
+    native = trace_workload(trace, jobs=None, rate_per_ms=None, sizes="trace", rng=np.random.default_rng(0))
+    assert native.sizes.mean() == pytest.approx(1.0) and native.rate_per_ms > 1 / 1000  # several requests per second
