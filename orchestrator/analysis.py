@@ -58,8 +58,8 @@ def _birth_death_mean(arrival_rate: float, death_rates: np.ndarray, total: float
     weights = np.exp(log_weights - shift)
     occupancy = np.arange(jobs + 1, dtype=float)
     # states n >= C form a geometric tail: sum_n q_n = q_C / (1 - rho), sum_n n q_n = q_C (C/(1-rho) + rho/(1-rho)^2)
-    normalizer = math.fsum(weights[:jobs]) + weights[jobs] / (1.0 - rho)
-    mass = math.fsum(occupancy[:jobs] * weights[:jobs]) + weights[jobs] * (jobs / (1 - rho) + rho / (1 - rho) ** 2)
+    normalizer = float(weights[:jobs].sum()) + weights[jobs] / (1.0 - rho)
+    mass = float((occupancy[:jobs] * weights[:jobs]).sum()) + weights[jobs] * (jobs / (1 - rho) + rho / (1 - rho) ** 2)
     return float(mass / normalizer)
 
 

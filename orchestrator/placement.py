@@ -53,6 +53,7 @@ class GreedyPlacement:
     placement: Placement
     chains: tuple[DisjointChain, ...]
     target_met: bool
+    fastest_block_ms: float = math.inf  # min_j t~_j(c) over the servers that can host a block at c
 
     @property
     def total_rate_per_ms(self) -> float:
@@ -60,15 +61,20 @@ class GreedyPlacement:
         return sum(1.0 / chain.service_time_ms for chain in self.chains)
 
 
+def ranked_servers(swarm: SwarmModel, capacity: int) -> list[tuple[float, int, ServerSpec, int]]:
+    """Gives (t~_j(c), index, server, m_j(c)) for the servers that can host a block, by increasing t~ (ties: index)."""
+    ranked = []
+    for index, server in enumerate(swarm.servers):
+        blocks = blocks_for_capacity(server, swarm.model, capacity)
+        if blocks > 0:
+            ranked.append(((server.tau_c_ms + server.tau_p_ms * blocks) / blocks, index, server, blocks))
+    ranked.sort(key=lambda item: (item[0], item[1]))
+    return ranked
+
+
 def greedy_order(swarm: SwarmModel, capacity: int) -> list[ServerSpec]:
     """Gives the servers that can host a block at `capacity`, by increasing amortized time (ties: given order)."""
-    keyed = [
-        (amortized_time_ms(server, swarm.model, capacity), index, server)
-        for index, server in enumerate(swarm.servers)
-        if blocks_for_capacity(server, swarm.model, capacity) > 0
-    ]
-    keyed.sort(key=lambda item: (item[0], item[1]))
-    return [server for _, _, server in keyed]
+    return [server for _, _, server, _ in ranked_servers(swarm, capacity)]
 
 
 def gbp_cr_plan(swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rho_bar: float) -> GreedyPlacement:
@@ -88,8 +94,8 @@ def gbp_cr_plan(swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rh
     next_block, chain_time_ms, chain_servers = 1, 0.0, []
     total_rate = 0.0
     target_met = False
-    for server in greedy_order(swarm, capacity):
-        count = blocks_for_capacity(server, model, capacity)
+    ranked = ranked_servers(swarm, capacity)
+    for _, _, server, count in ranked:
         # the last server of a chain shifts back so that it ends at block L (it overlaps its predecessor)
         first = min(next_block, model.blocks - count + 1)
         blocks[server.name] = (first, count)
@@ -103,7 +109,8 @@ def gbp_cr_plan(swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rh
                 target_met = True
                 break
             next_block, chain_time_ms, chain_servers = 1, 0.0, []
-    return GreedyPlacement(Placement(blocks), tuple(chains), target_met)
+    fastest = ranked[0][0] if ranked else math.inf
+    return GreedyPlacement(Placement(blocks), tuple(chains), target_met, fastest)
 
 
 def gbp_cr(swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rho_bar: float) -> Placement:

@@ -18,7 +18,7 @@ from typing import Literal
 
 from orchestrator.allocation import gca, total_rate_per_ms
 from orchestrator.analysis import mean_response_bounds
-from orchestrator.placement import amortized_time_ms, gbp_cr_plan
+from orchestrator.placement import gbp_cr_plan, ranked_servers
 from orchestrator.swarm_model import Chain, Placement, SwarmModel
 
 TuningMethod = Literal["lower_bound", "upper_bound", "surrogate"]
@@ -111,8 +111,8 @@ def surrogate_capacity(swarm: SwarmModel, arrival_rate_per_ms: float, rho_bar: f
 
 def fastest_possible_chain_ms(swarm: SwarmModel, capacity: int) -> float:
     """Gives L x min_j t~_j(c): no chain over a GBP-CR placement for c can be faster (inf if no server fits)."""
-    fastest = min((amortized_time_ms(server, swarm.model, capacity) for server in swarm.servers), default=math.inf)
-    return swarm.model.blocks * fastest
+    ranked = ranked_servers(swarm, capacity)
+    return swarm.model.blocks * ranked[0][0] if ranked else math.inf
 
 
 def tune_capacity(
@@ -133,9 +133,10 @@ def tune_capacity(
     best_value = math.inf
     chains_of: dict[tuple[tuple[str, int, int], ...], tuple[Chain, ...]] = {}
     for capacity in range(1, limit + 1):
-        if fastest_possible_chain_ms(swarm, capacity) >= best_value:
-            break  # the floor only grows with c: no larger c can beat the best bound
-        placement = gbp_cr_plan(swarm, capacity, arrival_rate_per_ms, rho_bar).placement
+        greedy = gbp_cr_plan(swarm, capacity, arrival_rate_per_ms, rho_bar)
+        if swarm.model.blocks * greedy.fastest_block_ms >= best_value:
+            break  # this floor on any chain's time only grows with c: no larger c can beat the best bound
+        placement = greedy.placement
         key = tuple((name, first, count) for name, (first, count) in placement.blocks.items())
         if key not in chains_of:
             chains_of[key] = tuple(gca(swarm, placement))
