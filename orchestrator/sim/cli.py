@@ -93,7 +93,8 @@ def _finish(args, command: str, payload: dict, plot) -> int:
 
 
 def run_fig3(args) -> int:
-    result = experiments.fig3(_setting(args), seed=args.first_seed, samples=args.samples)
+    result = experiments.fig3(_setting(args), seed=args.first_seed, capacities=tuple(args.capacities),
+                              samples=args.samples)
     for case, rows in result["cases"].items():
         print(f"\nFig. 3 ({case} memory): objective c K(c) / lambda (s), GBP-CR vs {args.samples} random placements")
         table = [[r["c"], seconds(r["gbp_cr_ms"]), seconds(r["random_best_ms"]),
@@ -308,6 +309,10 @@ def register(subparsers: Any) -> None:
         parser.add_argument("--first-seed", type=int, default=0, help="seed of the swarm (fig3, fig4)")
         if command == "fig3":
             parser.add_argument("--samples", type=int, default=500, help="random placements per c (default 500)")
+            parser.add_argument("--capacities", type=_list(int), default=[1, 2, 4, 6, 8, 12, 16], help="c values")
+            parser.set_defaults(arrival_rate=0.5)  # at 0.2/s one chain meets the rate for most c: nothing to compare
+        if command == "fig5":
+            parser.set_defaults(arrival_rate=1.0)  # chains composed for 1/s: several chains of different speeds
         if command in ("fig6", "fig7"):
             parser.add_argument("--max-c", type=int, default=30, help="largest c swept (default 30)")
         if command == "fig8":
