@@ -95,6 +95,9 @@ class _BoundaryGraph:
 
     def __init__(self, swarm: SwarmModel, placement: Placement) -> None:
         num_blocks = swarm.model.blocks
+        unknown = sorted(set(placement.blocks) - {server.name for server in swarm.servers})
+        if unknown:
+            raise ValueError(f"the placement names servers the swarm does not have: {', '.join(unknown)}")
         self.names: list[str] = []
         self.first: list[int] = []
         self.end: list[int] = []

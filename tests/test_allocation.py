@@ -59,6 +59,8 @@ def test_no_chain_when_the_placement_misses_a_block() -> None:
 def test_placement_outside_the_model_is_rejected() -> None:
     with pytest.raises(ValueError, match="outside"):
         gca(fig2_swarm(), Placement({"A": (3, 2)}))
+    with pytest.raises(ValueError, match="does not have: Z"):
+        gca(fig2_swarm(), Placement({"A": (1, 2), "Z": (1, 3)}))
 
 
 @st.composite
