@@ -3,6 +3,7 @@
     swarm-netem up --topology T.json          # prints a run id
     swarm-netem exec RUN HOST -- cmd ...      # runs cmd inside HOST's namespace
     swarm-netem ping RUN [--json OUT.json]    # measured RTT matrix next to the target
+    swarm-netem set RUN --topology T2.json    # new RTTs, bandwidths, loss for the running hosts
     swarm-netem down RUN                      # stops the run's processes, removes its namespaces and links
     swarm-netem list                          # runs that still have namespaces here
     swarm-netem topology ripe --hosts 5 --seed 0 -o T.json   # write a topology (also: uniform, geometric)
@@ -70,6 +71,13 @@ def cmd_ping(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_set(args: argparse.Namespace) -> int:
+    network = EmulatedNetwork.attach(args.run)
+    network.set_topology(topology.Topology.from_file(args.topology))
+    print(f"run {args.run}: delays updated ({network.topology.source or args.topology})")
+    return 0
+
+
 def cmd_down(args: argparse.Namespace) -> int:
     for run_id in args.runs:
         removed = down(run_id)
@@ -125,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     ping.add_argument("--count", type=int, default=20, help="echoes per pair (default: %(default)s)")
     ping.add_argument("--proto", choices=("udp", "tcp"), default="udp")
     ping.set_defaults(func=cmd_ping)
+
+    set_ = commands.add_parser("set", help="change RTTs, bandwidths and loss of a running run (same hosts)")
+    set_.add_argument("run")
+    set_.add_argument("--topology", required=True, help="topology .json or .csv with the run's hosts")
+    set_.set_defaults(func=cmd_set)
 
     down_ = commands.add_parser("down", help="stop a run's processes and remove its namespaces")
     down_.add_argument("runs", nargs="+", metavar="RUN")

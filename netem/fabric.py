@@ -158,6 +158,15 @@ class Fabric:
         self.lateness_ns = array.array("q", bytes(8 * LATENESS_SAMPLES))
         self.lateness_count = 0
         self.schedule.dropped_loss = self.schedule.dropped_queue = 0
+        self.tun_dropped_at_reset = self.tun_dropped()
+
+    def tun_dropped(self) -> int:
+        """Gives how many packets the kernel dropped because the TUN queue was full (we read too slowly)."""
+        try:
+            with open(f"/sys/class/net/{self.config.tun}/statistics/tx_dropped") as counter:
+                return int(counter.read())
+        except (OSError, ValueError):  # /sys of another namespace, or the device is gone
+            return 0
 
     def stats(self) -> dict[str, Any]:
         """Gives counters since the last reset and the delivery lateness percentiles in microseconds."""
@@ -167,6 +176,7 @@ class Fabric:
             "packets_in": self.packets_in, "packets_out": self.packets_out, "bytes_in": self.bytes_in,
             "dropped_loss": self.schedule.dropped_loss, "dropped_queue": self.schedule.dropped_queue,
             "foreign": self.foreign, "write_errors": self.write_errors, "queued": len(self.heap),
+            "tun_dropped": self.tun_dropped() - self.tun_dropped_at_reset,
             "realtime": self.realtime,
             "lateness_us": {
                 "samples": len(ordered),
