@@ -1,8 +1,9 @@
 """Swarm overhead vs the local model: decode tokens/s, time to first token and per-hop latency, in one run.
 
 Runs the embedded SmolLM2-135M-Instruct locally (Hugging Face, float32) and through fresh loopback swarms of
-1, 2 and 3 `swarm-server` processes (blocks split evenly), greedy, and prints one table and a one-line verdict
-against the target "3-server swarm reaches >= 0.85x local decode tokens/s". It never asserts.
+1, 2 and 3 `swarm-server` processes (blocks split evenly), greedy, with and without server-to-server push, and
+prints one table and a one-line verdict against the target "3-server swarm reaches >= 0.85x local decode
+tokens/s" (with push, the default). It never asserts.
 
 Both paths are timed the same way: a streamer stamps `time.perf_counter()` at every token `generate()` emits.
 Time to first token is prefill plus the first token; decode tokens/s counts only the tokens after it. For the
@@ -36,7 +37,7 @@ from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from client import DistributedModelForCausalLM
+from client import ClientConfig, DistributedModelForCausalLM
 from client.inference import InferenceSession
 from swarm.local_swarm import SwarmProcesses
 from swarm.model import DEFAULT_MODEL, ModelSource, resolve_model
@@ -119,6 +120,7 @@ class RunSample:
     tokens: list[int]
     hops: list[HopSample] = field(default_factory=list)
     open_ms: float = 0.0
+    step_ms: float = float("nan")  # swarm only: mean wall time of a decode step in the swarm (client loop included)
     others_cpu_pct: float = 0.0
     body_ms: float = float("nan")  # local only: mean time per decode step in the transformer blocks
 
@@ -133,6 +135,7 @@ class ConfigResult:
     noop_rtt_ms: list[float] = field(default_factory=list)  # per server, median of `info` round trips
     paired_local: ConfigResult | None = None  # local runs interleaved with this swarm's runs
     error: str | None = None
+    push: bool | None = None  # swarm only: whether servers pushed hidden states to the next server
 
     @property
     def ttft_ms(self) -> float:
@@ -241,6 +244,16 @@ def run_swarm(model: DistributedModelForCausalLM, input_ids: torch.Tensor, max_n
     opened_s = time.perf_counter()
     session = model.inference_session(max_length=input_ids.shape[1] + max_new_tokens)
     open_ms = (time.perf_counter() - opened_s) * 1000
+    step_ms: list[float] = []
+    session_step = session.step
+
+    def timed_step(hidden: torch.Tensor) -> torch.Tensor:
+        started_s = time.perf_counter()
+        output = session_step(hidden)
+        step_ms.append((time.perf_counter() - started_s) * 1000)
+        return output
+
+    session.step = timed_step  # type: ignore[method-assign]
     with session:
         after_prefill: list[tuple[tuple[int, int], int, float, float]] = []
         clock = StepClock(on_first_token=lambda: after_prefill.extend(_snapshot(session)))
@@ -254,6 +267,7 @@ def run_swarm(model: DistributedModelForCausalLM, input_ids: torch.Tensor, max_n
         if session.failovers:
             print(f"  warning: {session.failovers} failover(s) during a timed run", flush=True)
     sample.open_ms = open_ms
+    sample.step_ms = statistics.mean(step_ms[1:])  # [0] is the prefill
     return sample
 
 
@@ -281,37 +295,52 @@ def measure_swarm(
     input_ids: torch.Tensor,
     args: argparse.Namespace,
     workdir: Path,
-) -> ConfigResult:
-    """Gives the swarm's result, with the local runs interleaved with its own (the same load, run for run)."""
+) -> list[ConfigResult]:
+    """Gives the swarm's results with and without push, each paired with local runs interleaved run for run."""
     ranges = even_block_ranges(source.num_blocks, servers)
     name = f"swarm {' '.join(ranges)}"
     started_s = time.perf_counter()
+    pushes = (True, False) if args.compare_push else (True,)
     # Servers' own default announce period and TTL, so background DHT traffic is what a real swarm has.
     with SwarmProcesses(workdir, announce_period_s=10.0, record_ttl_s=30.0) as swarm:
         swarm.start_dht()
         procs = [swarm.start_server(DEFAULT_MODEL, blocks, wait=False) for blocks in ranges]
         for proc in procs:
             swarm.wait_ready(proc)
-        model = DistributedModelForCausalLM.from_pretrained(DEFAULT_MODEL, initial_peers=swarm.initial_peers)
+        models = {
+            push: DistributedModelForCausalLM.from_pretrained(
+                DEFAULT_MODEL, initial_peers=swarm.initial_peers, client_config=ClientConfig(server_push=push)
+            )
+            for push in pushes
+        }
         try:
             print(f"  {name}: up in {time.perf_counter() - started_s:.1f} s; warming up", flush=True)
-            with model.inference_session(max_length=input_ids.shape[1] + 4) as session:
-                model.generate(input_ids, session=session, **generate_kwargs(4))
-                noop_rtt_ms = probe_noop_rtt(model, session)
-            swarm_runs, local_runs = [], []
+            noop_rtt_ms: list[float] = []
+            for model in models.values():
+                with model.inference_session(max_length=input_ids.shape[1] + 4) as session:
+                    model.generate(input_ids, session=session, **generate_kwargs(4))
+                    noop_rtt_ms = probe_noop_rtt(model, session)
+            swarm_runs: dict[bool, list[RunSample]] = {push: [] for push in pushes}
+            local_runs: list[RunSample] = []
             for repeat in range(args.repeats):
                 local_runs.append(run_local(local_model, input_ids, args.max_new_tokens))
-                swarm_runs.append(run_swarm(model, input_ids, args.max_new_tokens))
+                for push, model in models.items():
+                    swarm_runs[push].append(run_swarm(model, input_ids, args.max_new_tokens))
+                latest = [local_runs[-1], *(runs[-1] for runs in swarm_runs.values())]
+                speeds = ", ".join(
+                    f"{'push' if push else 'no push'} {runs[-1].decode_tokens_per_s:.1f} tok/s"
+                    for push, runs in swarm_runs.items()
+                )
                 print(
-                    f"  {name}: run {repeat + 1}/{args.repeats}: {swarm_runs[-1].decode_tokens_per_s:.1f} tok/s "
-                    f"(local {local_runs[-1].decode_tokens_per_s:.1f}), TTFT {swarm_runs[-1].ttft_ms:.0f} ms "
-                    f"(local {local_runs[-1].ttft_ms:.0f}); others' CPU {swarm_runs[-1].others_cpu_pct:.0f}% "
-                    f"(local {local_runs[-1].others_cpu_pct:.0f}%)",
+                    f"  {name}: run {repeat + 1}/{args.repeats}: local {local_runs[-1].decode_tokens_per_s:.1f} tok/s, "
+                    f"{speeds}; others' CPU up to {max(run.others_cpu_pct for run in latest):.0f}%",
                     flush=True,
                 )
         finally:
-            model.shutdown()
-    return ConfigResult(name, servers, swarm_runs, noop_rtt_ms, ConfigResult("local HF", 0, local_runs))
+            for model in models.values():
+                model.shutdown()
+    local = ConfigResult("local HF", 0, local_runs)
+    return [ConfigResult(name, servers, runs, noop_rtt_ms, local, push=push) for push, runs in swarm_runs.items()]
 
 
 def measure_local_alone(
@@ -345,6 +374,12 @@ def print_header(source: ModelSource, args: argparse.Namespace) -> None:
     print(flush=True)
 
 
+def label(result: ConfigResult) -> str:
+    if result.push is None:
+        return result.name
+    return f"{result.name}{'' if result.push else ' (no push)'}"
+
+
 def print_table(local: ConfigResult, results: list[ConfigResult]) -> None:
     header = [
         "config",
@@ -352,31 +387,33 @@ def print_table(local: ConfigResult, results: list[ConfigResult]) -> None:
         "TTFT ms",
         "decode tok/s",
         "ratio vs local",
-        "per-hop RTT ms",
-        "per-hop compute ms",
-        "per-hop overhead ms",
+        "ms/token",
+        "servers' compute",
+        "network + loop",
+        "client",
         "tokens match",
     ]
-    rows = [[local.name, "-", f"{local.ttft_ms:.0f}", f"{local.decode_tokens_per_s:.1f}", "1.00", "-", "-", "-", "-"]]
+    local_ms = 1000 / local.decode_tokens_per_s
+    rows = [[local.name, "-", f"{local.ttft_ms:.0f}", f"{local.decode_tokens_per_s:.1f}", "1.00", f"{local_ms:.1f}",
+             "-", "-", "-", "-"]]
     local_tokens = local.runs[0].tokens
     for result in results:
         if result.error is not None:
-            rows.append([result.name, str(result.servers), "error", "-", "-", "-", "-", "-", "-"])
+            rows.append([label(result), str(result.servers), "error", *["-"] * 7])
             continue
-        hops = result.hops()
-        rtt = statistics.mean(h[1] for h in hops)
-        compute = statistics.mean(h[2] for h in hops)
+        token_ms, compute_ms, network_ms, client_ms = decode_step_parts(result)
         match = all(run.tokens == local_tokens for run in result.runs)
         rows.append(
             [
-                result.name,
+                label(result),
                 str(result.servers),
                 f"{result.ttft_ms:.0f}",
                 f"{result.decode_tokens_per_s:.1f}",
                 f"{result.ratio_vs_local:.2f}",
-                f"{rtt:.1f}",
-                f"{compute:.1f}",
-                f"{rtt - compute:.1f}",
+                f"{token_ms:.1f}",
+                f"{compute_ms:.1f}",
+                f"{network_ms:.1f}",
+                f"{client_ms:.1f}",
                 "yes" if match else "NO",
             ]
         )
@@ -387,21 +424,31 @@ def print_table(local: ConfigResult, results: list[ConfigResult]) -> None:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
 
 
+def decode_step_parts(result: ConfigResult) -> tuple[float, float, float, float]:
+    """Gives a decode token's ms in the median run: total, servers' compute, network + loops, client.
+
+    The swarm step's wall time (client's view) minus the servers' compute is what the network legs, the RPC stacks
+    and the event loops cost; the rest of the token's time is the client's (embedding, LM head, generate()).
+    """
+    run = result.median_run()
+    token_ms = 1000 / run.decode_tokens_per_s
+    compute_ms = sum(hop.compute_ms / hop.steps for hop in run.hops)
+    return token_ms, compute_ms, run.step_ms - compute_ms, token_ms - run.step_ms
+
+
 def print_breakdown(results: list[ConfigResult]) -> None:
     """Prints where a swarm decode step's time goes: per server, and the client's share."""
     print()
-    print("where a decode step goes, median run (ms/token; per hop: round trip = server compute + overhead):")
+    print("where a decode token goes, median run (ms/token):")
     for result in results:
         if result.error is not None:
-            print(f"  {result.name}: {result.error}")
+            print(f"  {label(result)}: {result.error}")
             continue
-        step_ms = 1000 / result.median_run().decode_tokens_per_s
-        hops = result.hops()
-        sum_rtt, sum_compute = sum(h[1] for h in hops), sum(h[2] for h in hops)
+        token_ms, compute_ms, network_ms, client_ms = decode_step_parts(result)
         print(
-            f"  {result.name}: {step_ms:.1f} = servers' compute {sum_compute:.1f} + hop overhead "
-            f"{sum_rtt - sum_compute:.1f} + client (embed, head, generate, loop) {step_ms - sum_rtt:.1f}; "
-            f"session open {result.open_ms:.0f} ms (not in TTFT); others' CPU up to {result.others_cpu_max_pct:.0f}%"
+            f"  {label(result)}: {token_ms:.1f} = servers' compute {compute_ms:.1f} + network, RPC and loops "
+            f"{network_ms:.1f} + client (embed, head, generate) {client_ms:.1f}; session open {result.open_ms:.0f} ms "
+            f"(not in TTFT); others' CPU up to {result.others_cpu_max_pct:.0f}%"
         )
         if result.paired_local is not None:
             local_run = result.paired_local.median_run()
@@ -410,15 +457,15 @@ def print_breakdown(results: list[ConfigResult]) -> None:
                 f"    local alongside, median run: {local_ms:.1f} = blocks {local_run.body_ms:.1f} "
                 f"+ head, generate {local_ms - local_run.body_ms:.1f}"
             )
-        for ((start, end), rtt, compute), noop in zip(hops, result.noop_rtt_ms, strict=False):
+        for ((start, end), rtt, compute), noop in zip(result.hops(), result.noop_rtt_ms, strict=False):
             print(
-                f"    blocks {start}:{end}: rtt {rtt:.1f} = compute {compute:.1f} + overhead {rtt - compute:.1f}; "
-                f"no-op `info` rtt {noop:.1f}"
+                f"    blocks {start}:{end}: server compute {compute:.1f}, client's call {rtt:.1f} "
+                f"(with push, the call starts after the server began); no-op `info` rtt {noop:.1f}"
             )
 
 
 def print_verdict(results: list[ConfigResult]) -> None:
-    target = next((r for r in results if r.servers == TARGET_SERVERS and r.error is None), None)
+    target = next((r for r in results if r.servers == TARGET_SERVERS and r.error is None and r.push), None)
     goal = f"{TARGET_SERVERS}-server swarm reaches >= {TARGET_RATIO}x local decode tokens/s"
     print()
     if target is None:
@@ -434,6 +481,11 @@ def print_verdict(results: list[ConfigResult]) -> None:
         f"verdict: {status}: {goal}: measured {ratio:.2f}x "
         f"({target.decode_tokens_per_s:.1f} vs {target.decode_tokens_per_s / ratio:.1f} tok/s paired local){caveat}"
     )
+    for pushed in results:
+        unpushed = next((r for r in results if r.servers == pushed.servers and r.push is False and not r.error), None)
+        if pushed.push and pushed.error is None and unpushed is not None:
+            gain = pushed.decode_tokens_per_s / unpushed.decode_tokens_per_s
+            print(f"  {pushed.servers} server(s): push gives {gain:.2f}x the decode tokens/s of no push")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -442,6 +494,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=32, help="length of the fixed prompt")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median reported)")
     parser.add_argument("--servers", default="1,2,3", help="comma-separated swarm sizes to measure")
+    parser.add_argument(
+        "--no-compare-push", dest="compare_push", action="store_false",
+        help="measure only with server-to-server push (default: also without it, side by side)",
+    )
     args = parser.parse_args(argv)
     args.server_counts = [int(part) for part in args.servers.split(",") if part.strip()]
     if args.max_new_tokens < 3 or args.prompt_tokens < 1 or args.repeats < 1:
@@ -462,7 +518,7 @@ def main(argv: list[str] | None = None) -> None:
             workdir = Path(tmp) / f"swarm-{servers}"
             workdir.mkdir()
             try:
-                results.append(measure_swarm(source, servers, local_model, input_ids, args, workdir))
+                results.extend(measure_swarm(source, servers, local_model, input_ids, args, workdir))
             except Exception as error:  # one failed configuration should not hide the others' numbers
                 message = f"{type(error).__name__}: {str(error)[-500:]}"
                 print(f"  {servers} server(s) failed: {message}", flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,7 @@ from swarm.errors import (
     SessionNotFound,
     SwarmError,
 )
+from swarm.records import NextHop
 from swarm.rpc import RpcConnection
 from swarm.wire import decode_tensor, encode_tensor
 
@@ -129,7 +131,9 @@ class RemoteInferenceSession:
         while index < len(self.spans):
             span_session = self.spans[index]
             try:
-                output = await self._call_step(span_session, hidden, step_id=f"{self.position}")
+                output = await self._call_step(
+                    span_session, hidden, step_id=f"{self.position}", next_hops=self._next_hops(index)
+                )
             except RECOVERABLE as error:
                 failovers_this_step += 1
                 if failovers_this_step > self.client.config.max_failovers:
@@ -145,7 +149,18 @@ class RemoteInferenceSession:
         self.position += hidden.shape[1]
         return hidden
 
-    async def _call_step(self, span_session: _SpanSession, hidden: torch.Tensor, *, step_id: str) -> torch.Tensor:
+    def _next_hops(self, index: int) -> list[NextHop]:
+        """Gives the servers after span `index`, to which each server pushes its output (if pushing is on)."""
+        if not self.client.config.server_push:
+            return []
+        return [
+            NextHop(peer_id=later.peer_id, session_id=later.session_id, addrs=later.span.record.addrs)
+            for later in self.spans[index + 1 :]
+        ]
+
+    async def _call_step(
+        self, span_session: _SpanSession, hidden: torch.Tensor, *, step_id: str, next_hops: Sequence[NextHop] = ()
+    ) -> torch.Tensor:
         config = self.client.config
         payload = {
             "session_id": span_session.session_id,
@@ -153,6 +168,8 @@ class RemoteInferenceSession:
             "position": span_session.position,
             "hidden": encode_tensor(hidden, config.compression),
         }
+        if next_hops:
+            payload["next"] = [hop.to_wire() for hop in next_hops]
         if config.compression:
             payload["compression"] = config.compression
         started = time.perf_counter()

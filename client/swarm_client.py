@@ -33,6 +33,7 @@ class ClientConfig:
     max_failovers: int = 8
     max_frame_bytes: int = 64 << 20
     compression: str | None = None
+    server_push: bool = True  # servers forward hidden states to the next server (the client's copy follows)
 
 
 class SwarmClient:

@@ -30,5 +30,6 @@ class ServerConfig:
     announce_period_s: float = 10.0
     record_ttl_s: float = 30.0
     drain_timeout_s: float = 10.0
+    push_timeout_s: float = 10.0
     compute_threads: int = 2
     max_frame_bytes: int = 64 << 20

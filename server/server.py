@@ -15,9 +15,11 @@ import torch
 
 from server.compute import cached_block_compute_ms
 from server.config import ServerConfig
-from server.sessions import Session, SessionTable
+from server.push import Pusher
+from server.sessions import RunningStep, Session, SessionTable, StepResult
 from swarm.dht import Announcer
 from swarm.errors import (
+    InternalServerError,
     InvalidTensor,
     MalformedFrame,
     MaxLengthExceeded,
@@ -25,10 +27,11 @@ from swarm.errors import (
     PositionMismatch,
     ServerBusy,
     ServerDraining,
+    SwarmError,
 )
 from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, parse_size
 from swarm.model import BlockRange, ModelSource, parse_block_range, pick_device, pick_dtype, resolve_model
-from swarm.records import SOFTWARE_VERSION, ServerRecord, ServerState
+from swarm.records import SOFTWARE_VERSION, NextHop, ServerRecord, ServerState
 from swarm.rpc import CallContext, RpcServer
 from swarm.wire import decode_tensor, encode_tensor, validate_compression
 
@@ -79,6 +82,8 @@ class SwarmServer:
         self._inflight_steps = 0
         self._idle = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._step_tasks: set[asyncio.Task[None]] = set()
+        self.pusher: Pusher | None = None
 
     @property
     def peer_id(self) -> str:
@@ -124,8 +129,10 @@ class SwarmServer:
         self._addrs = [str(addr) for addr in self.dht.get_visible_maddrs()][:16]
         p2p = await self.dht.replicate_p2p()
         self.rpc = RpcServer(p2p, max_frame_bytes=self.config.max_frame_bytes)
-        for name, method in (("info", self._info), ("open", self._open), ("step", self._step), ("close", self._close)):
+        methods = {"info": self._info, "open": self._open, "step": self._step, "push": self._push, "close": self._close}
+        for name, method in methods.items():
             self.rpc.add_method(name, method)
+        self.pusher = Pusher(p2p, timeout_s=self.config.push_timeout_s, max_frame_bytes=self.config.max_frame_bytes)
         await self.rpc.start()
         self.state = ServerState.online
         self.announcer = Announcer(
@@ -153,10 +160,12 @@ class SwarmServer:
             self._idle.clear()
             with suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), timeout=max(0.0, deadline - time.monotonic()))
-        for task in self._tasks:
+        for task in (*self._tasks, *self._step_tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._step_tasks, return_exceptions=True)
         open_sessions = len(self.sessions)
+        if self.pusher is not None:
+            await self.pusher.close()
         if self.rpc is not None:
             await self.rpc.stop()  # closing the streams frees their sessions
         self.sessions.close_all()
@@ -202,42 +211,103 @@ class SwarmServer:
         return {}
 
     async def _step(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        """Runs a step (or finds it running or done, if a push brought it first) and answers its output."""
+        compression = validate_compression(field(payload, "compression", str, optional=True))
+        session, result = self._admit_step(payload, ctx)
+        result = await asyncio.shield(result)  # a client that goes away does not cancel a step others await
+        return {"hidden": encode_tensor(result.output, compression), "position": session.position,
+                "compute_ms": result.compute_ms}
+
+    async def _push(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        """Accepts a step pushed by the previous server of a chain; answers at once, computes in the background."""
+        validate_compression(field(payload, "compression", str, optional=True))
+        self._admit_step(payload, ctx)
+        return {}
+
+    def _admit_step(
+        self, payload: dict[str, Any], ctx: CallContext
+    ) -> tuple[Session, asyncio.Future[StepResult]]:
+        """Gives the session and the future result of the step in `payload`: done, running, or started now.
+
+        Raises the typed error of a step that cannot run; nothing about the session changes then.
+        """
         self._check_serving()
         session = self.sessions.get(field(payload, "session_id", str))
         step_id = field(payload, "step_id", str, optional=True)
-        compression = validate_compression(field(payload, "compression", str, optional=True))
-        if step_id is not None and step_id == session.last_step_id and session.last_output is not None:
-            session.last_active_s = time.monotonic()  # a retransmitted step: answer again, compute nothing
-            return self._step_reply(session, session.last_output, compression, compute_ms=0.0)
+        loop = asyncio.get_running_loop()
+        if step_id is not None and step_id == session.last_step_id and session.last_result is not None:
+            session.last_active_s = time.monotonic()  # a repeated step: answer again, compute nothing
+            done = loop.create_future()
+            done.set_result(session.last_result)
+            return session, done
+        running = session.running
+        if running is not None:
+            if step_id is not None and step_id == running.step_id:
+                return session, running.result
+            raise ServerBusy(f"session {session.session_id!r} is already running step {running.step_id!r}")
+        try:
+            next_hops = NextHop.list_from_wire(payload.get("next", []))
+        except ValueError as error:
+            raise MalformedFrame(str(error)) from None
         hidden = self._decode_hidden(payload, session)
         position = field(payload, "position", int, optional=True)
         if position is not None and position != session.position:
             raise PositionMismatch(f"step starts at position {position}, but the session is at {session.position}")
-        new_tokens = hidden.shape[1]
-        if session.position + new_tokens > session.max_length:
+        if session.position + hidden.shape[1] > session.max_length:
             raise MaxLengthExceeded(
-                f"{session.position} + {new_tokens} tokens exceed the session's max_length {session.max_length}"
+                f"{session.position} + {hidden.shape[1]} tokens exceed the session's max_length {session.max_length}"
             )
         self._note_throughput(ctx)
-        if not session.lock.acquire(blocking=False):
-            raise ServerBusy(f"session {session.session_id!r} is already running a step")
+        result: asyncio.Future[StepResult] = loop.create_future()
+        session.running = RunningStep(step_id, result)
+        push = {"step_id": step_id, "position": session.position}
+        if "compression" in payload:
+            push["compression"] = payload["compression"]
+        task = asyncio.create_task(self._compute_step(session, hidden, result, next_hops, push))
+        self._step_tasks.add(task)
+        task.add_done_callback(self._step_tasks.discard)
+        return session, result
+
+    async def _compute_step(
+        self,
+        session: Session,
+        hidden: torch.Tensor,
+        result: asyncio.Future[StepResult],
+        next_hops: list[NextHop],
+        push: dict[str, Any],
+    ) -> None:
+        """Computes an admitted step on the compute pool, commits it, resolves `result` and pushes the output on."""
         self._inflight_steps += 1
         try:
             output, compute_ms = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self._timed_forward, hidden, session
             )
+        except asyncio.CancelledError:
+            result.set_exception(ServerDraining("the server shut down while computing this step"))
+            result.exception()
+            raise
+        except Exception as error:
+            if not isinstance(error, SwarmError):
+                log.exception("step of session %s failed", session.session_id)
+                error = InternalServerError(f"{type(error).__name__}: {error}")
+            result.set_exception(error)
+            result.exception()  # retrieved here, so that a step nobody awaits (a push) logs no warning
+            return
         finally:
-            session.lock.release()
+            session.running = None
             self._inflight_steps -= 1
             if not self._inflight_steps:
                 self._idle.set()
-        session.position += new_tokens
-        session.last_step_id, session.last_output = step_id, output
-        if new_tokens == 1:  # decode steps refine the start-up measurement under the real load
+        session.position += hidden.shape[1]
+        session.last_step_id, session.last_result = push["step_id"], StepResult(output, compute_ms)
+        session.last_active_s = time.monotonic()
+        if hidden.shape[1] == 1:  # decode steps refine the start-up measurement under the real load
             sample_ms = compute_ms / (session.end - session.start)
             self.block_compute_ms = 0.9 * self.block_compute_ms + 0.1 * sample_ms
-        session.last_active_s = time.monotonic()
-        return self._step_reply(session, output, compression, compute_ms=compute_ms)
+        result.set_result(session.last_result)
+        # A step without an id cannot be matched with the client's own copy of it, so it is never pushed.
+        if next_hops and push["step_id"] is not None and self.pusher is not None and self.sessions.is_open(session):
+            self.pusher.push(next_hops, {**push, "hidden": encode_tensor(output, push.get("compression"))})
 
     def _timed_forward(self, hidden: torch.Tensor, session: Session) -> tuple[torch.Tensor, float]:
         """Gives the blocks' output and their compute time in ms, timed on the compute thread itself."""
@@ -258,11 +328,6 @@ class SwarmServer:
         if hidden.shape[1] == 0:
             raise InvalidTensor(f"hidden states hold no tokens, expected {expected}")
         return hidden.to(self.blocks.dtype)
-
-    def _step_reply(
-        self, session: Session, output: torch.Tensor, compression: str | None, *, compute_ms: float
-    ) -> dict[str, Any]:
-        return {"hidden": encode_tensor(output, compression), "position": session.position, "compute_ms": compute_ms}
 
     def _note_throughput(self, ctx: CallContext) -> None:
         if ctx.request_bytes >= _THROUGHPUT_MIN_BYTES and ctx.request_read_s > 0:

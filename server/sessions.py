@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
@@ -11,6 +12,22 @@ import torch
 from swarm.errors import BlocksNotHosted, MaxLengthExceeded, OutOfPages, ServerBusy, SessionNotFound
 from swarm.memory import KVOwner, PagePool
 from swarm.model import BlockRange, KVCache
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A computed step: the hidden states after the session's last block and the compute time it took."""
+
+    output: torch.Tensor
+    compute_ms: float
+
+
+@dataclass
+class RunningStep:
+    """The step a session is computing now; a copy of the same step (client and push) awaits its result."""
+
+    step_id: str | None
+    result: asyncio.Future[StepResult]
 
 
 @dataclass
@@ -25,9 +42,9 @@ class Session:
     caches: dict[int, KVCache]
     position: int = 0
     last_step_id: str | None = None
-    last_output: torch.Tensor | None = None
+    last_result: StepResult | None = None
+    running: RunningStep | None = None  # touched only on the event loop thread
     last_active_s: float = field(default_factory=time.monotonic)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class SessionTable:
@@ -84,6 +101,10 @@ class SessionTable:
             raise SessionNotFound(f"session {session_id!r} is not open on this server (unknown, closed or timed out)")
         return session
 
+    def is_open(self, session: Session) -> bool:
+        """Gives whether `session` is still open (not closed, timed out or replaced)."""
+        return self._sessions.get(session.session_id) is session
+
     def close(self, session_id: str) -> bool:
         """Frees a session's pages and caches; gives False if it was not open."""
         with self._lock:
@@ -92,7 +113,7 @@ class SessionTable:
         if session is None:
             return False
         session.caches = {}
-        session.last_output = None
+        session.last_result = None
         return True
 
     def close_idle(self, idle_timeout_s: float) -> list[str]:

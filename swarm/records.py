@@ -100,3 +100,29 @@ class ServerRecord(BaseModel):
         except ValidationError as error:
             logger.debug("dropping invalid server record: %s", error)
             return None
+
+
+MAX_NEXT_HOPS = 64
+
+
+class NextHop(BaseModel):
+    """A later server of a step's chain: where a server pushes its output so that it skips the client's leg."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    peer_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    session_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    addrs: list[AddrText] = Field(max_length=MAX_ADDRS)
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @staticmethod
+    def list_from_wire(obj: object) -> list[NextHop]:
+        """Gives the hops in `obj` (a list of maps); raises ValueError naming what does not validate."""
+        if not isinstance(obj, list) or len(obj) > MAX_NEXT_HOPS:
+            raise ValueError(f"'next' must be a list of at most {MAX_NEXT_HOPS} hops, got {obj!r:.100}")
+        try:
+            return [NextHop.model_validate(hop) for hop in obj]
+        except ValidationError as error:
+            raise ValueError(f"invalid hop in 'next': {error}") from None

@@ -1,0 +1,131 @@
+"""Server-to-server push: a server forwards its output to the next server of the chain; the client's copy of
+the step finds it running or done, and a push that cannot be delivered costs nothing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from client import ClientConfig, DistributedModelForCausalLM, SwarmClient
+from swarm.errors import MalformedFrame
+from swarm.local_swarm import SwarmProcesses
+from swarm.model import BlockRange, resolve_model
+from swarm.records import NextHop, ServerRecord
+from swarm.rpc import RpcConnection
+from swarm.wire import decode_tensor, encode_tensor
+from tests.test_swarm_generate import prompt, start_swarm
+
+pytestmark = pytest.mark.slow
+HIDDEN = 64
+TIMEOUT_S = 30.0
+
+
+class Span:
+    """A raw session on one server, with a local copy of its blocks to check the outputs against."""
+
+    def __init__(self, client: SwarmClient, record: ServerRecord, reference: BlockRange) -> None:
+        self.client, self.record, self.reference = client, record, reference
+        self.connection: RpcConnection = client.run(client.connect(record))
+        start, end = record.block_start, record.block_end
+        self.session_id = self.call("open", {"blocks": [start, end], "max_length": 32})["session_id"]
+        self.caches = reference.new_caches(start, end, batch=1, capacity=32)
+        self.position = 0
+
+    def call(self, method: str, payload: dict[str, Any]) -> dict[str, Any]:
+        return self.client.run(self.connection.call(method, payload, timeout=TIMEOUT_S))
+
+    def hop(self) -> dict[str, Any]:
+        return NextHop(peer_id=self.record.peer_id, session_id=self.session_id, addrs=self.record.addrs).to_wire()
+
+    def expected(self, hidden: torch.Tensor) -> torch.Tensor:
+        output = self.reference(hidden, self.caches, self.position)
+        self.position += hidden.shape[1]
+        return output
+
+
+@pytest.fixture(scope="module")
+def swarm(swarm_factory: SwarmProcesses, tiny_llama: Path) -> SwarmProcesses:
+    start_swarm(swarm_factory, tiny_llama, ["0:4", "4:8"])
+    return swarm_factory
+
+
+@pytest.fixture(scope="module")
+def spans(swarm: SwarmProcesses, tiny_llama: Path) -> Iterator[tuple[Span, Span]]:
+    source = resolve_model(str(tiny_llama))
+    client = SwarmClient(source.model_id, source.num_blocks, swarm.initial_peers)
+    try:
+        records = sorted(client.run(client.servers()).values(), key=lambda record: record.block_start)
+        first, second = (Span(client, record, BlockRange(source, record.block_start, record.block_end))
+                         for record in records)
+        yield first, second
+    finally:
+        client.shutdown()
+
+
+def await_pushed_step(span: Span, step_id: str) -> dict[str, Any]:
+    """Asks for a step without sending its input: only a push can have brought it (bounded wait)."""
+    for _ in range(100):
+        try:
+            return span.call("step", {"session_id": span.session_id, "step_id": step_id})
+        except MalformedFrame as error:  # not pushed yet: the request lacks the hidden states
+            assert "hidden" in error.message
+            time.sleep(0.05)
+    raise AssertionError(f"step {step_id!r} was never pushed to {span.record.peer_id}")
+
+
+def test_pushed_step_reaches_the_next_server_and_the_clients_copy_finds_it(spans: tuple[Span, Span]) -> None:
+    first, second = spans
+    hidden = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(0))
+    reply = first.call("step", {"session_id": first.session_id, "step_id": "0", "position": 0,
+                                "hidden": encode_tensor(hidden), "next": [second.hop()]})
+    middle = first.expected(hidden)
+    torch.testing.assert_close(decode_tensor(reply["hidden"]), middle, rtol=1e-5, atol=1e-5)
+
+    pushed = await_pushed_step(second, "0")
+    torch.testing.assert_close(decode_tensor(pushed["hidden"]), second.expected(middle), rtol=1e-5, atol=1e-5)
+    assert pushed["position"] == 5
+    # The client's own copy of the step (with its input) is answered from the pushed result, not run twice.
+    again = second.call("step", {"session_id": second.session_id, "step_id": "0", "position": 0,
+                                 "hidden": encode_tensor(middle)})
+    assert again["hidden"] == pushed["hidden"] and again["position"] == 5
+
+
+def test_undeliverable_or_malformed_route_loses_nothing(spans: tuple[Span, Span], swarm: SwarmProcesses) -> None:
+    first, second = spans
+    dht_peer = swarm.initial_peers[0].split("/p2p/")[1]  # a peer that serves no chainswarm RPC
+    nowhere = NextHop(peer_id=dht_peer, session_id="none", addrs=[]).to_wire()
+    with pytest.raises(MalformedFrame):  # a malformed route is refused before anything runs
+        first.call("step", {"session_id": first.session_id, "step_id": "x",
+                            "hidden": encode_tensor(torch.ones(1, 1, HIDDEN)), "next": [{"peer_id": 5}]})
+    for step_id, next_hops in (("1", [nowhere]), ("2", [second.hop()])):
+        hidden = torch.randn(1, 1, HIDDEN, generator=torch.Generator().manual_seed(int(step_id)))
+        position = first.position
+        reply = first.call("step", {"session_id": first.session_id, "step_id": step_id, "position": position,
+                                    "hidden": encode_tensor(hidden), "next": next_hops})
+        middle = first.expected(hidden)
+        torch.testing.assert_close(decode_tensor(reply["hidden"]), middle, rtol=1e-5, atol=1e-5)
+        # Whether or not the push arrived, the client's copy gives the right output exactly once.
+        out = second.call("step", {"session_id": second.session_id, "step_id": step_id, "position": position,
+                                   "hidden": encode_tensor(middle)})
+        torch.testing.assert_close(decode_tensor(out["hidden"]), second.expected(middle), rtol=1e-5, atol=1e-5)
+        assert out["position"] == position + 1
+
+
+def test_generate_with_and_without_push_matches_local_model(swarm: SwarmProcesses, tiny_llama: Path) -> None:
+    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    input_ids = prompt(40)
+    expected = local.generate(input_ids, max_new_tokens=12, do_sample=False)
+    for server_push in (True, False):
+        remote = DistributedModelForCausalLM.from_pretrained(
+            str(tiny_llama), initial_peers=swarm.initial_peers, client_config=ClientConfig(server_push=server_push)
+        )
+        try:
+            assert remote.generate(input_ids, max_new_tokens=12, do_sample=False).tolist() == expected.tolist()
+        finally:
+            remote.shutdown()
