@@ -150,9 +150,10 @@ def wait_gone(pids: Sequence[int], timeout_s: float) -> list[int]:
     return alive
 
 
-def kill_namespace_processes(namespace: str, grace_s: float = 3.0) -> list[int]:
-    """Gives the pids found in `namespace`, after stopping them: SIGTERM, then SIGKILL after `grace_s`."""
-    pids = [pid for pid in namespace_pids(namespace) if pid != os.getpid()]
+def kill_namespace_processes(namespaces: Sequence[str], grace_s: float = 3.0) -> list[int]:
+    """Gives the pids found in `namespaces`, after stopping them: SIGTERM, then SIGKILL to those alive after
+    `grace_s` (one grace period for all, however many namespaces)."""
+    pids = sorted({pid for namespace in namespaces for pid in namespace_pids(namespace)} - {os.getpid()})
     for signum, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -168,8 +169,7 @@ def remove_run(run_id: str, *, grace_s: float = 3.0) -> list[str]:
     Links (veth pairs, TUN devices) live inside those namespaces and go with them.
     """
     namespaces = list_namespaces(run_prefix(run_id))
-    for namespace in namespaces:
-        kill_namespace_processes(namespace, grace_s)
+    kill_namespace_processes(namespaces, grace_s)
     for namespace in namespaces:
         ip("netns", "delete", namespace, check=False)
     left = list_namespaces(run_prefix(run_id))
