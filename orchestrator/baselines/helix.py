@@ -22,8 +22,6 @@ from orchestrator.baselines.path_routing import PathPolicy
 from orchestrator.sim.policy import NoFeasiblePlan, Route
 from orchestrator.swarm_model import Placement, SwarmModel
 
-SOURCE, SINK = "<source>", "<sink>"
-
 
 def server_throughput(swarm: SwarmModel, placement: Placement, name: str) -> float:
     """Gives the jobs per ms a server sustains: concurrent jobs its cache holds over its time per job."""
@@ -61,26 +59,33 @@ class FlowRouting(PathPolicy):
 
     def __init__(self, swarm: SwarmModel, placement: Placement) -> None:
         super().__init__(swarm, placement)
+        # integer node ids: networkx keeps nodes in sets and dicts, and the hash order of strings changes with
+        # every interpreter (PYTHONHASHSEED), which would change which of several maximum flows comes out
+        index = {name: i for i, name in enumerate(self.graph.order)}
+        source, sink = 0, 1
+
+        def node_in(name: str) -> int:
+            return 2 + 2 * index[name]
+
         graph = nx.DiGraph()
         for name in self.graph.order:
-            graph.add_edge(("in", name), ("out", name), capacity=server_throughput(swarm, placement, name))
+            graph.add_edge(node_in(name), node_in(name) + 1, capacity=server_throughput(swarm, placement, name))
             for hop in self.graph.hops[name]:
                 if hop.blocks > self.slots_total[name]:
                     continue  # a job could never fit there
-                tail = SOURCE if hop.previous is None else ("out", hop.previous)
-                graph.add_edge(tail, ("in", name))
+                tail = source if hop.previous is None else node_in(hop.previous) + 1
+                graph.add_edge(tail, node_in(name))
         for name in self.graph.exits:
-            graph.add_edge(("out", name), SINK)
-        self.max_flow, flows = nx.maximum_flow(graph, SOURCE, SINK)
+            graph.add_edge(node_in(name) + 1, sink)
+        self.max_flow, flows = nx.maximum_flow(graph, source, sink)
         if self.max_flow <= 0:
             raise NoFeasiblePlan("Helix-style: the placement carries no flow from block 1 to block L")
+        threshold = 1e-12 * self.max_flow
         self.weights: dict[str | None, list[tuple[str, float]]] = {}
-        for tail, key in [(SOURCE, None)] + [(("out", n), n) for n in self.graph.order]:
+        for tail, key in [(source, None)] + [(node_in(n) + 1, n) for n in self.graph.order]:
             out = flows.get(tail, {})
-            self.weights[key] = sorted(
-                ((head[1], flow) for head, flow in out.items() if head != SINK and flow > 1e-15),
-                key=lambda item: self.graph.order.index(item[0]),
-            )
+            links = [(self.graph.order[(head - 2) // 2], flow) for head, flow in out.items() if head != sink]
+            self.weights[key] = sorted(((n, f) for n, f in links if f > threshold), key=lambda item: index[item[0]])
         self._current = {key: [0.0] * len(links) for key, links in self.weights.items()}
 
     def _next_hop(self, at: str | None) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+from scipy.stats import binomtest
 
 from orchestrator.sim.methods import FIG8_POLICIES, compose
 from orchestrator.sim.metrics import summarize
@@ -161,8 +162,10 @@ def fig8(
 def paired_verdicts(cell: dict) -> dict[str, str]:
     """Gives, per baseline that ran on every seed, "win", "tie" or "loss" of the proposed method.
 
-    Seeds pair the runs (same swarm, same jobs), so the per-seed difference baseline - proposed has a 95% interval;
-    "tie" means the interval contains 0.
+    Seeds pair the runs (same swarm, same jobs). The proposed method wins if the 95% interval of the per-seed
+    difference (baseline - proposed) lies above 0, or if a two-sided sign test (p < 0.05) says it is better in more
+    seeds than chance: the t interval alone calls a 20-of-20 win a tie when one seed's baseline blows up. "loss" is
+    the mirror image; anything else is a "tie".
     """
     policies = cell["policies"]
     mine = policies.get("proposed", {}).get("mean_response_per_run_ms")
@@ -174,7 +177,14 @@ def paired_verdicts(cell: dict) -> dict[str, str]:
         diff = np.array(theirs) - np.array(mine)
         half = 1.96 * diff.std(ddof=1) / math.sqrt(diff.size) if diff.size > 1 else 0.0
         low, high = diff.mean() - half, diff.mean() + half
-        verdicts[name] = "win" if low > 0 else "loss" if high < 0 else "tie"
+        better, worse = int((diff > 0).sum()), int((diff < 0).sum())
+        sign_p = binomtest(better, better + worse).pvalue if better + worse else 1.0
+        if low > 0 or (sign_p < 0.05 and better > worse):
+            verdicts[name] = "win"
+        elif high < 0 or (sign_p < 0.05 and worse > better):
+            verdicts[name] = "loss"
+        else:
+            verdicts[name] = "tie"
     return verdicts
 
 
