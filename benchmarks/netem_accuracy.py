@@ -6,8 +6,8 @@
 2. Jitter: per probe, measured RTT minus target (P50, P99), and the fabric's own delivery lateness (how long
    after its deadline a packet was written back, P50, P99; from the fabric's counters, reset per measurement).
 3. Decode: a 3-server swarm of the default SmolLM2-135M-Instruct (blocks 0:10, 10:20, 20:30), DHT, servers and
-   client each in a namespace, every pair at 0, 20 and 80 ms RTT (changed at run time in one swarm); median
-   per-token decode latency next to the lower bounds the delays imply.
+   client each in a namespace, every pair at 0, 20 and 80 ms RTT (changed at run time in one swarm), with the
+   client's server push on and off; median per-token decode latency next to the lower bounds the delays imply.
 
     .venv/bin/python benchmarks/netem_accuracy.py [--count 30] [--burners 2] [--rtts 0,20,80] [--new-tokens 24]
 
@@ -121,6 +121,7 @@ def print_accuracy(rows: list[AccuracyRow]) -> None:
 @dataclass
 class DecodeRow:
     rtt_ms: float
+    server_push: bool
     measured_rtt_ms: float
     step_ms: list[float]
     per_span_bound_ms: float
@@ -132,16 +133,11 @@ def measure_decode(args: argparse.Namespace, workdir: Path) -> list[DecodeRow]:
     # torch, transformers and hivemind load only for this part
     from transformers import AutoTokenizer
 
-    from client import ClientConfig
     from swarm.local_swarm import SwarmProcesses
     from swarm.model import DEFAULT_MODEL, resolve_model
 
-    push = getattr(ClientConfig(), "server_push", None)
-    print(f"  client: {'servers push to the next server' if push else 'a round trip per span'} "
-          f"(ClientConfig.server_push={push})", flush=True)
     tokenizer_path = resolve_model(DEFAULT_MODEL).path
     input_ids = AutoTokenizer.from_pretrained(tokenizer_path)(PROMPT, return_tensors="pt")["input_ids"].tolist()
-    rows = []
     topology = constant(SWARM_HOSTS, args.rtts[0])
     # Default announce period and TTL: background DHT traffic is what a real swarm has.
     with EmulatedNetwork(topology, run_id=f"bench{os.getpid()}") as network, \
@@ -159,42 +155,47 @@ def measure_decode(args: argparse.Namespace, workdir: Path) -> list[DecodeRow]:
             client.read_line(CLIENT_TIMEOUT_S)
             print(f"  swarm up in {time.monotonic() - started:.0f} s", flush=True)
             hosts_by_peer = {proc.peer_id: host for host, proc in procs.items()}
-            for rtt_ms in args.rtts:
-                topology = constant(SWARM_HOSTS, rtt_ms)
-                network.set_topology(topology)
-                measured = measure_rtts(network, count=10, pairs=[(4, 1), (4, 2), (4, 3)])
-                mean_rtt = statistics.mean(measured.measured_ms[4][j] for j in (1, 2, 3))
-                request = {"op": "generate", "input_ids": input_ids, "max_new_tokens": args.new_tokens}
-                client.request({**request, "max_new_tokens": 4}, CLIENT_TIMEOUT_S)  # warm-up
-                steps: list[float] = []
-                tokens: list[int] = []
-                for _ in range(args.repeats):
-                    reply = client.request(request, CLIENT_TIMEOUT_S)
+            request = {"op": "generate", "input_ids": input_ids, "max_new_tokens": args.new_tokens}
+            client.request({**request, "max_new_tokens": 4}, CLIENT_TIMEOUT_S)  # warm-up
+            for push in (True, False):
+                client.request({**request, "max_new_tokens": 4, "server_push": push}, CLIENT_TIMEOUT_S)  # warm-up
+            rows = {(rtt_ms, push): DecodeRow(rtt_ms, push, float("nan"), [], 0.0, 0.0, [])
+                    for rtt_ms in args.rtts for push in (True, False)}
+            # Rounds over the configurations rather than one after another: a load that drifts hits all alike.
+            for repeat in range(args.repeats):
+                for (rtt_ms, push), row in rows.items():
+                    topology = constant(SWARM_HOSTS, rtt_ms)
+                    network.set_topology(topology)
+                    if repeat == 0:
+                        measured = measure_rtts(network, count=10, pairs=[(4, 1), (4, 2), (4, 3)])
+                        row.measured_rtt_ms = statistics.mean(measured.measured_ms[4][j] for j in (1, 2, 3))
+                    reply = client.request({**request, "server_push": push}, CLIENT_TIMEOUT_S)
                     if "error" in reply:
                         raise RuntimeError(reply["error"])
-                    steps += reply["step_ms"]
-                    tokens = reply["tokens"][0]
-                chain = ["client", *(hosts_by_peer[peer] for peer in reply["route"]), "client"]
-                per_span = sum(topology.rtt("client", host) for host in chain[1:-1])
-                push = sum(topology.rtt(a, b) for a, b in itertools.pairwise(chain)) / 2
-                rows.append(DecodeRow(rtt_ms, mean_rtt, steps, per_span, push, tokens))
-                print(f"  RTT {rtt_ms:g} ms: median decode step {statistics.median(steps):.1f} ms", flush=True)
+                    row.step_ms += reply["step_ms"]
+                    row.tokens = reply["tokens"][0]
+                    chain = ["client", *(hosts_by_peer[peer] for peer in reply["route"]), "client"]
+                    row.per_span_bound_ms = sum(topology.rtt("client", host) for host in chain[1:-1])
+                    row.push_bound_ms = sum(topology.rtt(a, b) for a, b in itertools.pairwise(chain)) / 2
+                    print(f"  round {repeat + 1}, RTT {rtt_ms:g} ms, server_push={push}: median decode step "
+                          f"{statistics.median(reply['step_ms']):.1f} ms", flush=True)
+            return list(rows.values())
         finally:
             client.stop()
-    return rows
 
 
 def print_decode(rows: list[DecodeRow]) -> None:
     print("\n## Decode latency of a 3-server SmolLM2-135M-Instruct swarm, every pair at one RTT\n")
-    print("| RTT ms | measured client-server RTT ms | decode ms/token P50 | P90 | min | added vs first row | "
-          "bound: round trip per span | bound: server push | tokens same as first row |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    base = statistics.median(rows[0].step_ms) if rows else float("nan")
-    for row in rows:
+    print("| RTT ms | server push | measured client-server RTT ms | decode ms/token P50 | P90 | min | "
+          "added vs 1st RTT | bound: round trip per span | bound: server push | tokens same as first row |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    base = {row.server_push: statistics.median(row.step_ms) for row in rows if row.rtt_ms == rows[0].rtt_ms}
+    for row in sorted(rows, key=lambda row: (not row.server_push, row.rtt_ms)):
         median = statistics.median(row.step_ms)
         same = "yes" if row.tokens == rows[0].tokens else "NO"
-        print(f"| {row.rtt_ms:g} | {row.measured_rtt_ms:.2f} | {median:.1f} | {percentile(row.step_ms, 0.9):.1f} | "
-              f"{min(row.step_ms):.1f} | {median - base:+.1f} | {row.per_span_bound_ms:.0f} | "
+        print(f"| {row.rtt_ms:g} | {'on' if row.server_push else 'off'} | {row.measured_rtt_ms:.2f} | {median:.1f} | "
+              f"{percentile(row.step_ms, 0.9):.1f} | "
+              f"{min(row.step_ms):.1f} | {median - base[row.server_push]:+.1f} | {row.per_span_bound_ms:.0f} | "
               f"{row.push_bound_ms:.0f} | {same} |")
 
 
@@ -204,7 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--burners", type=int, default=2, help="CPU-bound processes for the loaded run (0: none)")
     parser.add_argument("--rtts", default="0,20,80", help="RTTs (ms) for the decode part; empty to skip it")
     parser.add_argument("--new-tokens", type=int, default=24, help="tokens per timed generate")
-    parser.add_argument("--repeats", type=int, default=2, help="timed generates per RTT")
+    parser.add_argument("--repeats", type=int, default=3, help="timed generates per RTT (in rounds over the RTTs)")
     args = parser.parse_args(argv)
     args.rtts = [float(part) for part in args.rtts.split(",") if part.strip()]
     return args

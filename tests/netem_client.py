@@ -3,9 +3,11 @@
     ip netns exec NS python -m tests.netem_client --model PATH --initial-peers MADDR...
 
 Prints `{"ready": true}` once connected, then answers each request line with one JSON line:
-- `{"op": "generate", "input_ids": [[...]], "max_new_tokens": N}` -> `{"tokens": [[...]], "step_ms": [...],
-  "prefill_ms": float, "route": [peer ids]}`: greedy tokens, the time of every decode step (between consecutive
-  tokens, from a streamer's timestamps) and the chain of servers; the session is opened before the clock starts.
+- `{"op": "generate", "input_ids": [[...]], "max_new_tokens": N, "server_push": bool (optional)}` ->
+  `{"tokens": [[...]], "step_ms": [...], "prefill_ms": float, "route": [peer ids]}`: greedy tokens, the time of
+  every decode step (between consecutive tokens, from a streamer's timestamps) and the chain of servers; the session
+  is opened before the clock starts. `server_push` picks a client with that `ClientConfig.server_push` (default:
+  the config's default).
 - `{"op": "quit"}` -> exits.
 """
 
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from client import DistributedModelForCausalLM
+from client import ClientConfig, DistributedModelForCausalLM
 
 
 class StepClock(BaseStreamer):
@@ -60,20 +62,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--initial-peers", nargs="+", required=True)
     args = parser.parse_args(argv)
-    model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers)
+    models: dict[bool, DistributedModelForCausalLM] = {}
+
+    def model_for(push: bool) -> DistributedModelForCausalLM:
+        if push not in models:
+            config = ClientConfig(server_push=push)
+            models[push] = DistributedModelForCausalLM.from_pretrained(
+                args.model, initial_peers=args.initial_peers, client_config=config
+            )
+        return models[push]
+
+    default_push = ClientConfig().server_push
     try:
+        model_for(default_push)
         print(json.dumps({"ready": True}), flush=True)
         for line in sys.stdin:
             request = json.loads(line)
             if request.get("op") == "quit":
                 break
             try:
-                reply = generate(model, request)
+                reply = generate(model_for(bool(request.get("server_push", default_push))), request)
             except Exception as error:  # reported to the driver, which decides
                 reply = {"error": f"{type(error).__name__}: {error}"}
             print(json.dumps(reply), flush=True)
     finally:
-        model.shutdown()
+        for model in models.values():
+            model.shutdown()
     return 0
 
 

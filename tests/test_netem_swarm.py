@@ -81,9 +81,9 @@ def test_measured_rtts_match_the_ripe_derived_matrix(wan_swarm: tuple) -> None:
     assert measurement.failures() == []
 
 
-@pytest.mark.parametrize("rtt_scale", [1.0, 3.0])
+@pytest.mark.parametrize(("rtt_scale", "server_push"), [(1.0, True), (3.0, True), (3.0, False)])
 def test_generate_across_namespaces_matches_local_and_pays_the_path_rtts(
-    wan_swarm: tuple, tiny_llama: Path, rtt_scale: float
+    wan_swarm: tuple, tiny_llama: Path, rtt_scale: float, server_push: bool
 ) -> None:
     network, client, hosts_by_peer = wan_swarm
     base = ripe.from_ripe_atlas(len(HOSTS), seed=3, path=RIPE_DATA, hosts=HOSTS)
@@ -93,8 +93,9 @@ def test_generate_across_namespaces_matches_local_and_pays_the_path_rtts(
     local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     expected = local.generate(input_ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
 
-    reply = client.request({"op": "generate", "input_ids": input_ids.tolist(), "max_new_tokens": NEW_TOKENS},
-                           CLIENT_TIMEOUT_S)
+    request = {"op": "generate", "input_ids": input_ids.tolist(), "max_new_tokens": NEW_TOKENS,
+               "server_push": server_push}
+    reply = client.request(request, CLIENT_TIMEOUT_S)
     assert "error" not in reply, reply["error"]
     assert reply["tokens"] == expected.tolist()
 
@@ -103,8 +104,8 @@ def test_generate_across_namespaces_matches_local_and_pays_the_path_rtts(
     per_span_ms, push_ms = decode_bounds_ms(topology, chain)
     steps = sorted(reply["step_ms"])
     print(
-        f"RTTs x{rtt_scale:g}: decode step min {steps[0]:.1f} / median {steps[len(steps) // 2]:.1f} ms; lower bounds: "
-        f"round trip per span {per_span_ms:.1f} ms, server push {push_ms:.1f} ms; prefill {reply['prefill_ms']:.1f} ms"
+        f"RTTs x{rtt_scale:g}, server_push={server_push}: decode step min {steps[0]:.1f} / median "
+        f"{steps[len(steps) // 2]:.1f} ms; lower bounds: round trip per span {per_span_ms:.1f} ms, server push {push_ms:.1f} ms; prefill {reply['prefill_ms']:.1f} ms"
     )
     assert len(steps) == NEW_TOKENS - 1
     assert steps[0] >= min(per_span_ms, push_ms) - CLOCK_SLACK_MS
