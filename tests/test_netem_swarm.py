@@ -105,7 +105,8 @@ def test_generate_across_namespaces_matches_local_and_pays_the_path_rtts(
     steps = sorted(reply["step_ms"])
     print(
         f"RTTs x{rtt_scale:g}, server_push={server_push}: decode step min {steps[0]:.1f} / median "
-        f"{steps[len(steps) // 2]:.1f} ms; lower bounds: round trip per span {per_span_ms:.1f} ms, server push {push_ms:.1f} ms; prefill {reply['prefill_ms']:.1f} ms"
+        f"{steps[len(steps) // 2]:.1f} ms; lower bounds: round trip per span {per_span_ms:.1f} ms, server push "
+        f"{push_ms:.1f} ms; prefill {reply['prefill_ms']:.1f} ms"
     )
     assert len(steps) == NEW_TOKENS - 1
     assert steps[0] >= min(per_span_ms, push_ms) - CLOCK_SLACK_MS
