@@ -1,11 +1,14 @@
 """Per-request routing over servers with cache slots: the shared part of PETALS, BPRR and Helix-style.
 
-A path policy picks a server path for each arriving request (its own rule) and then the request waits until every
-server on the path has the m_ij cache slots it needs. Waiting is FIFO per server, as a Petals server allocates
-cache in arrival order: a waiting request keeps its place in line at every server of its path, so a later request
-that shares a server cannot overtake it. Paths only move forward in blocks (servers ordered by last block), so
-requests that hold nothing while they wait cannot deadlock. A path is never chosen through a server whose total
-slots are fewer than the path needs there, so every request eventually starts.
+A path policy picks a server path for each arriving request (its own rule); the request then takes the m_ij cache
+slots it needs server by server, in path order, as a Petals client opens its sessions along the chain: it holds
+the slots it got while it waits for the next server (hold and wait). Each server hands out slots in arrival order,
+as Petals' memory cache does under its allocation lock: once a request waits at a server, later requests wait
+behind it there. The request starts once it holds slots on every server of its path.
+
+Paths only move forward in blocks, so servers are ordered by their last block and a request holds only servers
+before the one it waits at: no cycle of waiting requests can form. A path is never chosen through a server whose
+total slots are fewer than the path needs there, so every request eventually starts.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ class PathPolicy:
         self.graph = PlacementGraph(swarm, placement)
         self.slots_total = server_slots(swarm, placement)
         self.slots_free = dict(self.slots_total)
-        self._waiting: list[tuple[int, Route]] = []
+        self._waiting: list[_Waiting] = []
         self._running: dict[int, Route] = {}
         probe = self.graph.shortest_path(self.base_cost)
         if probe is None:
@@ -127,7 +130,7 @@ class PathPolicy:
         return len(self._waiting)
 
     def arrive(self, job: int, now_ms: float) -> list[Start]:
-        self._waiting.append((job, self.choose(job, now_ms)))
+        self._waiting.append(_Waiting(job, self.choose(job, now_ms)))
         return self._drain(now_ms)
 
     def complete(self, job: int, now_ms: float) -> list[Start]:
@@ -138,20 +141,33 @@ class PathPolicy:
         return self._drain(now_ms)
 
     def _drain(self, now_ms: float) -> list[Start]:
-        """Starts waiting requests in arrival order; one that cannot start holds its place at its servers."""
+        """Lets waiting requests take slots in arrival order; gives those that now hold their whole path."""
         starts: list[Start] = []
-        blocked: set[str] = set()
-        still_waiting: list[tuple[int, Route]] = []
-        for job, route in self._waiting:
-            pairs = list(zip(route.servers, route.blocks_per_server, strict=True))
-            if any(name in blocked for name, _ in pairs) or any(self.slots_free[n] < c for n, c in pairs):
-                blocked.update(route.servers)
-                still_waiting.append((job, route))
-                continue
-            for name, count in pairs:
+        queued_at: set[str] = set()  # servers where an earlier request is waiting: later ones queue behind it
+        still_waiting: list[_Waiting] = []
+        for waiting in self._waiting:
+            route = waiting.route
+            while waiting.held < len(route.servers):
+                name, count = route.servers[waiting.held], route.blocks_per_server[waiting.held]
+                if name in queued_at or self.slots_free[name] < count:
+                    queued_at.add(name)
+                    break
                 self.slots_free[name] -= count
-            self._running[job] = route
-            self.started(job, route, now_ms)
-            starts.append(Start(job, route))
+                waiting.held += 1
+            if waiting.held < len(route.servers):
+                still_waiting.append(waiting)
+                continue
+            self._running[waiting.job] = route
+            self.started(waiting.job, route, now_ms)
+            starts.append(Start(waiting.job, route))
         self._waiting = still_waiting
         return starts
+
+
+@dataclass
+class _Waiting:
+    """A routed request that does not hold slots on every server of its path yet; `held` servers it does."""
+
+    job: int
+    route: Route
+    held: int = 0
