@@ -3,9 +3,10 @@
 1. RTT accuracy: a 4-host uniform topology (RTTs 5-80 ms, the issue's test case) and a 5-host RIPE-derived one
    (see netem.ripe: DERIVED, not measured anchor-to-anchor RTTs), each probed by UDP and TCP echo, on an idle
    machine and with CPU burners (`--burners`, default 2 = both cores busy) running meanwhile.
-2. Jitter: per probe, measured RTT minus target (P50, P99), and the fabric's own delivery lateness (how long
+2. Bandwidth: bulk TCP goodput through 20 and 8 Mbit/s access links, and what the backend carries unlimited.
+3. Jitter: per probe, measured RTT minus target (P50, P99), and the fabric's own delivery lateness (how long
    after its deadline a packet was written back, P50, P99; from the fabric's counters, reset per measurement).
-3. Decode: a 3-server swarm of the default SmolLM2-135M-Instruct (blocks 0:10, 10:20, 20:30), DHT, servers and
+4. Decode: a 3-server swarm of the default SmolLM2-135M-Instruct (blocks 0:10, 10:20, 20:30), DHT, servers and
    client each in a namespace, every pair at 0, 20 and 80 ms RTT (changed at run time in one swarm), with the
    client's server push on and off; median per-token decode latency next to the lower bounds the delays imply.
 
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from netem import netns, ripe
 from netem.network import EmulatedNetwork
-from netem.probe import RttMeasurement, measure_rtts
+from netem.probe import RttMeasurement, measure_rtts, measure_throughput_mbit
 from netem.topology import Topology, constant, uniform
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,6 +117,31 @@ def print_accuracy(rows: list[AccuracyRow]) -> None:
         print(f"| {row.topology} | {row.load} | {row.measurement.proto} | {len(excess)} | {row.measurement.lost} | "
               f"{percentile(excess, 0.5):.3f} | {percentile(excess, 0.99):.3f} | {row.fabric_p50_us:.0f} | "
               f"{row.fabric_p99_us:.0f} |")
+
+
+def measure_bandwidth() -> list[tuple[str, float | None, float]]:
+    """Gives (transfer, configured Mbit/s or None, measured goodput Mbit/s) for bulk TCP transfers."""
+    topology = Topology(("h0", "h1", "h2"), [[0, 20, 10], [20, 0, 30], [10, 30, 0]], {"h0": 20, "h2": 8},
+                        source="3 hosts, h0 uplink/downlink 20 Mbit/s, h2 8 Mbit/s")
+    rows: list[tuple[str, float | None, float]] = []
+    with EmulatedNetwork(topology, run_id=f"bench{os.getpid()}") as network:
+        for source, destination, limit in (("h0", "h1", 20.0), ("h1", "h2", 8.0), ("h1", "h0", 20.0),
+                                           ("h2", "h1", 8.0)):
+            rows.append((f"{source}->{destination}", limit, measure_throughput_mbit(network, source, destination)))
+        network.set_topology(constant(topology.hosts, 0))  # no limit, no delay: what the backend itself carries
+        rows.append(("h1->h0, no limit, 0 ms", None, measure_throughput_mbit(network, "h1", "h0")))
+    for transfer, limit, mbit in rows:
+        print(f"  bulk TCP {transfer}: {mbit:.2f} Mbit/s (limit {limit if limit else 'none'})", flush=True)
+    return rows
+
+
+def print_bandwidth(rows: list[tuple[str, float | None, float]]) -> None:
+    print("\n## Bulk TCP goodput vs configured bandwidth (3 s transfers; goodput excludes ~3.5% IP/TCP headers)\n")
+    print("| transfer | configured Mbit/s | measured Mbit/s | ratio |")
+    print("|---|---|---|---|")
+    for transfer, limit, mbit in rows:
+        ratio = f"{mbit / limit:.3f}" if limit else "-"
+        print(f"| {transfer} | {limit if limit else 'none'} | {mbit:.2f} | {ratio} |")
 
 
 @dataclass
@@ -227,11 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"  (RIPE Atlas data missing at {ripe.default_data_path()}: that topology is skipped)")
     rows = [row for topology, name in topologies for row in measure_accuracy(topology, name, args)]
+    bandwidth_rows = measure_bandwidth()
     decode_rows: list[DecodeRow] = []
     if args.rtts:
         with tempfile.TemporaryDirectory(prefix="netem-bench-") as tmp:
             decode_rows = measure_decode(args, Path(tmp))
     print_accuracy(rows)
+    print_bandwidth(bandwidth_rows)
     if decode_rows:
         print_decode(decode_rows)
     failures = [f"{row.topology}/{row.load}/{row.measurement.proto} {failure}" for row in rows
