@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from netem import netns
-from netem.network import EmulatedNetwork, down
+from netem.network import EmulatedNetwork, down, state_dir
 from netem.probe import measure_rtts, measure_throughput_mbit, within_tolerance
 from netem.tc import netem_available
 from netem.topology import Topology, constant, uniform
@@ -187,7 +187,7 @@ def assert_nothing_left(run_id: str, pids: list[int], links_before: list[str]) -
     assert netns.list_namespaces(netns.run_prefix(run_id)) == []
     assert netns.wait_gone(pids, 5.0) == []
     assert root_links() == links_before
-    assert not (Path("/run/chainswarm-netem") / run_id).exists()
+    assert not state_dir(run_id).exists()
 
 
 def test_teardown_after_an_exception_midway_leaves_nothing() -> None:
