@@ -157,7 +157,8 @@ def run_fig8(args) -> int:
     print(f"Fig. 8: mean response time (s), {seeds} seeds x {jobs} jobs per cell; 'proposed best' is a paired test")
     print(fig8_table(result))
     print("\nall cells pooled (per job):")
-    print(format_table(SUMMARY_HEADERS, [summary_row(n, s) for n, s in result["overall"].items()]))
+    rows = [summary_row(n, s, "" if s else "infeasible in every cell") for n, s in result["overall"].items()]
+    print(format_table(SUMMARY_HEADERS, rows))
     return _finish(args, "fig8", result, plots.plot_fig8)
 
 
