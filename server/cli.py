@@ -56,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds a DHT record lives unless refreshed")
     parser.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to let steps finish on shutdown")
     parser.add_argument("--compute-threads", type=int, default=2, help="steps computed at once")
+    parser.add_argument(
+        "--torch-threads", type=int, default=0,
+        help="threads one step's operators use (default 0: torch's choice, one per core); 1 suits several servers "
+        "sharing a few cores",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -81,6 +86,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         record_ttl_s=args.record_ttl,
         drain_timeout_s=args.drain_timeout,
         compute_threads=args.compute_threads,
+        torch_threads=args.torch_threads,
     )
 
 

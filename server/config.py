@@ -32,4 +32,5 @@ class ServerConfig:
     drain_timeout_s: float = 10.0
     push_timeout_s: float = 10.0
     compute_threads: int = 2
+    torch_threads: int = 0  # intra-op threads of a step; 0 keeps torch's default
     max_frame_bytes: int = 64 << 20

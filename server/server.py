@@ -57,19 +57,22 @@ class SwarmServer:
 
     def __init__(self, config: ServerConfig, source: ModelSource | None = None) -> None:
         self.config = config
+        if config.torch_threads > 0:
+            torch.set_num_threads(config.torch_threads)
         self.source = source or resolve_model(config.model)
         start, end = parse_block_range(config.blocks, self.source.num_blocks)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         budget = parse_size(config.memory) if config.memory else default_budget_bytes(self.device)
-        self.pool = PagePool(budget, config.page_bytes)
-        self.blocks = BlockRange(self.source, start, end, dtype=self.dtype, device=self.device, quant=config.quant)
-        for index in range(start, end):
-            try:
-                self.pool.allocate(ParamsOwner(index), self.pool.pages_needed(self.blocks.block_bytes(index)))
-            except OutOfPages as error:
-                message = f"--memory {config.memory or budget} cannot hold blocks {start}:{end}: {error}"
-                raise OutOfPages(message) from None
+        self.pool = PagePool(budget, config.page_bytes, device=self.device)
+        try:
+            self.blocks = BlockRange(
+                self.source, start, end, dtype=self.dtype, device=self.device, quant=config.quant,
+                adopt=lambda index, tensors: self.pool.adopt(ParamsOwner(index), tensors),
+            )
+        except OutOfPages as error:
+            message = f"--memory {config.memory or budget} cannot hold blocks {start}:{end}: {error}"
+            raise OutOfPages(message) from None
         self.sessions = SessionTable(self.blocks, self.pool, max_length=config.max_length)
         self.block_compute_ms = cached_block_compute_ms(self.blocks, self.source.model_id)
         self.state = ServerState.joining

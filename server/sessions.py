@@ -62,7 +62,7 @@ class SessionTable:
 
     def kv_pages_per_block(self, batch: int, max_length: int) -> int:
         """Gives the pages one block's cache takes for a session of `batch` sequences up to `max_length` tokens."""
-        return self.pool.pages_needed(batch * max_length * self.blocks.kv_bytes_per_token())
+        return self.pool.pages_needed(self.blocks.kv_cache_bytes(batch=batch, capacity=max_length))
 
     def open(self, session_id: str, start: int, end: int, *, batch: int, max_length: int) -> Session:
         """Gives a new session with its KV pages reserved, or raises a typed error and reserves nothing."""
@@ -88,7 +88,8 @@ class SessionTable:
             session = Session(session_id, start, end, batch, max_length, caches={})
             self._sessions[session_id] = session
         try:
-            session.caches = self.blocks.new_caches(start, end, batch=batch, capacity=max_length)
+            buffers = {block: self.pool.buffer(KVOwner(session_id, block)) for block in range(start, end)}
+            session.caches = self.blocks.new_caches(start, end, batch=batch, capacity=max_length, buffers=buffers)
         except BaseException:
             self.close(session_id)
             raise

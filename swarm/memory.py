@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import math
+import mmap
 import re
 import threading
 from dataclasses import dataclass
@@ -92,23 +93,31 @@ class PoolStats:
 
 
 class PagePool:
-    """Fixed-size pages carved from one budget; every page is free or held by exactly one owner.
+    """Fixed-size pages of one memory budget; every page is free or held by exactly one owner.
+
+    The pages are real memory: one buffer of `pages_total * page_bytes` bytes on the pool's device (on CPU an
+    anonymous mapping that the kernel may back with transparent huge pages, committed only as pages are touched).
+    An owner holds a contiguous run of pages, so its tensors are views into the buffer: a block's parameters and a
+    session's KV for one block live in the pages that the accounting says they hold.
 
     Thread-safe: the server calls it from its asyncio loop and from compute threads.
     """
 
-    def __init__(self, total_bytes: int, page_bytes: int = DEFAULT_PAGE_BYTES) -> None:
+    def __init__(self, total_bytes: int, page_bytes: int = DEFAULT_PAGE_BYTES, *, device: torch.device | str = "cpu"):
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
         if total_bytes < 0:
             raise ValueError(f"total_bytes must be non-negative, got {total_bytes}")
         self.page_bytes = page_bytes
         self.pages_total = total_bytes // page_bytes
+        self.device = torch.device(device)
+        self.storage = _page_buffer(self.pages_total * page_bytes, self.device)
         self._lock = threading.Lock()
         self._owner_by_page: list[Owner | None] = [None] * self.pages_total
-        self._pages_by_owner: dict[Owner, tuple[int, ...]] = {}
-        # A min-heap so allocations always take the lowest free indices: deterministic layouts.
-        self._free_pages: list[int] = list(range(self.pages_total))
+        self._pages_by_owner: dict[Owner, range] = {}
+        # Free runs as sorted (start, length), coalesced: first fit gives the lowest run, a deterministic layout.
+        self._free_runs: list[tuple[int, int]] = [(0, self.pages_total)] if self.pages_total else []
+        self._pages_free = self.pages_total
 
     def pages_needed(self, nbytes: int) -> int:
         """Gives how many pages hold `nbytes` bytes (rounded up)."""
@@ -117,22 +126,30 @@ class PagePool:
         return math.ceil(nbytes / self.page_bytes)
 
     def allocate(self, owner: Owner, n_pages: int) -> tuple[int, ...]:
-        """Gives `n_pages` page indices now held by `owner`, lowest free first; all or nothing."""
+        """Gives the `n_pages` contiguous page indices now held by `owner`, from the lowest run that fits."""
         if n_pages <= 0:
             raise ValueError(f"n_pages must be positive, got {n_pages}")
         with self._lock:
             if owner in self._pages_by_owner:
                 raise ValueError(f"{owner} already holds {len(self._pages_by_owner[owner])} pages; free them first")
-            if n_pages > len(self._free_pages):
+            index = next((i for i, (_, length) in enumerate(self._free_runs) if length >= n_pages), None)
+            if index is None:
+                fragmented = "" if n_pages > self._pages_free else f", and no {n_pages} of them are contiguous"
                 raise OutOfPages(
                     f"{owner} needs {n_pages} pages ({n_pages * self.page_bytes} bytes) but only "
-                    f"{len(self._free_pages)} of {self.pages_total} are free"
+                    f"{self._pages_free} of {self.pages_total} are free{fragmented}"
                 )
-            pages = tuple(heapq.heappop(self._free_pages) for _ in range(n_pages))
+            start, length = self._free_runs[index]
+            if length == n_pages:
+                del self._free_runs[index]
+            else:
+                self._free_runs[index] = (start + n_pages, length - n_pages)
+            pages = range(start, start + n_pages)
             for page in pages:
                 self._owner_by_page[page] = owner
             self._pages_by_owner[owner] = pages
-            return pages
+            self._pages_free -= n_pages
+            return tuple(pages)
 
     def free(self, owner: Owner) -> int:
         """Gives the number of pages `owner` held, now returned to the free list (0 if it held none)."""
@@ -148,11 +165,44 @@ class PagePool:
             return sum(self._free_locked(owner) for owner in session_owners)
 
     def _free_locked(self, owner: Owner) -> int:
-        pages = self._pages_by_owner.pop(owner, ())
+        pages = self._pages_by_owner.pop(owner, None)
+        if pages is None:
+            return 0
         for page in pages:
             self._owner_by_page[page] = None
-            heapq.heappush(self._free_pages, page)
+        self._pages_free += len(pages)
+        index = bisect.bisect(self._free_runs, (pages.start, 0))
+        start, length = pages.start, len(pages)
+        if index < len(self._free_runs) and self._free_runs[index][0] == start + length:  # merge with the next run
+            length += self._free_runs.pop(index)[1]
+        if index > 0 and sum(self._free_runs[index - 1]) == start:  # and with the previous one
+            start, previous_length = self._free_runs.pop(index - 1)
+            length += previous_length
+            index -= 1
+        self._free_runs.insert(index, (start, length))
         return len(pages)
+
+    def buffer(self, owner: Owner) -> torch.Tensor:
+        """Gives the bytes of `owner`'s pages: a uint8 view into the pool's memory (raises KeyError if it has none)."""
+        with self._lock:
+            pages = self._pages_by_owner[owner]
+        return self.storage[pages.start * self.page_bytes : pages.stop * self.page_bytes]
+
+    def adopt(self, owner: Owner, tensors: list[torch.Tensor]) -> tuple[int, ...]:
+        """Gives the pages that now hold `tensors`: allocates them, copies each tensor in and repoints it there.
+
+        Each tensor (a parameter or buffer) keeps its identity, dtype and shape; only its storage moves into the
+        pool, so a module that holds it computes from pool memory from now on.
+        """
+        offsets, nbytes = _packed_layout(tensors)
+        pages = self.allocate(owner, max(1, self.pages_needed(nbytes)))
+        run = self.buffer(owner)
+        for tensor, offset in zip(tensors, offsets, strict=True):
+            size = tensor.numel() * tensor.element_size()
+            view = run[offset : offset + size].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor.detach())
+            tensor.data = view
+        return pages
 
     def owner_of(self, page: int) -> Owner | None:
         """Gives the owner of one page, or None if it is free."""
@@ -164,12 +214,12 @@ class PagePool:
     def pages_of(self, owner: Owner) -> tuple[int, ...]:
         """Gives the pages `owner` holds (empty if none)."""
         with self._lock:
-            return self._pages_by_owner.get(owner, ())
+            return tuple(self._pages_by_owner.get(owner, ()))
 
     def owners(self) -> dict[Owner, tuple[int, ...]]:
         """Gives a snapshot of every owner and its pages."""
         with self._lock:
-            return dict(self._pages_by_owner)
+            return {owner: tuple(pages) for owner, pages in self._pages_by_owner.items()}
 
     def stats(self) -> PoolStats:
         """Gives a consistent snapshot of page counts by kind."""
@@ -181,16 +231,22 @@ class PagePool:
                 pages_total=self.pages_total,
                 pages_params=pages_params,
                 pages_kv=pages_kv,
-                pages_free=len(self._free_pages),
+                pages_free=self._pages_free,
                 page_bytes=self.page_bytes,
             )
 
     def check_invariants(self) -> None:
         """Raises AssertionError unless every page is free xor held by exactly one owner and all counts agree."""
         with self._lock:
-            free_set = set(self._free_pages)
-            assert len(free_set) == len(self._free_pages), "free list holds a page twice"
-            assert all(0 <= page < self.pages_total for page in free_set), "free list holds an out-of-range page"
+            free_set: set[int] = set()
+            previous_end = -1
+            for start, length in self._free_runs:
+                assert length > 0, "a free run is empty"
+                assert start > previous_end, "free runs overlap, touch without merging, or are out of order"
+                free_set.update(range(start, start + length))
+                previous_end = start + length
+            assert previous_end <= self.pages_total, "a free run ends outside the pool"
+            assert len(free_set) == self._pages_free, "the free page count disagrees with the free runs"
             holders: dict[int, Owner] = {}
             for owner, pages in self._pages_by_owner.items():
                 assert pages, f"{owner} is registered with no pages"
@@ -202,3 +258,38 @@ class PagePool:
             for page, owner in enumerate(self._owner_by_page):
                 assert (owner is None) == (page in free_set), f"page {page} is neither free nor owned (or both)"
             assert len(holders) + len(free_set) == self.pages_total, "owned + free pages do not add up to the total"
+
+
+TENSOR_ALIGN_BYTES = 64  # cache-line and SIMD alignment of every tensor placed in the pool
+
+
+def _packed_layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Gives each tensor's byte offset when packed in order with aligned starts, and the total bytes."""
+    offsets, nbytes = [], 0
+    for tensor in tensors:
+        nbytes = -(-nbytes // TENSOR_ALIGN_BYTES) * TENSOR_ALIGN_BYTES
+        offsets.append(nbytes)
+        nbytes += tensor.numel() * tensor.element_size()
+    return offsets, nbytes
+
+
+def packed_bytes(tensors: list[torch.Tensor]) -> int:
+    """Gives the bytes `tensors` take when adopted by a pool (aligned starts included)."""
+    return _packed_layout(tensors)[1]
+
+
+def _page_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Gives `nbytes` of uninitialized memory on `device` as a uint8 tensor.
+
+    On CPU: an anonymous private mapping (no swap reserved, committed page by page as it is touched) advised for
+    transparent huge pages, so the weights a step streams through cost few TLB misses even after the server sat
+    idle. On CUDA: one allocation up front, as inference servers reserve their KV memory.
+    """
+    if device.type != "cpu":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive

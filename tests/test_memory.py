@@ -15,6 +15,7 @@ from swarm.memory import (
     ParamsOwner,
     PoolStats,
     default_budget_bytes,
+    packed_bytes,
     parse_size,
 )
 
@@ -67,11 +68,46 @@ def test_allocate_and_free_keep_accounting_straight() -> None:
 
     assert pool.free(ParamsOwner(block=0)) == 4
     assert pool.free(ParamsOwner(block=0)) == 0
-    # Freed parameter pages are the lowest indices, so the next allocation reuses them first.
-    assert pool.allocate(KVOwner("s2", block=0), 5) == (0, 1, 2, 3, 6)
-    assert pool.pages_of(KVOwner("s2", block=0)) == (0, 1, 2, 3, 6)
+    # An owner holds one contiguous run, from the lowest run that fits: freed parameter pages are reused first.
+    assert pool.allocate(KVOwner("s2", block=0), 3) == (0, 1, 2)
+    assert pool.allocate(KVOwner("s3", block=0), 2) == (6, 7)
+    assert pool.pages_of(KVOwner("s2", block=0)) == (0, 1, 2)
     assert pool.stats().pages_kv == 7
     pool.check_invariants()
+
+
+def test_fragmented_pages_are_refused_until_neighbours_free_and_runs_merge() -> None:
+    pool = PagePool(total_bytes=10 * KIB, page_bytes=KIB)
+    for name, pages in (("a", 3), ("b", 2), ("c", 3), ("d", 2)):
+        pool.allocate(KVOwner(name, block=0), pages)
+    pool.free_session("b")
+    pool.free_session("d")
+    assert pool.stats().pages_free == 4
+    with pytest.raises(OutOfPages, match="4 of 10 are free, and no 3 of them are contiguous"):
+        pool.allocate(KVOwner("e", block=0), 3)
+    pool.free_session("c")  # frees 5..7 between the runs 3..4 and 8..9: one run of 7
+    assert pool.allocate(KVOwner("e", block=0), 7) == tuple(range(3, 10))
+    pool.check_invariants()
+
+
+def test_adopted_tensors_live_in_pool_memory_and_keep_their_values() -> None:
+    pool = PagePool(total_bytes=64 * KIB, page_bytes=4 * KIB)
+    layer = torch.nn.Linear(30, 20)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    inputs = torch.randn(3, 30)
+    expected = layer(inputs)
+    pages = pool.adopt(ParamsOwner(block=7), [layer.weight, layer.bias])
+    assert pages == (0,)  # 30*20*4 + 20*4 bytes, the bias aligned after the weight: one 4 KiB page
+    assert packed_bytes([layer.weight, layer.bias]) == 2432 + 80  # the bias starts at 2400 rounded up to 64
+    torch.testing.assert_close(layer(inputs), expected, rtol=0, atol=0)
+    assert torch.equal(layer.weight, weight) and torch.equal(layer.bias, bias)
+    run = pool.buffer(ParamsOwner(block=7))
+    start = pool.storage.data_ptr()
+    assert start <= layer.weight.data_ptr() < layer.bias.data_ptr() < start + pool.page_bytes
+    assert layer.bias.data_ptr() % 64 == 0
+    run.zero_()  # the module's tensors are views of the owner's pages: writing the pages changes them
+    assert not layer.weight.any() and not layer.bias.any()
+    assert isinstance(layer.weight, torch.nn.Parameter)
 
 
 def test_one_allocation_per_owner() -> None:
@@ -87,7 +123,7 @@ def test_out_of_pages_leaves_the_pool_unchanged() -> None:
     pool = PagePool(total_bytes=8 * KIB, page_bytes=KIB)
     pool.allocate(ParamsOwner(block=0), 5)
     before_stats, before_owners = pool.stats(), pool.owners()
-    with pytest.raises(OutOfPages, match=r"needs 4 pages .* only 3 of 8 are free"):
+    with pytest.raises(OutOfPages, match=r"needs 4 pages .* only 3 of 8 are free$"):
         pool.allocate(KVOwner("s1", block=0), 4)
     assert pool.stats() == before_stats
     assert pool.owners() == before_owners

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from swarm.errors import InvalidBlockRange, UnsupportedArchitecture
+from swarm.memory import KVOwner, PagePool, ParamsOwner
 from swarm.model import BlockRange, ClientHead, get_family, parse_block_range, resolve_model
 from swarm.model import checkpoint as checkpoint_module
 from tests.tiny_models import tiny_config, write_tiny_checkpoint
@@ -70,6 +71,38 @@ def test_quantized_blocks_run_and_stay_close(tiny_llama: Path) -> None:
         assert torch.isfinite(approximate).all()
         cosine = torch.nn.functional.cosine_similarity(approximate.flatten(), exact.flatten(), dim=0)
         assert cosine > 0.9, (quant, cosine)
+
+
+@pytest.mark.parametrize("quant", ["none", "int8", "nf4"])
+def test_blocks_and_kv_in_pool_pages_compute_exactly_as_in_their_own_memory(tiny_llama: Path, quant: str) -> None:
+    source = resolve_model(str(tiny_llama))
+    pool = PagePool(16 << 20, 64 << 10)
+    plain = BlockRange(source, 2, 6, quant=quant)
+    pooled = BlockRange(source, 2, 6, quant=quant, adopt=lambda index, tensors: pool.adopt(ParamsOwner(index), tensors))
+    kv_pages = pool.pages_needed(pooled.kv_cache_bytes(batch=2, capacity=16))
+    buffers = {}
+    for block in range(2, 6):
+        pool.allocate(KVOwner("s", block), kv_pages)
+        buffers[block] = pool.buffer(KVOwner("s", block))
+    buffers[2].fill_(255)  # pool pages are not cleared for a new session: stale bytes must never be read
+    plain_caches = plain.new_caches(2, 6, batch=2, capacity=16)
+    pooled_caches = pooled.new_caches(2, 6, batch=2, capacity=16, buffers=buffers)
+    generator = torch.Generator().manual_seed(2)
+    position = 0
+    for tokens in (5, 1, 1, 3):
+        hidden = torch.randn(2, tokens, source.config.hidden_size, generator=generator)
+        expected = plain(hidden, plain_caches, position)
+        torch.testing.assert_close(pooled(hidden, pooled_caches, position), expected, rtol=0, atol=0)
+        position += tokens
+    pool_memory = range(pool.storage.data_ptr(), pool.storage.data_ptr() + pool.storage.numel())
+    # Every weight still lives in its block's pages after forwards (bitsandbytes int8 swaps weights at its first).
+    for index, block in zip(range(2, 6), pooled.blocks, strict=True):
+        run = pool.buffer(ParamsOwner(index))
+        pages = range(run.data_ptr(), run.data_ptr() + run.numel())
+        assert all(tensor.data_ptr() in pages for tensor in block.parameters())
+    assert all(cache.key.data_ptr() in pool_memory for cache in pooled_caches.values())
+    assert pool.stats().pages_params == sum(pool.pages_needed(pooled.block_bytes(i)) for i in range(2, 6))
+    pool.check_invariants()
 
 
 @pytest.mark.parametrize("text", ["3-5", "5:3", "a:b", "1:2:3", "-1:4", "4:4", ""])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 from torch import nn
 
@@ -10,7 +12,7 @@ from swarm.model.checkpoint import load_tensors
 from swarm.model.device import dtype_name
 from swarm.model.family import get_family
 from swarm.model.kv import CacheView, KVCache, causal_mask
-from swarm.model.quant import quantize_linears
+from swarm.model.quant import quantize_linears, realias_moved_weights
 from swarm.model.source import ModelSource
 
 
@@ -42,7 +44,10 @@ class BlockRange(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         quant: str = "none",
+        adopt: Callable[[int, list[torch.Tensor]], object] | None = None,
     ) -> None:
+        """Loads blocks [start, end); `adopt(index, tensors)`, if given, takes each block's tensors as soon as it is
+        built (the server moves them into its pool pages, so at most one block sits outside the pool at a time)."""
         super().__init__()
         parse_block_range(f"{start}:{end}", source.num_blocks)
         self.family = get_family(source.config)
@@ -58,7 +63,11 @@ class BlockRange(nn.Module):
             state = {name.removeprefix(prefix): tensor.to(dtype) for name, tensor in tensors.items()
                      if name.startswith(prefix)}
             block.load_state_dict(state, strict=True, assign=True)
-            blocks.append(quantize_linears(block.eval(), quant, compute_dtype=dtype, device=self.device))
+            block = quantize_linears(block.eval(), quant, compute_dtype=dtype, device=self.device)
+            if adopt is not None:
+                adopt(index, [*block.parameters(), *block.buffers()])
+                realias_moved_weights(block)
+            blocks.append(block)
         self.blocks = nn.ModuleList(blocks)
         self.rotary = self.family.rotary_embedding(self.config).to(self.device)
         self.kv_heads, self.head_dim = self.family.kv_shape(self.config)
@@ -80,15 +89,20 @@ class BlockRange(nn.Module):
         block = self.blocks[index - self.start]
         return sum(t.numel() * t.element_size() for t in (*block.parameters(), *block.buffers()))
 
-    def new_caches(self, start: int, end: int, *, batch: int, capacity: int) -> dict[int, KVCache]:
-        """Gives fresh KV caches for blocks [start, end) of this range."""
-        return {
-            index: KVCache(
-                batch=batch, kv_heads=self.kv_heads, capacity=capacity, head_dim=self.head_dim,
-                dtype=self.dtype, device=self.device,
-            )
-            for index in range(start, end)
-        }
+    def kv_cache_bytes(self, *, batch: int, capacity: int) -> int:
+        """Gives the bytes one block's KV cache takes for `batch` sequences of up to `capacity` tokens."""
+        return KVCache.nbytes_for(
+            batch=batch, kv_heads=self.kv_heads, capacity=capacity, head_dim=self.head_dim, dtype=self.dtype
+        )
+
+    def new_caches(
+        self, start: int, end: int, *, batch: int, capacity: int, buffers: Mapping[int, torch.Tensor] | None = None
+    ) -> dict[int, KVCache]:
+        """Gives KV caches for blocks [start, end): views into `buffers[block]` (pool pages) or fresh memory."""
+        shape = {"batch": batch, "kv_heads": self.kv_heads, "capacity": capacity, "head_dim": self.head_dim}
+        if buffers is None:
+            return {index: KVCache.zeros(**shape, dtype=self.dtype, device=self.device) for index in range(start, end)}
+        return {index: KVCache.in_buffer(buffers[index], **shape, dtype=self.dtype) for index in range(start, end)}
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, caches: dict[int, KVCache], position: int) -> torch.Tensor:

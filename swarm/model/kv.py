@@ -6,14 +6,42 @@ import torch
 
 
 class KVCache:
-    """One session's keys and values for one block, preallocated for `capacity` tokens of a `batch`."""
+    """One session's keys and values for one block, [batch, kv_heads, capacity, head_dim] each, allocated up front."""
 
-    def __init__(
-        self, *, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
+    def __init__(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        if key.shape != value.shape or key.dim() != 4:
+            raise ValueError(f"key and value must have one 4-d shape, got {tuple(key.shape)} and {tuple(value.shape)}")
+        self.key, self.value = key, value
+
+    @staticmethod
+    def nbytes_for(*, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Gives the bytes a cache of this shape takes in a buffer, keys then values at an aligned offset."""
+        return 2 * _aligned(batch * kv_heads * capacity * head_dim * torch.finfo(dtype).bits // 8)
+
+    @classmethod
+    def zeros(
+        cls, *, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> KVCache:
+        """Gives a cache in fresh memory of its own."""
         shape = (batch, kv_heads, capacity, head_dim)
-        self.key = torch.zeros(shape, dtype=dtype, device=device)
-        self.value = torch.zeros(shape, dtype=dtype, device=device)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    @classmethod
+    def in_buffer(
+        cls, buffer: torch.Tensor, *, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype
+    ) -> KVCache:
+        """Gives a cache whose keys and values are views into `buffer` (uint8, e.g. pages of the server's pool).
+
+        The memory is not cleared: attention only ever reads positions that a step has written.
+        """
+        needed = cls.nbytes_for(batch=batch, kv_heads=kv_heads, capacity=capacity, head_dim=head_dim, dtype=dtype)
+        if buffer.dtype != torch.uint8 or buffer.numel() < needed:
+            raise ValueError(f"a cache of {needed} bytes does not fit a {buffer.dtype} buffer of {buffer.numel()}")
+        shape = (batch, kv_heads, capacity, head_dim)
+        half = needed // 2
+        key = buffer[: half].view(dtype)[: batch * kv_heads * capacity * head_dim].view(shape)
+        value = buffer[half : needed].view(dtype)[: batch * kv_heads * capacity * head_dim].view(shape)
+        return cls(key, value)
 
     @property
     def capacity(self) -> int:
@@ -22,6 +50,10 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.key.nbytes + self.value.nbytes
+
+
+def _aligned(nbytes: int, alignment: int = 64) -> int:
+    return -(-nbytes // alignment) * alignment
 
 
 class CacheView:

@@ -32,3 +32,14 @@ def quantize_linears(module: nn.Module, mode: str, *, compute_dtype: torch.dtype
             replacement.load_state_dict(child.state_dict())
             setattr(parent, child_name, replacement.to(device))  # bitsandbytes quantizes on this move
     return module.to(device)
+
+
+def realias_moved_weights(module: nn.Module) -> None:
+    """Points bitsandbytes' int8 weight alias (`CB`, read again at the first forward) at where each weight now lives.
+
+    Needed after a quantized block's tensors moved (into pool pages): otherwise the first int8 forward would swap the
+    old copy back in. The small per-row scales (`SCB`) and nf4 quantization states stay where they are.
+    """
+    for parameter in module.parameters():
+        if getattr(parameter, "CB", None) is not None:
+            parameter.CB = parameter.data
