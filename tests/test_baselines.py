@@ -15,7 +15,7 @@ from orchestrator.baselines.helix import helix
 from orchestrator.baselines.load_balancing import DedicatedQueues
 from orchestrator.baselines.parallax import greedy_pipelines, parallax, parallax_layout, water_fill
 from orchestrator.baselines.path_routing import PlacementGraph
-from orchestrator.baselines.petals import choose_best_start, petals_placement
+from orchestrator.baselines.petals import PetalsRouting, choose_best_start, petals_link_estimate_ms, petals_placement
 from orchestrator.sim.engine import simulate
 from orchestrator.sim.methods import POLICIES, build_policy
 from orchestrator.sim.policy import NoFeasiblePlan
@@ -85,6 +85,22 @@ def test_petals_reserves_two_sessions_of_cache_per_block():
     swarm = SwarmModel(model, tuple(ServerSpec(f"b{i}", 40.0, 20.0, 109.0) for i in range(3)))
     counts = sorted(count for _, count in petals_placement(swarm, np.random.default_rng(0)).blocks.values())
     assert counts == [25, 25, 25]  # floor(40 / (1.32 + 2 * 0.11))
+
+
+def test_petals_routes_by_its_own_estimate_rtt_half_plus_overhead():
+    """Petals estimates a link as RTT / 2 + 18 ms + compute, not the relayed tau_c = RTT + 18 ms a hop costs."""
+    assert petals_link_estimate_ms(78.0, 10.0, 2) == 30.0 + 18.0 + 20.0
+    assert petals_link_estimate_ms(5.0, 10.0, 1) == 18.0 + 10.0  # tau_c below the overhead: RTT 0
+    model = ModelSpec(2, 1.0, 0.1)
+    # x: both blocks, RTT 60 (estimate 68, true 98); y1 + y2: one block each, RTT 20 (estimate 76, true 96)
+    swarm = SwarmModel(model, (ServerSpec("x", 4.0, 78.0, 10.0), ServerSpec("y1", 4.0, 38.0, 10.0),
+                               ServerSpec("y2", 4.0, 38.0, 10.0)))
+    policy = PetalsRouting(swarm, Placement({"x": (1, 2), "y1": (1, 1), "y2": (2, 1)}))
+    route = policy.choose(0, 0.0)
+    assert route.servers == ("x",) and route.service_time_ms == 98.0  # the true time of its pick
+    assert policy.graph.shortest_path(policy.base_cost)[0] == ("y1", "y2")  # what the true costs would pick
+    policy.slots_free["x"] = 1  # x cannot hold the 2 slots the job needs now: the 10 s penalty moves it
+    assert policy.choose(1, 0.0).servers == ("y1", "y2")
 
 
 def test_cgbp_fills_under_served_blocks_before_balancing():

@@ -9,9 +9,14 @@ Placement (Petals `choose_num_blocks` / `block_selection`), with servers joining
   min(1 / tau_c[j], 2 / (tau_p[j] * (1 + m_j))) jobs per ms.
 Its cache then is all memory left after the parameters (Mtilde_j), as in every policy here.
 
-Routing: per request, the path of least estimated latency, link cost tau_c[j] + tau_p[j] * m_ij plus a penalty
-(Petals' 10 s allocation delay) where j has fewer free slots than the request needs now. The request then waits
-on that path until its servers have room (`PathPolicy`). Petals' periodic rebalancing of servers is not modelled.
+Routing: per request, the path of least estimated latency. As in Petals' `_build_inference_graph` (and the spec),
+a link into j costs RTT_j / 2 + overhead + tau_p[j] * m_ij, the one-way delay Petals estimates from its pings plus
+its 18 ms `overhead_delay`, plus a penalty (Petals' 10 s `alloc_delay`) where j has fewer free slots than the
+request needs now. Here tau_c[j] = RTT_j + 18 ms, so the router sees RTT_j = tau_c[j] - 18 ms; the job then takes
+the true tau_c[j] per hop (the orchestrator relays), so Petals' estimate undercounts a hop's network time, as it
+would in that setting. The request waits on its path until its servers have room (`PathPolicy`). Idealizations in
+PETALS' favour: the router sees the true free slots at once (Petals reads them from DHT records that lag) and asks
+for m_ij slots (Petals checks the server's whole span). Petals' periodic rebalancing of servers is not modelled.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from orchestrator.swarm_model import Placement, SwarmModel
 
 PETALS_CACHE_JOBS = 2  # attn_cache_tokens 4096 / max sequence 2048 (BLOOM has no grouped-query attention)
 PETALS_ALLOC_PENALTY_MS = 10_000.0
+PETALS_OVERHEAD_MS = 18.0  # Petals' overhead_delay (serialization), also the 18 ms in tau_c = RTT + 18 ms
 
 
 def petals_server_throughput(tau_c_ms: float, tau_p_ms: float, blocks: int) -> float:
@@ -61,18 +67,41 @@ def petals_placement(swarm: SwarmModel, rng: np.random.Generator, cache_jobs: in
     return Placement(blocks)
 
 
+def petals_link_estimate_ms(
+    tau_c_ms: float, tau_p_ms: float, blocks: int, overhead_ms: float = PETALS_OVERHEAD_MS
+) -> float:
+    """Gives Petals' latency estimate of a link into a server: RTT / 2 + overhead + tau_p m_ij."""
+    # the model folds the overhead into tau_c = RTT + overhead; Petals estimates from the RTT it pings
+    rtt_ms = max(tau_c_ms - overhead_ms, 0.0)
+    return rtt_ms / 2.0 + overhead_ms + tau_p_ms * blocks
+
+
 class PetalsRouting(PathPolicy):
-    """Min-latency routing with Petals' penalty for servers whose cache is full; the request waits for cache."""
+    """Min-latency routing with Petals' estimates and its penalty for servers whose cache is full; waits for cache."""
 
     name = "petals"
 
-    def __init__(self, swarm: SwarmModel, placement: Placement, penalty_ms: float = PETALS_ALLOC_PENALTY_MS) -> None:
+    def __init__(
+        self,
+        swarm: SwarmModel,
+        placement: Placement,
+        penalty_ms: float = PETALS_ALLOC_PENALTY_MS,
+        overhead_ms: float = PETALS_OVERHEAD_MS,
+    ) -> None:
         self.penalty_ms = penalty_ms
+        self.overhead_ms = overhead_ms
         super().__init__(swarm, placement)
+
+    def estimate_ms(self, name: str, count: int) -> float:
+        """Gives Petals' estimated latency of entering `name` for `count` blocks, before any cache penalty."""
+        if count > self.slots_total[name]:
+            return math.inf  # a job could never fit there
+        server = self.swarm.server(name)
+        return petals_link_estimate_ms(server.tau_c_ms, server.tau_p_ms, count, self.overhead_ms)
 
     def choose(self, job: int, now_ms: float) -> Route:
         def cost(name: str, count: int) -> float:
-            base = self.base_cost(name, count)
+            base = self.estimate_ms(name, count)
             return base + (self.penalty_ms if self.slots_free[name] < count else 0.0)
 
         found = self.graph.shortest_path(cost)
