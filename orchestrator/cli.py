@@ -1,6 +1,7 @@
 """`swarm-sim`: plan a swarm's chains from a spec file and analyze chains' response times.
 
-    swarm-sim compose SPEC.json [--c N] [--method lower_bound|upper_bound|surrogate] [--json OUT.json]
+    swarm-sim compose SPEC.json [--c N] [--method lower_bound|upper_bound|surrogate|overflow] [--spare-chains]
+                      [--json OUT.json]
     swarm-sim analyze --arrival-rate 1 --rates 1,0.3 --capacities 2,3 [--json OUT.json]
 
 Every subcommand prints a table and, with `--json PATH`, writes its results as JSON. Subcommands are registered
@@ -22,7 +23,8 @@ from orchestrator.allocation import slot_use
 from orchestrator.analysis import exact_mean_response, mean_response_bounds
 from orchestrator.sim import cli as sim_cli
 from orchestrator.spec import SwarmSpecError, load_swarm_spec
-from orchestrator.tuning import TUNING_METHODS, TunedPlan, plan_for_capacity, tune_capacity
+from orchestrator.swarm_model import per_ms
+from orchestrator.tuning import TUNING_METHODS, TunedPlan, overflow_estimate_ms, plan_for_capacity, tune_capacity
 
 Registrar = Callable[[Any], None]  # gets argparse's subparsers object
 
@@ -70,6 +72,7 @@ def compose_payload(plan: TunedPlan, spec_arrival_rate: float, rho_bar: float, m
     return {
         "c": plan.c,
         "method": method,
+        "spare_chains": plan.spare_chains,
         "arrival_rate": spec_arrival_rate,
         "rho_bar": rho_bar,
         "placement": {name: [first, count] for name, (first, count) in plan.placement.blocks.items()},
@@ -86,6 +89,7 @@ def compose_payload(plan: TunedPlan, spec_arrival_rate: float, rho_bar: float, m
         "load": spec_arrival_rate / total_per_s if total_per_s > 0 else None,
         "stable": plan.stable,
         "bounds": {"lower_ms": finite_or_none(plan.lower_ms), "upper_ms": finite_or_none(plan.upper_ms)},
+        "overflow_estimate_ms": finite_or_none(overflow_estimate_ms(per_ms(spec_arrival_rate), plan.chains)),
         "slots": {
             name: {"total": use.total, "used": use.used, "free": use.free}
             for name, use in slot_use(swarm, plan.placement, plan.chains).items()
@@ -101,14 +105,21 @@ def run_compose(args: argparse.Namespace) -> int:
     swarm = spec.swarm()
     try:
         if args.c is not None:
-            plan, method = plan_for_capacity(swarm, args.c, spec.arrival_rate_per_ms, spec.rho_bar), "fixed"
+            plan = plan_for_capacity(swarm, args.c, spec.arrival_rate_per_ms, spec.rho_bar,
+                                     spare_chains=args.spare_chains)
+            method = "fixed"
         else:
-            plan, method = tune_capacity(swarm, spec.arrival_rate_per_ms, spec.rho_bar, method=args.method), args.method
+            # spare chains mix fast and slow chains, where the lower bound misleads: tune them by the estimate
+            method = args.method or ("overflow" if args.spare_chains else "lower_bound")
+            plan = tune_capacity(swarm, spec.arrival_rate_per_ms, spec.rho_bar, method=method,
+                                 spare_chains=args.spare_chains)
     except ValueError as error:
         raise CommandError(str(error)) from None
     payload = compose_payload(plan, spec.arrival_rate, spec.rho_bar, method, swarm)
     hosting = sum(1 for _, count in plan.placement.blocks.values() if count > 0)
-    print(f"c = {plan.c} ({method}); {hosting} of {len(swarm.servers)} servers host blocks; {len(plan.chains)} chains")
+    spare = ", spare chains" if plan.spare_chains else ""
+    print(f"c = {plan.c} ({method}{spare}); {hosting} of {len(swarm.servers)} servers host blocks; "
+          f"{len(plan.chains)} chains")
     print(f"{'chain':>5}  {'capacity':>8}  {'service ms':>11}  servers (blocks)")
     for index, chain in enumerate(plan.chains):
         hops = zip(chain.servers, chain.blocks_per_server, strict=True)
@@ -127,11 +138,16 @@ def run_compose(args: argparse.Namespace) -> int:
 def register_compose(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "compose", help="place blocks (GBP-CR) and compose chains (GCA) for a swarm spec",
-        description="Runs GBP-CR with c tuned by Theorem 3.7's lower bound (or the given --c), then GCA.",
+        description="Runs GBP-CR with c tuned by Theorem 3.7's lower bound (or the given --c), then GCA. "
+        "--spare-chains also stacks the servers GBP-CR leaves over into spare chains and then tunes c by the "
+        "overflow estimate of JFFC's mean response.",
     )
     parser.add_argument("spec", type=Path, help="swarm spec JSON (see README)")
     parser.add_argument("--c", type=_positive_int, help="required capacity c for GBP-CR (default: tuned)")
-    parser.add_argument("--method", choices=TUNING_METHODS, default="lower_bound", help="how to tune c")
+    parser.add_argument("--method", choices=TUNING_METHODS, default=None,
+                        help="how to tune c (default: lower_bound; overflow with --spare-chains)")
+    parser.add_argument("--spare-chains", action="store_true",
+                        help="place the servers left over at GBP-CR's stop into spare chains (not idle)")
     parser.add_argument("--json", type=Path, help="write the plan as JSON here")
     parser.set_defaults(run=run_compose)
 

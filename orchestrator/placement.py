@@ -4,6 +4,11 @@ For a required capacity c, server j reserves c cache slots for every block it ho
 m_j(c) = min(floor(M_j / (s_m + s_c c)), L) blocks and takes at most t_j(c) = tau_c[j] + tau_p[j] m_j(c) per job.
 GBP-CR sorts servers by the amortized per-block time t_j(c) / m_j(c) and stacks them, fastest first, into
 disjoint chains that each cover blocks 1..L, until the chains' total rate reaches lambda / (rho_bar c).
+
+Alg. 1 leaves the servers after its stop without blocks. With `spare_chains=True` (an option of ours, not of the
+paper; the spec allows "in a live swarm, can be given a spare chain") the leftover servers keep being stacked by the
+same order and shift rule into further complete chains, so a live swarm does not leave volunteer GPUs idle; GCA then
+allocates cache over the whole placement. The chains up to the stop, and hence the surrogate K(c), are unchanged.
 """
 
 from __future__ import annotations
@@ -51,9 +56,10 @@ class GreedyPlacement:
     """What GBP-CR built: the placement, the complete disjoint chains, and whether they reach the target rate."""
 
     placement: Placement
-    chains: tuple[DisjointChain, ...]
+    chains: tuple[DisjointChain, ...]  # the chains Alg. 1 stacks up to its stop
     target_met: bool
     fastest_block_ms: float = math.inf  # min_j t~_j(c) over the servers that can host a block at c
+    spare: tuple[DisjointChain, ...] = ()  # complete chains of the servers left over at the stop (spare_chains)
 
     @property
     def total_rate_per_ms(self) -> float:
@@ -77,11 +83,14 @@ def greedy_order(swarm: SwarmModel, capacity: int) -> list[ServerSpec]:
     return [server for _, _, server, _ in ranked_servers(swarm, capacity)]
 
 
-def gbp_cr_plan(swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rho_bar: float) -> GreedyPlacement:
+def gbp_cr_plan(
+    swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rho_bar: float, *, spare_chains: bool = False
+) -> GreedyPlacement:
     """Gives GBP-CR's placement and its disjoint chains for required capacity `capacity` (Alg. 1).
 
     Stops as soon as the complete chains' rate reaches arrival_rate / (rho_bar capacity); servers left over host
-    nothing. Servers of an unfinished last chain keep their blocks (GCA may still combine them with others).
+    nothing, unless `spare_chains`: then they are stacked by the same rule into further chains (`spare`). Servers
+    of an unfinished last chain keep their blocks either way (GCA may still combine them with others).
     """
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -91,6 +100,7 @@ def gbp_cr_plan(swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rh
     target_rate = arrival_rate_per_ms / (rho_bar * capacity)
     blocks: dict[str, tuple[int, int]] = {server.name: (0, 0) for server in swarm.servers}
     chains: list[DisjointChain] = []
+    spare: list[DisjointChain] = []
     next_block, chain_time_ms, chain_servers = 1, 0.0, []
     total_rate = 0.0
     target_met = False
@@ -103,16 +113,23 @@ def gbp_cr_plan(swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rh
         chain_servers.append(server.name)
         next_block = min(next_block + count - 1, model.blocks) + 1
         if next_block > model.blocks:
-            chains.append(DisjointChain(tuple(chain_servers), chain_time_ms))
-            total_rate += 1.0 / chain_time_ms
-            if total_rate >= target_rate:
-                target_met = True
-                break
+            chain = DisjointChain(tuple(chain_servers), chain_time_ms)
+            if target_met:
+                spare.append(chain)
+            else:
+                chains.append(chain)
+                total_rate += 1.0 / chain_time_ms
+                if total_rate >= target_rate:
+                    target_met = True
+                    if not spare_chains:
+                        break
             next_block, chain_time_ms, chain_servers = 1, 0.0, []
     fastest = ranked[0][0] if ranked else math.inf
-    return GreedyPlacement(Placement(blocks), tuple(chains), target_met, fastest)
+    return GreedyPlacement(Placement(blocks), tuple(chains), target_met, fastest, tuple(spare))
 
 
-def gbp_cr(swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rho_bar: float) -> Placement:
+def gbp_cr(
+    swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rho_bar: float, *, spare_chains: bool = False
+) -> Placement:
     """Gives GBP-CR's block placement for required capacity `capacity` (every server listed; unused: (0, 0))."""
-    return gbp_cr_plan(swarm, capacity, arrival_rate_per_ms, rho_bar).placement
+    return gbp_cr_plan(swarm, capacity, arrival_rate_per_ms, rho_bar, spare_chains=spare_chains).placement

@@ -8,6 +8,10 @@ The search over c is exact but pruned: any chain's service time is at least L x 
 time t~_j(c) of the servers that can host a block, the lower (and upper) bound is at least the fastest chain's
 service time, and t~_j(c) only grows with c. So once L min_j t~_j(c) reaches the best bound found, no larger c
 can win. Placements that repeat across c are allocated once.
+
+`spare_chains=True` tunes the live-swarm variant: GBP-CR also stacks the servers left over at its stop into spare
+chains (see `orchestrator.placement`), GCA allocates over that whole placement, and the bound is evaluated on it.
+The pruning floor holds for it too: every chain still runs over servers placed with m_j(c) blocks.
 """
 
 from __future__ import annotations
@@ -17,19 +21,20 @@ from dataclasses import dataclass
 from typing import Literal
 
 from orchestrator.allocation import gca, total_rate_per_ms
-from orchestrator.analysis import mean_response_bounds
+from orchestrator.analysis import mean_response_bounds, overflow_mean_response
 from orchestrator.placement import gbp_cr_plan, ranked_servers
 from orchestrator.swarm_model import Chain, Placement, SwarmModel
 
-TuningMethod = Literal["lower_bound", "upper_bound", "surrogate"]
-TUNING_METHODS: tuple[TuningMethod, ...] = ("lower_bound", "upper_bound", "surrogate")
+TuningMethod = Literal["lower_bound", "upper_bound", "surrogate", "overflow"]
+TUNING_METHODS: tuple[TuningMethod, ...] = ("lower_bound", "upper_bound", "surrogate", "overflow")
 
 
 @dataclass(frozen=True)
 class TunedPlan:
     """A composed swarm: capacity c, GBP-CR's placement, GCA's chains and JFFC's mean response bounds (ms).
 
-    The bounds are infinite when the chains cannot carry the arrival rate (lambda >= nu).
+    The bounds are infinite when the chains cannot carry the arrival rate (lambda >= nu). `spare_chains` says
+    whether GBP-CR placed the servers left over at its stop as spare chains (not part of the paper's Alg. 1).
     """
 
     c: int
@@ -37,6 +42,7 @@ class TunedPlan:
     chains: tuple[Chain, ...]
     lower_ms: float
     upper_ms: float
+    spare_chains: bool = False
 
     @property
     def stable(self) -> bool:
@@ -75,13 +81,24 @@ def response_bounds_ms(arrival_rate_per_ms: float, chains: tuple[Chain, ...] | l
     return mean_response_bounds(arrival_rate_per_ms, rates, capacities)
 
 
-def plan_for_capacity(swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rho_bar: float) -> TunedPlan:
-    """Gives the plan for a fixed c: GBP-CR's placement, GCA's chains and their bounds."""
+def overflow_estimate_ms(arrival_rate_per_ms: float, chains: tuple[Chain, ...] | list[Chain]) -> float:
+    """Gives the overflow estimate of JFFC's mean response time in ms (see `analysis`), or inf if unstable."""
+    if not chains or arrival_rate_per_ms >= total_rate_per_ms(chains):
+        return math.inf
+    rates = [chain.rate_per_ms for chain in chains]
+    capacities = [chain.capacity for chain in chains]
+    return overflow_mean_response(arrival_rate_per_ms, rates, capacities)
+
+
+def plan_for_capacity(
+    swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rho_bar: float, *, spare_chains: bool = False
+) -> TunedPlan:
+    """Gives the plan for a fixed c: GBP-CR's placement (with spare chains if asked), GCA's chains, their bounds."""
     _check_inputs(swarm, arrival_rate_per_ms, rho_bar)
-    placement = gbp_cr_plan(swarm, capacity, arrival_rate_per_ms, rho_bar).placement
+    placement = gbp_cr_plan(swarm, capacity, arrival_rate_per_ms, rho_bar, spare_chains=spare_chains).placement
     chains = tuple(gca(swarm, placement))
     lower, upper = response_bounds_ms(arrival_rate_per_ms, chains)
-    return TunedPlan(capacity, placement, chains, lower, upper)
+    return TunedPlan(capacity, placement, chains, lower, upper, spare_chains)
 
 
 def surrogate_chains(swarm: SwarmModel, capacity: int, arrival_rate_per_ms: float, rho_bar: float) -> int | None:
@@ -116,35 +133,47 @@ def fastest_possible_chain_ms(swarm: SwarmModel, capacity: int) -> float:
 
 
 def tune_capacity(
-    swarm: SwarmModel, arrival_rate_per_ms: float, rho_bar: float, *, method: TuningMethod = "lower_bound"
+    swarm: SwarmModel,
+    arrival_rate_per_ms: float,
+    rho_bar: float,
+    *,
+    method: TuningMethod = "lower_bound",
+    spare_chains: bool = False,
 ) -> TunedPlan:
     """Gives the plan whose c minimizes the chosen objective (ties: the smallest c).
 
     `lower_bound` (the paper's choice) and `upper_bound` minimize Theorem 3.7's bound over GBP-CR + GCA, skipping
-    c with lambda >= nu; `surrogate` minimizes c K(c). Raises ValueError when no c keeps the swarm stable.
+    c with lambda >= nu; `overflow` (ours) minimizes the overflow estimate of JFFC's mean response over the same
+    plans, which unlike the lower bound charges jobs that overflow to slow chains their full service time (see
+    `analysis.overflow_mean_response`); `surrogate` minimizes c K(c) (K counts only the chains up to Alg. 1's
+    stop). With `spare_chains` every candidate placement also holds the spare chains. Raises ValueError when no c
+    keeps the swarm stable.
     """
     limit = _check_inputs(swarm, arrival_rate_per_ms, rho_bar)
     if method == "surrogate":
-        return plan_for_capacity(swarm, surrogate_capacity(swarm, arrival_rate_per_ms, rho_bar), arrival_rate_per_ms,
-                                 rho_bar)
+        capacity = surrogate_capacity(swarm, arrival_rate_per_ms, rho_bar)
+        return plan_for_capacity(swarm, capacity, arrival_rate_per_ms, rho_bar, spare_chains=spare_chains)
     if method not in TUNING_METHODS:
         raise ValueError(f"unknown tuning method {method!r}; choose one of {', '.join(TUNING_METHODS)}")
     best: TunedPlan | None = None
     best_value = math.inf
     chains_of: dict[tuple[tuple[str, int, int], ...], tuple[Chain, ...]] = {}
     for capacity in range(1, limit + 1):
-        greedy = gbp_cr_plan(swarm, capacity, arrival_rate_per_ms, rho_bar)
+        greedy = gbp_cr_plan(swarm, capacity, arrival_rate_per_ms, rho_bar, spare_chains=spare_chains)
         if swarm.model.blocks * greedy.fastest_block_ms >= best_value:
-            break  # this floor on any chain's time only grows with c: no larger c can beat the best bound
+            break  # this floor on any chain's time only grows with c: no larger c can beat the best value
         placement = greedy.placement
         key = tuple((name, first, count) for name, (first, count) in placement.blocks.items())
         if key not in chains_of:
             chains_of[key] = tuple(gca(swarm, placement))
         chains = chains_of[key]
         lower, upper = response_bounds_ms(arrival_rate_per_ms, chains)
-        value = lower if method == "lower_bound" else upper
+        if method == "overflow":
+            value = overflow_estimate_ms(arrival_rate_per_ms, chains) if math.isfinite(lower) else math.inf
+        else:
+            value = lower if method == "lower_bound" else upper
         if value < best_value:
-            best, best_value = TunedPlan(capacity, placement, chains, lower, upper), value
+            best, best_value = TunedPlan(capacity, placement, chains, lower, upper, spare_chains), value
     if best is None:
         raise ValueError("no capacity c gives chains that carry the arrival rate (lambda >= nu for every c)")
     return best

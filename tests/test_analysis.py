@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.analysis import exact_mean_response, exact_two_chain_mean_response, mean_response_bounds
+from orchestrator.analysis import (
+    erlang_b,
+    exact_mean_response,
+    exact_two_chain_mean_response,
+    mean_response_bounds,
+    overflow_mean_response,
+)
 
 
 def test_the_specs_check_values() -> None:
@@ -107,3 +113,47 @@ def test_many_slots_and_heavy_load_stay_finite() -> None:
     # prod lambda / d(i) overflows a float here unless the chain is computed in logarithms
     lower, upper = mean_response_bounds(4999.0, [1.0, 1e-3], [5000, 100])
     assert math.isfinite(lower) and math.isfinite(upper) and 1.0 <= lower <= upper
+
+
+def test_erlang_b_by_hand() -> None:
+    assert erlang_b(0, 3.0) == 1.0
+    assert erlang_b(1, 1.0) == pytest.approx(0.5)  # a / (1 + a)
+    assert erlang_b(2, 1.0) == pytest.approx(0.2)  # (a^2 / 2) / (1 + a + a^2 / 2)
+    assert 0.0 < erlang_b(400, 300.0) < 1e-3  # the recursion stays finite where a^c / c! would overflow
+
+
+@pytest.mark.parametrize(("arrival", "mu", "servers"), [(0.5, 1.0, 1), (2.5, 1.0, 3), (7.9, 0.2, 40)])
+def test_overflow_estimate_of_one_chain_is_the_mmc_response(arrival: float, mu: float, servers: int) -> None:
+    assert overflow_mean_response(arrival, [mu], [servers]) == pytest.approx(
+        erlang_c_mean_response(arrival, mu, servers), rel=1e-9
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0.05, 4.0), st.integers(1, 4)), min_size=2, max_size=4),
+    st.floats(0.02, 0.98),
+)
+def test_overflow_estimate_stays_within_the_bounds(chains: list[tuple[float, int]], load: float) -> None:
+    rates, capacities = [rate for rate, _ in chains], [capacity for _, capacity in chains]
+    arrival = load * sum(rate * capacity for rate, capacity in chains)
+    lower, upper = mean_response_bounds(arrival, rates, capacities)
+    assert lower <= overflow_mean_response(arrival, rates, capacities) <= upper
+
+
+@pytest.mark.parametrize(
+    ("arrival", "rates", "capacities"),
+    [
+        (1.0, [1.0, 0.3], [2, 3]),  # the spec's check instance, at load 0.53
+        (0.2, [1 / 7.78, 1 / 12.5, 1 / 12.5], [3, 3, 3]),  # one fast chain and slow spare chains, paper's load
+        (0.9, [1.0, 0.5, 0.2], [1, 2, 4]),
+    ],
+)
+def test_overflow_estimate_is_close_to_the_exact_response_where_the_lower_bound_is_not(
+    arrival: float, rates: list[float], capacities: list[int]
+) -> None:
+    exact = exact_mean_response(arrival, rates, capacities)
+    lower, _ = mean_response_bounds(arrival, rates, capacities)
+    estimate = overflow_mean_response(arrival, rates, capacities)
+    assert abs(estimate - exact) < 0.05 * exact
+    assert abs(estimate - exact) < 0.25 * (exact - lower)

@@ -15,6 +15,8 @@ from orchestrator.analysis import exact_two_chain_mean_response, mean_response_b
 from orchestrator.baselines.jffc import JFFCPolicy
 from orchestrator.cli import main as swarm_sim
 from orchestrator.sim.engine import CapacityViolation, PolicyError, simulate
+from orchestrator.sim.methods import FIG8_POLICIES
+from orchestrator.sim.overall import fig8, fig8_table, non_wins, paired_comparison, paired_verdicts
 from orchestrator.sim.policy import Route, Start
 from orchestrator.sim.presets import (
     HIGH_PERFORMANCE,
@@ -191,3 +193,29 @@ def test_azure_trace_replays_scaled_to_a_rate_with_token_derived_sizes():
     assert workload.jobs == 5000 and np.all(workload.sizes > 0)
     native = trace_workload(trace, jobs=None, rate_per_ms=None, sizes="trace", rng=np.random.default_rng(0))
     assert native.sizes.mean() == pytest.approx(1.0) and native.rate_per_ms > 1 / 1000  # several requests per second
+
+
+def test_paired_comparison_calls_identical_runs_a_tie_and_consistent_gains_a_win():
+    same = paired_comparison([7.7] * 20, [7.7] * 20)
+    assert (same.verdict, same.equal, same.better, same.worse) == ("tie", 20, 0, 0)
+    # the same chain summed in another server order: service times a few ulps apart are still identical runs
+    ulps = paired_comparison([7789.861191840114] * 20, [7789.861191840113] * 10 + [7789.861191840115] * 10)
+    assert (ulps.verdict, ulps.equal) == ("tie", 20)
+    # 16 of 20 seeds better by 0.001, 4 worse by 0.001 is a win (p = 0.012 by the sign test); 12 of 20 is a tie
+    mine = [7.0] * 20
+    assert paired_comparison(mine, [7.001] * 16 + [6.999] * 4).verdict == "win"
+    assert paired_comparison([7.001] * 16 + [6.999] * 4, mine).verdict == "loss"
+    assert paired_comparison(mine, [7.001] * 12 + [6.999] * 8).verdict == "tie"
+
+
+def test_fig8_compares_each_proposed_variant_with_the_baselines_only():
+    result = fig8(servers=(10,), etas=(0.4,), seeds=2, jobs=120, warmup_jobs=10, policies=FIG8_POLICIES,
+                  rtt_path=None, progress=False)
+    cell = result["cells"][0]
+    assert set(cell["reduction_vs_petals"]) == {"proposed", "proposed-spare"}
+    for variant in ("proposed", "proposed-spare"):
+        assert set(paired_verdicts(cell, variant)) == {"petals", "bprr", "parallax", "helix"}  # jffc-only: infeasible
+    # four fast servers: Alg. 1 builds the very chain Parallax-style builds, so their runs are identical
+    assert "tie vs parallax (identical in 2/2 seeds)" in non_wins(cell, "proposed")
+    table = fig8_table(result)
+    assert "non-wins: paper" in table and "non-wins: spare" in table

@@ -71,6 +71,25 @@ def test_compose_tunes_c_by_the_lower_bound_by_default(tmp_path: Path, capsys: p
     assert f"c = {expected.c} (lower_bound)" in capsys.readouterr().out
 
 
+def test_compose_with_spare_chains_places_the_servers_alg1_leaves_idle(tmp_path: Path) -> None:
+    # 50 jobs/s at c = 5: GBP-CR's first chain (A, B) of rate 1/60 per ms meets 0.05 / 5, so Alg. 1 stops there
+    spec = write_spec(tmp_path, dict(WORKED_SPEC, arrival_rate=50))
+    paper, spare = tmp_path / "paper.json", tmp_path / "spare.json"
+    assert main(["compose", str(spec), "--c", "5", "--json", str(paper)]) == 0
+    assert main(["compose", str(spec), "--c", "5", "--spare-chains", "--json", str(spare)]) == 0
+    paper_plan, spare_plan = json.loads(paper.read_text()), json.loads(spare.read_text())
+    assert paper_plan["spare_chains"] is False and spare_plan["spare_chains"] is True
+    assert paper_plan["placement"] == {"A": [1, 2], "B": [2, 2], "C": [0, 0], "D": [0, 0], "E": [0, 0]}
+    assert spare_plan["placement"] == {"A": [1, 2], "B": [2, 2], "C": [1, 1], "D": [2, 1], "E": [3, 1]}
+    assert [c["servers"] for c in spare_plan["chains"]] == [["A", "B"], ["C", "B"], ["C", "D", "E"]]
+    assert all(use["free"] >= 0 for use in spare_plan["slots"].values())
+    bounds = spare_plan["bounds"]
+    assert bounds["lower_ms"] <= spare_plan["overflow_estimate_ms"] <= bounds["upper_ms"]
+    tuned = tmp_path / "tuned.json"
+    assert main(["compose", str(spec), "--spare-chains", "--json", str(tuned)]) == 0
+    assert json.loads(tuned.read_text())["method"] == "overflow"  # the default tuning with spare chains
+
+
 def test_compose_reports_an_unstable_fixed_c_with_null_bounds(tmp_path: Path) -> None:
     spec = dict(WORKED_SPEC, arrival_rate=1000)  # 1 job per ms: more than any c can serve here
     out = tmp_path / "plan.json"

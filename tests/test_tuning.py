@@ -14,6 +14,7 @@ from orchestrator.tuning import (
     TunedPlan,
     capacity_limit,
     fastest_possible_chain_ms,
+    overflow_estimate_ms,
     plan_for_capacity,
     surrogate_capacity,
     surrogate_chains,
@@ -57,13 +58,20 @@ def test_lower_bound_tuning_by_hand() -> None:
         plan.c = 3  # type: ignore[misc]
 
 
-def exhaustive(swarm: SwarmModel, arrival_rate: float, rho_bar: float, method: str) -> TunedPlan | None:
+def exhaustive(
+    swarm: SwarmModel, arrival_rate: float, rho_bar: float, method: str, spare_chains: bool = False
+) -> TunedPlan | None:
     """Gives the plan an unpruned search over every c picks (ties: the smallest c)."""
+
+    def value(plan: TunedPlan) -> float:
+        if method == "overflow":
+            return overflow_estimate_ms(arrival_rate, plan.chains)
+        return plan.lower_ms if method == "lower_bound" else plan.upper_ms
+
     best: TunedPlan | None = None
     for capacity in range(1, capacity_limit(swarm) + 1):
-        plan = plan_for_capacity(swarm, capacity, arrival_rate, rho_bar)
-        value = plan.lower_ms if method == "lower_bound" else plan.upper_ms
-        if plan.stable and (best is None or value < (best.lower_ms if method == "lower_bound" else best.upper_ms)):
+        plan = plan_for_capacity(swarm, capacity, arrival_rate, rho_bar, spare_chains=spare_chains)
+        if plan.stable and (best is None or value(plan) < value(best)):
             best = plan
     return best
 
@@ -85,24 +93,31 @@ def scaled_rate(swarm: SwarmModel, load: float) -> float:
     return load / chains[0].service_time_ms if chains else load
 
 
-@settings(max_examples=60, deadline=None)
-@given(small_swarms(), st.floats(0.05, 6.0), st.floats(0.3, 1.0), st.sampled_from(["lower_bound", "upper_bound"]))
+@settings(max_examples=80, deadline=None)
+@given(
+    small_swarms(),
+    st.floats(0.05, 6.0),
+    st.floats(0.3, 1.0),
+    st.sampled_from(["lower_bound", "upper_bound", "overflow"]),
+    st.booleans(),
+)
 def test_pruned_tuning_equals_the_exhaustive_search(
-    swarm: SwarmModel, load: float, rho_bar: float, method: str
+    swarm: SwarmModel, load: float, rho_bar: float, method: str, spare_chains: bool
 ) -> None:
     arrival_rate = scaled_rate(swarm, load)
-    expected = exhaustive(swarm, arrival_rate, rho_bar, method)
+    expected = exhaustive(swarm, arrival_rate, rho_bar, method, spare_chains)
     if expected is None:
         with pytest.raises(ValueError):
-            tune_capacity(swarm, arrival_rate, rho_bar, method=method)  # type: ignore[arg-type]
+            tune_capacity(swarm, arrival_rate, rho_bar, method=method, spare_chains=spare_chains)  # type: ignore[arg-type]
         return
-    assert tune_capacity(swarm, arrival_rate, rho_bar, method=method) == expected  # type: ignore[arg-type]
+    found = tune_capacity(swarm, arrival_rate, rho_bar, method=method, spare_chains=spare_chains)  # type: ignore[arg-type]
+    assert found == expected and found.spare_chains == spare_chains
 
 
 @settings(max_examples=40, deadline=None)
-@given(small_swarms(), st.integers(1, 12))
-def test_no_chain_beats_the_pruning_floor(swarm: SwarmModel, capacity: int) -> None:
-    plan = plan_for_capacity(swarm, capacity, 0.01, 1.0)
+@given(small_swarms(), st.integers(1, 12), st.booleans())
+def test_no_chain_beats_the_pruning_floor(swarm: SwarmModel, capacity: int, spare_chains: bool) -> None:
+    plan = plan_for_capacity(swarm, capacity, 0.01, 1.0, spare_chains=spare_chains)
     floor = fastest_possible_chain_ms(swarm, capacity)
     assert all(chain.service_time_ms >= floor * (1 - 1e-12) for chain in plan.chains)
 

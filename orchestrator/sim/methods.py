@@ -1,6 +1,11 @@
 """Every policy `swarm-sim` can run, by name, built for one swarm, arrival rate, rho_bar and seed.
 
 "proposed" is the paper's method with the shipped code: c tuned by the Theorem 3.7 lower bound, GBP-CR, GCA, JFFC.
+"proposed-spare" adds GBP-CR's spare chains (the servers left over at Alg. 1's stop are stacked into further chains)
+and tunes c on that placement by the overflow estimate of JFFC's response (`tuning`, method "overflow"): what a live
+swarm would run, since it leaves no GPU idle. "proposed-spare-lb" tunes the same placements by the lower bound; it
+is kept for comparison: the bound ignores that jobs overflowing to slow spare chains stay on them, so it picks
+small c whose one fast chain is soon full (see benchmarks/RESULTS.md).
 "jffc", "jsq", "jiq", "sed", "sa-jsq" dispatch over the same GBP-CR + GCA chains (Fig. 5a); the others are the
 baselines of `orchestrator.baselines`, each with its own placement.
 """
@@ -20,12 +25,14 @@ from orchestrator.baselines.parallax import parallax
 from orchestrator.baselines.petals import petals
 from orchestrator.sim.policy import DispatchPolicy, NoFeasiblePlan
 from orchestrator.swarm_model import Chain, Placement, SwarmModel
-from orchestrator.tuning import plan_for_capacity, tune_capacity
+from orchestrator.tuning import TuningMethod, plan_for_capacity, tune_capacity
 
 BASELINES = ("petals", "bprr", "parallax", "helix", "jffc-only")
+PROPOSED = ("proposed", "proposed-spare", "proposed-spare-lb")  # paper-exact Alg. 1; spare chains (two tunings)
+SPARE_TUNING: dict[str, TuningMethod] = {"proposed-spare": "overflow", "proposed-spare-lb": "lower_bound"}
 LOAD_BALANCERS = ("jffc", *RULES)
-POLICIES = ("proposed", *BASELINES, *LOAD_BALANCERS)
-FIG8_POLICIES = ("petals", "bprr", "parallax", "helix", "jffc-only", "proposed")
+POLICIES = (*PROPOSED, *BASELINES, *LOAD_BALANCERS)
+FIG8_POLICIES = (*BASELINES, "proposed", "proposed-spare")
 POLICY_STREAM = 33  # the seed stream of a policy's own randomness (PETALS' join order, JSQ ties, ...)
 
 
@@ -39,17 +46,27 @@ class Composition:
 
 
 @lru_cache(maxsize=256)
-def compose(swarm: SwarmModel, arrival_rate_per_ms: float, rho_bar: float, capacity: int | None = None) -> Composition:
-    """Gives the proposed composition: c tuned by the lower bound unless `capacity` is given, GBP-CR, then GCA."""
+def compose(
+    swarm: SwarmModel,
+    arrival_rate_per_ms: float,
+    rho_bar: float,
+    capacity: int | None = None,
+    variant: str = "proposed",
+) -> Composition:
+    """Gives the composition of a proposed variant: c tuned unless `capacity` is given, GBP-CR, then GCA."""
+    if variant not in PROPOSED:
+        raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(PROPOSED)}")
+    name, spare_chains = variant, variant != "proposed"
     if capacity is None:
+        method = SPARE_TUNING.get(variant, "lower_bound")
         try:
-            plan = tune_capacity(swarm, arrival_rate_per_ms, rho_bar, method="lower_bound")
+            plan = tune_capacity(swarm, arrival_rate_per_ms, rho_bar, method=method, spare_chains=spare_chains)
         except ValueError as error:
-            raise NoFeasiblePlan(f"proposed: {error}") from None
+            raise NoFeasiblePlan(f"{name}: {error}") from None
         return Composition(plan.c, plan.placement, tuple(plan.chains))
-    plan = plan_for_capacity(swarm, capacity, arrival_rate_per_ms, rho_bar)
+    plan = plan_for_capacity(swarm, capacity, arrival_rate_per_ms, rho_bar, spare_chains=spare_chains)
     if not plan.chains:
-        raise NoFeasiblePlan(f"proposed: GBP-CR with c = {capacity} leaves no chain through every block")
+        raise NoFeasiblePlan(f"{name}: GBP-CR with c = {capacity} leaves no chain through every block")
     return Composition(capacity, plan.placement, plan.chains)
 
 
@@ -64,9 +81,9 @@ def build_policy(
 ) -> DispatchPolicy:
     """Gives a fresh policy `name` for one run; raises NoFeasiblePlan when it cannot serve this swarm."""
     rng = np.random.default_rng([seed, POLICY_STREAM])
-    if name == "proposed" or name in LOAD_BALANCERS:
-        plan = compose(swarm, arrival_rate_per_ms, rho_bar, capacity)
-        if name in ("proposed", "jffc"):
+    if name in PROPOSED or name in LOAD_BALANCERS:
+        plan = compose(swarm, arrival_rate_per_ms, rho_bar, capacity, name if name in PROPOSED else "proposed")
+        if name in (*PROPOSED, "jffc"):
             return JFFCPolicy(plan.chains, plan.placement, name=name)
         return DedicatedQueues(plan.chains, plan.placement, name, rng)
     if name == "petals":

@@ -2,7 +2,8 @@
 
 Every (J, eta, seed) is one random Sec. 4.1 swarm and one Poisson workload; all policies of that seed see the same
 swarm and the same jobs. A policy that cannot serve a swarm at all (e.g. "JFFC only" when no server fits the whole
-model) is reported as infeasible there, not averaged in.
+model) is reported as infeasible there, not averaged in. Each variant of the proposed method ("proposed", the
+paper's Alg. 1, and "proposed-spare", with spare chains) is compared with every baseline, never with the other.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 from scipy.stats import binomtest
 
-from orchestrator.sim.methods import FIG8_POLICIES, compose
+from orchestrator.sim.methods import FIG8_POLICIES, PROPOSED, compose
 from orchestrator.sim.metrics import summarize
 from orchestrator.sim.policy import NoFeasiblePlan
 from orchestrator.sim.presets import (
@@ -70,8 +71,8 @@ def run_cell(task: CellRun) -> dict:
             "service_ms": result.service_ms,
             "chains": len(result.chain_utilization),
         }
-        if name == "proposed":
-            entry["c"] = compose(instance.swarm, task.rate_per_ms, task.rho_bar).capacity
+        if name in PROPOSED:
+            entry["c"] = compose(instance.swarm, task.rate_per_ms, task.rho_bar, None, name).capacity
         out["policies"][name] = entry
     return out
 
@@ -119,7 +120,7 @@ def fig8(
                     "mean_waiting_ms": float(np.mean([np.mean(e["waiting_ms"]) for e in ok])) if ok else math.nan,
                     "mean_service_ms": float(np.mean([np.mean(e["service_ms"]) for e in ok])) if ok else math.nan,
                 }
-                if name == "proposed" and ok:
+                if name in PROPOSED and ok:
                     stats["c"] = [e["c"] for e in ok]
                 if len(ok) < len(entries):
                     stats["reason"] = next(e["infeasible"] for e in entries if "infeasible" in e)
@@ -130,10 +131,14 @@ def fig8(
                     bucket["waiting"].append(e["waiting_ms"])
                     bucket["service"].append(e["service_ms"])
                     bucket["means"].append(float(np.mean(e["response_ms"])))
-            petals, proposed = (
-                cell["policies"].get(n, {}).get("mean_response_ms", math.nan) for n in ("petals", "proposed")
-            )
-            cell["reduction_vs_petals"] = 1.0 - proposed / petals if petals and math.isfinite(petals) else math.nan
+            petals = cell["policies"].get("petals", {}).get("mean_response_ms", math.nan)
+            cell["reduction_vs_petals"] = {
+                name: 1.0 - cell["policies"][name]["mean_response_ms"] / petals
+                if petals and math.isfinite(petals)
+                else math.nan
+                for name in policies
+                if name in PROPOSED
+            }
             cells.append(cell)
     overall = {}
     for name, bucket in pooled.items():
@@ -159,48 +164,95 @@ def fig8(
     }
 
 
-def paired_verdicts(cell: dict) -> dict[str, str]:
-    """Gives, per baseline that ran on every seed, "win", "tie" or "loss" of the proposed method.
+@dataclass(frozen=True)
+class PairedComparison:
+    """One variant of the proposed method against one baseline over the same seeds (same swarm, same jobs).
 
-    Seeds pair the runs (same swarm, same jobs). The proposed method wins if the 95% interval of the per-seed
-    difference (baseline - proposed) lies above 0, or if a two-sided sign test (p < 0.05) says it is better in more
-    seeds than chance: the t interval alone calls a 20-of-20 win a tie when one seed's baseline blows up. "loss" is
-    the mirror image; anything else is a "tie".
+    `better`, `worse`, `equal` count seeds where the proposed mean response is lower, higher or identical (equal
+    means the two ran the very same chains: a tie, never a win; means within a relative 1e-9 count as identical,
+    since the same chain's service time summed in another server order differs in the last bits). `mean_diff_ms` is
+    the mean of baseline - proposed.
     """
+
+    verdict: str  # "win", "tie" or "loss"
+    better: int
+    worse: int
+    equal: int
+    mean_diff_ms: float
+
+
+def paired_comparison(mine: list[float], theirs: list[float]) -> PairedComparison:
+    """Gives the paired verdict of per-seed means `mine` (proposed) against `theirs` (a baseline).
+
+    The proposed method wins if the 95% interval of the per-seed difference (baseline - proposed) lies above 0, or
+    if a two-sided sign test (p < 0.05) says it is better in more seeds than chance: the t interval alone calls a
+    20-of-20 win a tie when one seed's baseline blows up. "loss" is the mirror image; anything else is a "tie".
+    """
+    mine_ms, theirs_ms = np.array(mine), np.array(theirs)
+    diff = theirs_ms - mine_ms
+    # the same chain summed in another server order differs in the last bits of its service time: that is equal
+    diff[np.abs(diff) <= 1e-9 * np.maximum(np.abs(mine_ms), np.abs(theirs_ms))] = 0.0
+    half = 1.96 * diff.std(ddof=1) / math.sqrt(diff.size) if diff.size > 1 else 0.0
+    low, high = diff.mean() - half, diff.mean() + half
+    better, worse = int((diff > 0).sum()), int((diff < 0).sum())
+    sign_p = binomtest(better, better + worse).pvalue if better + worse else 1.0
+    if low > 0 or (sign_p < 0.05 and better > worse):
+        verdict = "win"
+    elif high < 0 or (sign_p < 0.05 and worse > better):
+        verdict = "loss"
+    else:
+        verdict = "tie"
+    return PairedComparison(verdict, better, worse, int(diff.size) - better - worse, float(diff.mean()))
+
+
+def paired_comparisons(cell: dict, mine: str = "proposed") -> dict[str, PairedComparison]:
+    """Gives, per baseline that ran on every seed of `cell`, how proposed variant `mine` compares with it."""
     policies = cell["policies"]
-    mine = policies.get("proposed", {}).get("mean_response_per_run_ms")
-    verdicts = {}
+    own = policies.get(mine, {}).get("mean_response_per_run_ms")
+    out = {}
     for name, stats in policies.items():
         theirs = stats.get("mean_response_per_run_ms")
-        if name == "proposed" or not mine or not theirs or len(theirs) != len(mine):
+        if name in PROPOSED or not own or not theirs or len(theirs) != len(own):
             continue
-        diff = np.array(theirs) - np.array(mine)
-        half = 1.96 * diff.std(ddof=1) / math.sqrt(diff.size) if diff.size > 1 else 0.0
-        low, high = diff.mean() - half, diff.mean() + half
-        better, worse = int((diff > 0).sum()), int((diff < 0).sum())
-        sign_p = binomtest(better, better + worse).pvalue if better + worse else 1.0
-        if low > 0 or (sign_p < 0.05 and better > worse):
-            verdicts[name] = "win"
-        elif high < 0 or (sign_p < 0.05 and worse > better):
-            verdicts[name] = "loss"
-        else:
-            verdicts[name] = "tie"
-    return verdicts
+        out[name] = paired_comparison(own, theirs)
+    return out
+
+
+def paired_verdicts(cell: dict, mine: str = "proposed") -> dict[str, str]:
+    """Gives, per baseline that ran on every seed, "win", "tie" or "loss" of proposed variant `mine`."""
+    return {name: result.verdict for name, result in paired_comparisons(cell, mine).items()}
+
+
+def non_wins(cell: dict, mine: str = "proposed") -> list[str]:
+    """Gives "tie vs NAME" / "loss vs NAME" for every baseline `mine` does not beat; identical runs are said so."""
+    notes = []
+    for name, result in sorted(paired_comparisons(cell, mine).items()):
+        if result.verdict == "win":
+            continue
+        seeds = result.better + result.worse + result.equal
+        same = f" (identical in {result.equal}/{seeds} seeds)" if result.equal else ""
+        notes.append(f"{result.verdict} vs {name}{same}")
+    return notes
+
+
+VARIANT_LABELS = {"proposed": "paper", "proposed-spare": "spare", "proposed-spare-lb": "spare-lb"}
 
 
 def fig8_table(result: dict) -> str:
-    """Gives the grid as a table: mean response (s) per policy per cell, and the reduction vs PETALS."""
+    """Gives the grid as a table: mean response (s) per policy per cell; per proposed variant the reduction vs
+    PETALS and the baselines it does not beat (paired over seeds)."""
     policies = result["settings"]["policies"]
+    variants = [name for name in policies if name in PROPOSED]
     rows = []
     for cell in result["cells"]:
         row: list[object] = [cell["servers"], f"{cell['eta']:.1f}"]
         for name in policies:
             stats = cell["policies"][name]
             row.append(seconds(stats["mean_response_ms"]) if stats["runs"] else "infeasible")
-        reduction = cell["reduction_vs_petals"]
-        row.append("-" if not math.isfinite(reduction) else f"{100 * reduction:.0f}%")
-        verdicts = paired_verdicts(cell)
-        others = [f"{v} vs {n}" for n, v in verdicts.items() if v != "win"]
-        row.append("yes" if not others else "; ".join(others))
+        for name in variants:
+            reduction = cell["reduction_vs_petals"][name]
+            row.append("-" if not math.isfinite(reduction) else f"{100 * reduction:.1f}%")
+            row.append("; ".join(non_wins(cell, name)) or "beats all")
         rows.append(row)
-    return format_table(["J", "eta", *policies, "vs PETALS", "proposed best"], rows)
+    extra = [f"{label} {VARIANT_LABELS.get(name, name)}" for name in variants for label in ("vs PETALS", "non-wins:")]
+    return format_table(["J", "eta", *policies, *extra], rows)
