@@ -5,13 +5,14 @@ Swarms of J = 100, 1,000 and 5,000 servers serve an 80-block model (BLOOM-176B's
 a seeded RTT drawn uniformly from 5..60 ms. The arrival rate scales with J: 0.01 J jobs/s is the paper's default
 ratio (0.2 jobs/s for J = 20); a second row per J puts 5x that load on the swarm. Each row times one
 `tune_capacity` call (GBP-CR + GCA for every candidate c, skipping unstable c, choosing by the Theorem 3.7 lower
-bound) and, for the chosen c, one GBP-CR and one GCA call alone. JFFC is driven through a million events over the
-chains of the J = 1,000 plan and over 10,000 synthetic chains: arrivals and completions as a simulator would call
-them, as a random walk that reverts to full occupancy (arrivals win 55:45 below it and lose 45:55 above it), so
-both free chains and the central queue are exercised.
+bound) and, for the chosen c, one GBP-CR and one GCA call alone; "spare" rows do the same for the live-swarm variant
+(spare chains: every server that fits a block hosts one, c chosen by the overflow estimate). JFFC is driven
+through a million events over the chains of the J = 1,000 plan and over 10,000 synthetic chains: arrivals and
+completions as a simulator would call them, as a random walk that reverts to full occupancy (arrivals win 55:45
+below it and lose 45:55 above it), so both free chains and the central queue are exercised.
 
-Targets: J = 1,000 composed and tuned in under 2 s; JFFC at least 200k events/s. Prints a table and a verdict;
-never asserts.
+Targets: J = 1,000 composed and tuned in under 2 s (both variants); JFFC at least 200k events/s. Prints a table and
+a verdict; never asserts.
 
     .venv/bin/python benchmarks/policy_scale.py [--sizes 100,1000,5000] [--events 1000000] [--repeats 3]
 """
@@ -65,13 +66,15 @@ def best_of(repeats: int, run) -> tuple[float, object]:
     return min(times), result
 
 
-def time_composition(count: int, jobs_per_s: float, repeats: int) -> dict:
+def time_composition(count: int, jobs_per_s: float, repeats: int, spare: bool = False) -> dict:
     swarm = scale_swarm(count)
     rate = per_ms(jobs_per_s)
-    tune_s, plan = best_of(repeats, lambda: tune_capacity(swarm, rate, RHO_BAR))
-    placement_s, placement = best_of(repeats, lambda: gbp_cr(swarm, plan.c, rate, RHO_BAR))
+    method = "overflow" if spare else "lower_bound"
+    tune_s, plan = best_of(repeats, lambda: tune_capacity(swarm, rate, RHO_BAR, method=method, spare_chains=spare))
+    placement_s, placement = best_of(repeats, lambda: gbp_cr(swarm, plan.c, rate, RHO_BAR, spare_chains=spare))
     allocation_s, chains = best_of(repeats, lambda: gca(swarm, placement))
     return {
+        "variant": "spare" if spare else "paper",
         "servers": count, "jobs_per_s": jobs_per_s, "c": plan.c, "hosting": len(placement.hosting()),
         "chains": len(chains), "jobs_at_once": sum(chain.capacity for chain in chains),
         "lower_s": plan.lower_ms / 1000.0, "gbp_cr_ms": placement_s * 1000.0, "gca_ms": allocation_s * 1000.0,
@@ -134,22 +137,24 @@ def main() -> None:
     print(f"machine: {platform.platform()}, cpu_count={os.cpu_count()}, python {platform.python_version()}; "
           f"loadavg {', '.join(f'{value:.2f}' for value in os.getloadavg())}")
     print(f"model: L={BLOCKS}, s_m=1.32 GB, s_c=0.11 GB; rho_bar={RHO_BAR}; fastest of {args.repeats} runs\n")
-    header = ("| J | jobs/s | c | hosting | chains | jobs at once | lower bound s | GBP-CR ms | GCA ms "
+    header = ("| variant | J | jobs/s | c | hosting | chains | jobs at once | lower bound s | GBP-CR ms | GCA ms "
               "| tune + compose s |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     rows = []
     for count in sizes:
-        for load in (0.01, 0.05):
-            row = time_composition(count, load * count, args.repeats if count <= TARGET_J else 1)
+        for load, spare in ((0.01, False), (0.01, True), (0.05, False), (0.05, True)):
+            row = time_composition(count, load * count, args.repeats if count <= TARGET_J else 1, spare)
             rows.append(row)
-            print(f"| {count} | {row['jobs_per_s']:g} | {row['c']} | {row['hosting']} | {row['chains']} | "
+            print(f"| {row['variant']} | {count} | {row['jobs_per_s']:g} | {row['c']} | {row['hosting']} | "
+                  f"{row['chains']} | "
                   f"{row['jobs_at_once']} | {row['lower_s']:.2f} | {row['gbp_cr_ms']:.1f} | {row['gca_ms']:.1f} | "
                   f"{row['tune_s']:.3f} |")
     print("\n| JFFC over | chains | events | events/s | arrivals queued |")
     print("|---|---|---|---|---|")
     dispatch_rates = []
-    plan_chains = next((list(row["plan"].chains) for row in reversed(rows) if row["servers"] == TARGET_J), None)
+    plan_chains = next((list(row["plan"].chains) for row in reversed(rows)
+                        if row["servers"] == TARGET_J and row["variant"] == "paper"), None)
     cases = [("J=1000 plan (5x load)", plan_chains)] if plan_chains else []
     cases.append(("synthetic", synthetic_chains(10_000)))
     for label, chains in cases:
