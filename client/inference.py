@@ -7,6 +7,7 @@ through them (rebuilding their KV caches), and continues. Greedy outputs match a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -35,6 +36,8 @@ from swarm.rpc import RpcConnection
 from swarm.wire import decode_tensor, encode_tensor
 
 log = logging.getLogger(__name__)
+
+PUSH_WAIT_MARGIN_MS = 500.0
 
 # Errors after which another server may succeed; anything else (bad input, max length) goes to the caller.
 RECOVERABLE = (
@@ -126,9 +129,12 @@ class RemoteInferenceSession:
         """Gives the hidden states after the last block for `hidden` ([batch, new tokens, hidden])."""
         if self.closed:
             raise SessionNotFound("this inference session is closed")
+        new_tokens = hidden.shape[1]
         index = 0
+        if self.client.config.server_push and len(self.spans) > 1 and new_tokens == 1:
+            hidden, index = await self._pushed_step(hidden)
         failovers_this_step = 0
-        while index < len(self.spans):
+        while index < len(self.spans):  # one span at a time: a step's start, or what the pushed step left over
             span_session = self.spans[index]
             try:
                 output = await self._call_step(
@@ -146,8 +152,46 @@ class RemoteInferenceSession:
             span_session.position += hidden.shape[1]
             hidden = output
             index += 1
-        self.position += hidden.shape[1]
+        self.position += new_tokens
         return hidden
+
+    async def _pushed_step(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Sends the step to the first server and, at the same time, asks every later server for its output.
+
+        Each server pushes its output to the next one, so the token crosses client -> s1 -> ... -> client once,
+        and the client's requests to later servers only collect outputs (kept as inputs for replay). Gives the
+        output of the last span that answered and the index of the first span that did not (len(spans) when all
+        did); the caller goes on from there one span at a time, where servers that already ran the step (same
+        step id) answer without running it again.
+        """
+        step_id = f"{self.position}"
+        calls = [self._call_step(self.spans[0], hidden, step_id=step_id, next_hops=self._next_hops(0))]
+        calls += [
+            self._call_step(later, None, step_id=step_id, wait_ms=self._push_wait_ms(index), dtype=hidden.dtype)
+            for index, later in enumerate(self.spans[1:], start=1)
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for index, result in enumerate(results):
+            if isinstance(result, BaseException):
+                if not isinstance(result, SwarmError):
+                    raise result
+                log.debug("pushed step %s stopped at span %d (%s: %s); going on span by span", step_id, index,
+                          type(result).__name__, result.message)
+                return hidden, index
+            span_session = self.spans[index]
+            span_session.history.append(hidden)
+            span_session.position += hidden.shape[1]
+            hidden = result
+        return hidden, len(self.spans)
+
+    def _push_wait_ms(self, index: int) -> int:
+        """Gives how long span `index` should wait for its pushed step: thrice the expected time of the spans
+        before it, plus a margin. It bounds only how late a lost push is noticed."""
+        expected_ms = sum(
+            self.client.rtt_ms(earlier.peer_id) + earlier.span.length * earlier.span.record.block_compute_ms
+            for earlier in self.spans[:index]
+        )
+        return int(min(3 * expected_ms + PUSH_WAIT_MARGIN_MS, 1000 * self.client.config.request_timeout_s / 2))
 
     def _next_hops(self, index: int) -> list[NextHop]:
         """Gives the servers after span `index`, to which each server pushes its output (if pushing is on)."""
@@ -159,15 +203,27 @@ class RemoteInferenceSession:
         ]
 
     async def _call_step(
-        self, span_session: _SpanSession, hidden: torch.Tensor, *, step_id: str, next_hops: Sequence[NextHop] = ()
+        self,
+        span_session: _SpanSession,
+        hidden: torch.Tensor | None,
+        *,
+        step_id: str,
+        next_hops: Sequence[NextHop] = (),
+        wait_ms: int | None = None,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
+        """Gives the span's output (in `dtype`, default hidden's) for the step: from `hidden`, or, with hidden None,
+        the step pushed to the span's server within `wait_ms`."""
         config = self.client.config
-        payload = {
+        payload: dict[str, object] = {
             "session_id": span_session.session_id,
             "step_id": step_id,
             "position": span_session.position,
-            "hidden": encode_tensor(hidden, config.compression),
         }
+        if hidden is not None:
+            payload["hidden"] = encode_tensor(hidden, config.compression)
+        if wait_ms is not None:
+            payload["wait_ms"] = wait_ms
         if next_hops:
             payload["next"] = [hop.to_wire() for hop in next_hops]
         if config.compression:
@@ -178,7 +234,7 @@ class RemoteInferenceSession:
         timings.steps += 1
         timings.round_trip_ms += (time.perf_counter() - started) * 1000
         timings.compute_ms += float(reply.get("compute_ms", 0.0))
-        return decode_tensor(reply["hidden"], dtype=hidden.dtype)
+        return decode_tensor(reply["hidden"], dtype=dtype or (hidden.dtype if hidden is not None else None))
 
     async def _replace(self, index: int) -> None:
         """Replaces span `index` by a new chain over the same blocks and replays its saved inputs through it."""

@@ -12,7 +12,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from client.loop import BackgroundLoop
-from client.routing import Span, find_route, servers_of
+from client.routing import DEFAULT_RTT_MS, Span, find_route, servers_of
 from swarm.dht import lookup_async
 from swarm.errors import PeerUnreachable, SwarmError
 from swarm.records import ServerRecord
@@ -81,6 +81,11 @@ class SwarmClient:
         return await RpcConnection.open(
             self.p2p, record.peer_id, timeout=self.config.connect_timeout_s, max_frame_bytes=self.config.max_frame_bytes
         )
+
+    def rtt_ms(self, peer_id: str) -> float:
+        """Gives the latest measured round trip to `peer_id` in ms (a default guess if never measured)."""
+        measured = self._rtt_ms.get(peer_id)
+        return measured[0] if measured is not None else DEFAULT_RTT_MS
 
     async def measure_rtt(self, record: ServerRecord) -> float:
         """Gives the round trip of an `info` call to the server in ms (cached for `rtt_ttl_s`)."""

@@ -27,6 +27,7 @@ from swarm.errors import (
     PositionMismatch,
     ServerBusy,
     ServerDraining,
+    StepNotPushed,
     SwarmError,
 )
 from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, parse_size
@@ -38,6 +39,7 @@ from swarm.wire import decode_tensor, encode_tensor, validate_compression
 log = logging.getLogger(__name__)
 
 _THROUGHPUT_MIN_BYTES = 64 << 10  # smaller frames measure latency, not bandwidth
+MAX_PUSH_WAIT_MS = 600_000
 
 
 def field(payload: dict[str, Any], name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
@@ -214,9 +216,15 @@ class SwarmServer:
         return {}
 
     async def _step(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
-        """Runs a step (or finds it running or done, if a push brought it first) and answers its output."""
+        """Runs a step (or finds it running or done, if a push brought it first) and answers its output.
+
+        A step without `hidden` but with `wait_ms` waits up to that long for the previous server to push it.
+        """
         compression = validate_compression(field(payload, "compression", str, optional=True))
-        session, result = self._admit_step(payload, ctx)
+        if "hidden" not in payload and "wait_ms" in payload:
+            session, result = await self._await_pushed_step(payload)
+        else:
+            session, result = self._admit_step(payload, ctx)
         result = await asyncio.shield(result)  # a client that goes away does not cancel a step others await
         return {"hidden": encode_tensor(result.output, compression), "position": session.position,
                 "compute_ms": result.compute_ms}
@@ -226,6 +234,37 @@ class SwarmServer:
         validate_compression(field(payload, "compression", str, optional=True))
         self._admit_step(payload, ctx)
         return {}
+
+    def _known_step(self, session: Session, step_id: str | None) -> asyncio.Future[StepResult] | None:
+        """Gives the result of step `step_id` if the session has done it or is running it now, else None."""
+        if step_id is None:
+            return None
+        if step_id == session.last_step_id and session.last_result is not None:
+            session.last_active_s = time.monotonic()  # a repeated step: answer again, compute nothing
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(session.last_result)
+            return done
+        if session.running is not None and session.running.step_id == step_id:
+            return session.running.result
+        return None
+
+    async def _await_pushed_step(self, payload: dict[str, Any]) -> tuple[Session, asyncio.Future[StepResult]]:
+        """Gives the result of a step the previous server is to push, waiting at most `wait_ms` for it to arrive."""
+        self._check_serving()
+        session = self.sessions.get(field(payload, "session_id", str))
+        step_id = field(payload, "step_id", str)
+        wait_ms = field(payload, "wait_ms", int)
+        if not 0 <= wait_ms <= MAX_PUSH_WAIT_MS:
+            raise MalformedFrame(f"wait_ms {wait_ms} is outside 0..{MAX_PUSH_WAIT_MS}")
+        deadline = time.monotonic() + wait_ms / 1000
+        while (known := self._known_step(session, step_id)) is None:
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                raise StepNotPushed(f"step {step_id!r} was not pushed within {wait_ms} ms; send its hidden states")
+            with suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(session.admitted), remaining_s)
+            session = self.sessions.get(session.session_id)  # it may have closed meanwhile
+        return session, known
 
     def _admit_step(
         self, payload: dict[str, Any], ctx: CallContext
@@ -237,16 +276,11 @@ class SwarmServer:
         self._check_serving()
         session = self.sessions.get(field(payload, "session_id", str))
         step_id = field(payload, "step_id", str, optional=True)
-        loop = asyncio.get_running_loop()
-        if step_id is not None and step_id == session.last_step_id and session.last_result is not None:
-            session.last_active_s = time.monotonic()  # a repeated step: answer again, compute nothing
-            done = loop.create_future()
-            done.set_result(session.last_result)
-            return session, done
+        known = self._known_step(session, step_id)
+        if known is not None:
+            return session, known
         running = session.running
         if running is not None:
-            if step_id is not None and step_id == running.step_id:
-                return session, running.result
             raise ServerBusy(f"session {session.session_id!r} is already running step {running.step_id!r}")
         try:
             next_hops = NextHop.list_from_wire(payload.get("next", []))
@@ -261,8 +295,10 @@ class SwarmServer:
                 f"{session.position} + {hidden.shape[1]} tokens exceed the session's max_length {session.max_length}"
             )
         self._note_throughput(ctx)
-        result: asyncio.Future[StepResult] = loop.create_future()
+        result: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
         session.running = RunningStep(step_id, result)
+        session.admitted.set_result(None)  # wakes requests waiting for this step to be pushed
+        session.admitted = asyncio.get_running_loop().create_future()
         push = {"step_id": step_id, "position": session.position}
         if "compression" in payload:
             push["compression"] = payload["compression"]

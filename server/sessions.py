@@ -44,6 +44,8 @@ class Session:
     last_step_id: str | None = None
     last_result: StepResult | None = None
     running: RunningStep | None = None  # touched only on the event loop thread
+    # Resolved (and replaced) whenever a step is admitted, for requests waiting for a pushed step.
+    admitted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     last_active_s: float = field(default_factory=time.monotonic)
 
 

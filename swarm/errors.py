@@ -107,5 +107,9 @@ class InternalServerError(SwarmError):
     """A peer's handler failed with an unexpected exception; the message names its type and text."""
 
 
+class StepNotPushed(SwarmError):
+    """A step the client expected the previous server to push did not arrive in time; send it with its input."""
+
+
 class PositionMismatch(SwarmError):
     """A step names a start position other than the session's current one."""

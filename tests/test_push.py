@@ -3,6 +3,7 @@ the step finds it running or done, and a push that cannot be delivered costs not
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client import ClientConfig, DistributedModelForCausalLM, SwarmClient
-from swarm.errors import MalformedFrame
+from swarm.errors import MalformedFrame, StepNotPushed
 from swarm.local_swarm import SwarmProcesses
 from swarm.model import BlockRange, resolve_model
 from swarm.records import NextHop, ServerRecord
@@ -129,3 +130,38 @@ def test_generate_with_and_without_push_matches_local_model(swarm: SwarmProcesse
             assert remote.generate(input_ids, max_new_tokens=12, do_sample=False).tolist() == expected.tolist()
         finally:
             remote.shutdown()
+
+
+def test_a_waiting_request_gets_the_pushed_step_or_a_typed_error_in_time(spans: tuple[Span, Span]) -> None:
+    first, second = spans
+    position = first.position
+    hidden = torch.randn(1, 1, HIDDEN, generator=torch.Generator().manual_seed(9))
+
+    async def push_and_wait() -> list[dict[str, Any]]:
+        # The waiting request goes out first: the second server holds it until the first server's push arrives.
+        waiting = asyncio.create_task(second.connection.call(
+            "step", {"session_id": second.session_id, "step_id": "w", "position": position, "wait_ms": 20_000},
+            timeout=TIMEOUT_S,
+        ))
+        await asyncio.sleep(0.2)
+        pushed_from = await first.connection.call(
+            "step", {"session_id": first.session_id, "step_id": "w", "position": position,
+                     "hidden": encode_tensor(hidden), "next": [second.hop()]}, timeout=TIMEOUT_S,
+        )
+        return [pushed_from, await waiting]
+
+    from_first, from_second = first.client.run(push_and_wait())
+    middle = first.expected(hidden)
+    torch.testing.assert_close(decode_tensor(from_first["hidden"]), middle, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(decode_tensor(from_second["hidden"]), second.expected(middle), rtol=1e-5, atol=1e-5)
+
+    started = time.monotonic()
+    with pytest.raises(StepNotPushed):  # nobody pushes this step: the wait ends at its deadline, nothing changes
+        second.call("step", {"session_id": second.session_id, "step_id": "never", "wait_ms": 300})
+    assert time.monotonic() - started < TIMEOUT_S
+    with pytest.raises(MalformedFrame, match="wait_ms"):
+        second.call("step", {"session_id": second.session_id, "step_id": "never", "wait_ms": -1})
+    hidden = torch.randn(1, 1, HIDDEN, generator=torch.Generator().manual_seed(10))
+    reply = second.call("step", {"session_id": second.session_id, "step_id": "after", "position": second.position,
+                                 "hidden": encode_tensor(hidden)})
+    torch.testing.assert_close(decode_tensor(reply["hidden"]), second.expected(hidden), rtol=1e-5, atol=1e-5)
