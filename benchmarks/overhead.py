@@ -5,7 +5,9 @@ Runs the embedded SmolLM2-135M-Instruct locally (Hugging Face, float32) and thro
 prints one table and a one-line verdict against the target "3-server swarm reaches >= 0.85x local decode
 tokens/s" (with push, the default). It never asserts.
 
-Both paths are timed the same way: a streamer stamps `time.perf_counter()` at every token `generate()` emits.
+The local model runs in this process with torch's defaults. Each swarm client runs in a process of its own that,
+like the servers it shares the machine with, runs OpenMP threads passively (see `ClientProcess`). Both paths are
+timed the same way: a streamer stamps `time.perf_counter()` at every token `generate()` emits.
 Time to first token is prefill plus the first token; decode tokens/s counts only the tokens after it. For the
 swarm, the session is opened (route + `open` calls) before the clock starts; its cost is printed separately.
 
@@ -18,11 +20,15 @@ flagged UNRELIABLE when that exceeds 10%.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import itertools
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,18 +64,18 @@ class OthersCpu:
     The machine may be shared; a run during which others used much CPU says little about chainswarm.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, root_pid: int | None = None) -> None:
+        self.root_pid = root_pid or os.getpid()  # the benchmark's main process; its whole tree is "own"
         self._start = self._sample()
 
-    @staticmethod
-    def _sample() -> tuple[float, float, float]:
+    def _sample(self) -> tuple[float, float, float]:
         system = psutil.cpu_times()
         # guest time is already counted in user time
         total_s = sum(system) - getattr(system, "guest", 0.0) - getattr(system, "guest_nice", 0.0)
         busy_s = total_s - system.idle - getattr(system, "iowait", 0.0)
         own_s = 0.0
-        me = psutil.Process()
-        for proc in [me, *me.children(recursive=True)]:
+        root = psutil.Process(self.root_pid)
+        for proc in [root, *root.children(recursive=True)]:
             try:
                 times = proc.cpu_times()
                 own_s += times.user + times.system
@@ -240,7 +246,9 @@ def _snapshot(session: InferenceSession) -> list[tuple[tuple[int, int], int, flo
     return [(t.blocks, t.steps, t.round_trip_ms, t.compute_ms) for t in session.timings()]
 
 
-def run_swarm(model: DistributedModelForCausalLM, input_ids: torch.Tensor, max_new_tokens: int) -> RunSample:
+def run_swarm(
+    model: DistributedModelForCausalLM, input_ids: torch.Tensor, max_new_tokens: int, root_pid: int | None = None
+) -> RunSample:
     opened_s = time.perf_counter()
     session = model.inference_session(max_length=input_ids.shape[1] + max_new_tokens)
     open_ms = (time.perf_counter() - opened_s) * 1000
@@ -257,7 +265,7 @@ def run_swarm(model: DistributedModelForCausalLM, input_ids: torch.Tensor, max_n
     with session:
         after_prefill: list[tuple[tuple[int, int], int, float, float]] = []
         clock = StepClock(on_first_token=lambda: after_prefill.extend(_snapshot(session)))
-        others = OthersCpu()
+        others = OthersCpu(root_pid)
         started_s = time.perf_counter()
         output = model.generate(input_ids, session=session, streamer=clock, **generate_kwargs(max_new_tokens))
         sample = summarize_clock(clock, started_s, input_ids.shape[1], output)
@@ -288,6 +296,75 @@ def probe_noop_rtt(model: DistributedModelForCausalLM, session: InferenceSession
     return model.swarm.run(probe())
 
 
+class ClientProcess:
+    """A swarm client in its own process, configured as a client sharing the machine with servers is.
+
+    Like the servers, it runs OpenMP threads passively (OMP_WAIT_POLICY=PASSIVE, set before torch loads): idle
+    spinning threads would take the cores the servers compute on. The local model keeps torch's defaults in the
+    benchmark's own process, so each side runs as it would on its own.
+    """
+
+    def __init__(self, initial_peers: list[str], *, push: bool, args: argparse.Namespace) -> None:
+        command = [
+            sys.executable, __file__, "--client-worker", "--prompt-tokens", str(args.prompt_tokens),
+            "--max-new-tokens", str(args.max_new_tokens), "--root-pid", str(os.getpid()),
+            "--push" if push else "--no-push", "--initial-peers", *initial_peers,
+        ]
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+        self.popen = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def request(self, command: str) -> object:
+        """Sends one command; gives the JSON the worker answers with (a bounded wait)."""
+        assert self.popen.stdin is not None and self.popen.stdout is not None
+        self.popen.stdin.write(command + "\n")
+        self.popen.stdin.flush()
+        line = self.popen.stdout.readline()
+        if not line:
+            raise RuntimeError(f"client worker exited with {self.popen.wait(timeout=30)} during {command!r}")
+        return json.loads(line)
+
+    def warm_up(self) -> list[float]:
+        return list(self.request("warm"))  # type: ignore[arg-type]
+
+    def run(self) -> RunSample:
+        raw: dict = self.request("run")  # type: ignore[assignment]
+        hops = [HopSample(tuple(hop.pop("blocks")), **hop) for hop in raw.pop("hops")]  # type: ignore[arg-type]
+        return RunSample(**raw, hops=hops)
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            with contextlib.suppress(Exception):
+                self.request("quit")
+            try:
+                self.popen.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=10)
+
+
+def client_worker(args: argparse.Namespace) -> None:
+    """Serves `warm`, `run` and `quit` commands on stdin, answering each with one JSON line."""
+    source = resolve_model(DEFAULT_MODEL)
+    input_ids = fixed_prompt(source, args.prompt_tokens)
+    model = DistributedModelForCausalLM.from_pretrained(
+        DEFAULT_MODEL, initial_peers=args.initial_peers, client_config=ClientConfig(server_push=args.push)
+    )
+    try:
+        for line in sys.stdin:
+            command = line.strip()
+            if command == "warm":
+                with model.inference_session(max_length=input_ids.shape[1] + 4) as session:
+                    model.generate(input_ids, session=session, **generate_kwargs(4))
+                    answer: object = probe_noop_rtt(model, session)
+            elif command == "run":
+                answer = dataclasses.asdict(run_swarm(model, input_ids, args.max_new_tokens, args.root_pid))
+            else:
+                break
+            print(json.dumps(answer), flush=True)
+    finally:
+        model.shutdown()
+
+
 def measure_swarm(
     source: ModelSource,
     servers: int,
@@ -307,25 +384,18 @@ def measure_swarm(
         procs = [swarm.start_server(DEFAULT_MODEL, blocks, wait=False) for blocks in ranges]
         for proc in procs:
             swarm.wait_ready(proc)
-        models = {
-            push: DistributedModelForCausalLM.from_pretrained(
-                DEFAULT_MODEL, initial_peers=swarm.initial_peers, client_config=ClientConfig(server_push=push)
-            )
-            for push in pushes
-        }
+        clients = {push: ClientProcess(swarm.initial_peers, push=push, args=args) for push in pushes}
         try:
             print(f"  {name}: up in {time.perf_counter() - started_s:.1f} s; warming up", flush=True)
             noop_rtt_ms: list[float] = []
-            for model in models.values():
-                with model.inference_session(max_length=input_ids.shape[1] + 4) as session:
-                    model.generate(input_ids, session=session, **generate_kwargs(4))
-                    noop_rtt_ms = probe_noop_rtt(model, session)
+            for client in clients.values():
+                noop_rtt_ms = client.warm_up()
             swarm_runs: dict[bool, list[RunSample]] = {push: [] for push in pushes}
             local_runs: list[RunSample] = []
             for repeat in range(args.repeats):
                 local_runs.append(run_local(local_model, input_ids, args.max_new_tokens))
-                for push, model in models.items():
-                    swarm_runs[push].append(run_swarm(model, input_ids, args.max_new_tokens))
+                for push, client in clients.items():
+                    swarm_runs[push].append(client.run())
                 latest = [local_runs[-1], *(runs[-1] for runs in swarm_runs.values())]
                 speeds = ", ".join(
                     f"{'push' if push else 'no push'} {runs[-1].decode_tokens_per_s:.1f} tok/s"
@@ -337,8 +407,8 @@ def measure_swarm(
                     flush=True,
                 )
         finally:
-            for model in models.values():
-                model.shutdown()
+            for client in clients.values():
+                client.close()
     local = ConfigResult("local HF", 0, local_runs)
     return [ConfigResult(name, servers, runs, noop_rtt_ms, local, push=push) for push, runs in swarm_runs.items()]
 
@@ -498,6 +568,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-compare-push", dest="compare_push", action="store_false",
         help="measure only with server-to-server push (default: also without it, side by side)",
     )
+    # The swarm clients run as workers of this script (see ClientProcess).
+    parser.add_argument("--client-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--push", action=argparse.BooleanOptionalAction, default=True, help=argparse.SUPPRESS)
+    parser.add_argument("--root-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.server_counts = [int(part) for part in args.servers.split(",") if part.strip()]
     if args.max_new_tokens < 3 or args.prompt_tokens < 1 or args.repeats < 1:
@@ -507,6 +582,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.client_worker:
+        client_worker(args)
+        return
     source = resolve_model(DEFAULT_MODEL)
     input_ids = fixed_prompt(source, args.prompt_tokens)
     print_header(source, args)
