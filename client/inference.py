@@ -49,7 +49,12 @@ RECOVERABLE_AT_OPEN = (*RECOVERABLE, BlocksNotHosted, MaxLengthExceeded)
 
 @dataclass
 class SpanTimings:
-    """Per-server timings of one session: round trips and the server's own compute time."""
+    """Per-server timings of one session: round trips, the server's own compute time, and when its output came.
+
+    `output_at_ms` sums, over steps, the time from the step's start to this server's output reaching the client.
+    It means the same whether the client called the servers one after another or they pushed the step along
+    (where the round trips overlap and say little about one server's share).
+    """
 
     peer_id: str
     blocks: tuple[int, int]
@@ -57,6 +62,7 @@ class SpanTimings:
     steps: int = 0
     round_trip_ms: float = 0.0
     compute_ms: float = 0.0
+    output_at_ms: float = 0.0
 
 
 @dataclass
@@ -82,6 +88,7 @@ class RemoteInferenceSession:
         self.spans: list[_SpanSession] = []
         self.position = 0
         self.timings: dict[str, SpanTimings] = {}
+        self._step_started_s = 0.0
         self.failovers = 0
         self.closed = False
 
@@ -131,6 +138,7 @@ class RemoteInferenceSession:
             raise SessionNotFound("this inference session is closed")
         new_tokens = hidden.shape[1]
         index = 0
+        self._step_started_s = time.perf_counter()
         if self.client.config.server_push and len(self.spans) > 1 and new_tokens == 1:
             hidden, index = await self._pushed_step(hidden)
         failovers_this_step = 0
@@ -230,9 +238,11 @@ class RemoteInferenceSession:
             payload["compression"] = config.compression
         started = time.perf_counter()
         reply = await span_session.connection.call("step", payload, timeout=config.request_timeout_s)
+        received = time.perf_counter()
         timings = self.timings[span_session.peer_id]
         timings.steps += 1
-        timings.round_trip_ms += (time.perf_counter() - started) * 1000
+        timings.round_trip_ms += (received - started) * 1000
+        timings.output_at_ms += (received - self._step_started_s) * 1000
         timings.compute_ms += float(reply.get("compute_ms", 0.0))
         return decode_tensor(reply["hidden"], dtype=dtype or (hidden.dtype if hidden is not None else None))
 

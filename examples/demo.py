@@ -69,23 +69,25 @@ def start_swarm(swarm: SwarmProcesses) -> None:
 
 
 def timing_table(timings: list[SpanTimings], prefill: dict[str, SpanTimings]) -> str:
-    """Gives one row per server: its prefill step, then the mean decode step (round trip, compute, difference)."""
-    header = ("server", "blocks", "prefill rtt/compute ms", "decode steps", "rtt ms/step", "compute ms/step",
-              "net+overhead ms/step")
+    """Gives one row per server (its prefill step, then the mean decode step) and a line that splits a decode step
+    into the servers' compute and the rest (network, RPC, event loops)."""
+    header = ("server", "blocks", "prefill output at/compute ms", "decode steps", "output at ms/step",
+              "compute ms/step")
     rows = [header]
+    last_output_ms = total_compute_ms = 0.0
     for span in timings:
         first = prefill.get(span.peer_id, SpanTimings(span.peer_id, span.blocks, span.public_name))
-        steps = span.steps - first.steps
-        round_trip_ms = (span.round_trip_ms - first.round_trip_ms) / max(steps, 1)
-        compute_ms = (span.compute_ms - first.compute_ms) / max(steps, 1)
+        steps = max(span.steps - first.steps, 1)
+        output_at_ms = (span.output_at_ms - first.output_at_ms) / steps
+        compute_ms = (span.compute_ms - first.compute_ms) / steps
+        last_output_ms, total_compute_ms = max(last_output_ms, output_at_ms), total_compute_ms + compute_ms
         rows.append((
             f"{span.public_name or '-'} ({span.peer_id[-8:]})",
             f"{span.blocks[0]}:{span.blocks[1]}",
-            f"{first.round_trip_ms:.0f} / {first.compute_ms:.0f}",
-            str(steps),
-            f"{round_trip_ms:.1f}",
+            f"{first.output_at_ms:.0f} / {first.compute_ms:.0f}",
+            str(span.steps - first.steps),
+            f"{output_at_ms:.1f}",
             f"{compute_ms:.1f}",
-            f"{round_trip_ms - compute_ms:.1f}",
         ))
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     lines = [
@@ -94,6 +96,9 @@ def timing_table(timings: list[SpanTimings], prefill: dict[str, SpanTimings]) ->
         for row in rows
     ]
     lines.insert(1, "  ".join("-" * width for width in widths))
+    rest_ms = last_output_ms - total_compute_ms
+    lines.append(f"a decode step through the chain: {last_output_ms:.1f} ms = servers' compute "
+                 f"{total_compute_ms:.1f} ms + network, RPC and event loops {rest_ms:.1f} ms")
     return "\n".join(lines)
 
 
@@ -126,7 +131,8 @@ def chat_once(
         print(f"time to first token: {(streamer.first_token_s - started) * 1000:.0f} ms (prefill + LM head)")
         if new_tokens > 1:
             print(f"decode: {(new_tokens - 1) / (finished - streamer.first_token_s):.1f} tokens/s after the first")
-    print("\nper server (rtt = client-measured round trip; compute = the server's own time for its blocks):")
+    print("\nper server (output at = from the step's start until the server's output reached the client; compute = "
+          "the server's own time for its blocks):")
     print(timing_table(timings, streamer.prefill))
 
 

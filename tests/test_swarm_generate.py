@@ -116,6 +116,19 @@ def test_multi_turn_session_sends_only_new_tokens_and_matches_local(llama_remote
     assert second.tolist() == expected[:, first.shape[1]:].tolist()
 
 
+def test_session_timings_cover_every_server_and_the_chains_compute(llama_remote) -> None:
+    with llama_remote.inference_session(max_length=32) as session:
+        llama_remote.generate(prompt(6), session=session, max_new_tokens=4, do_sample=False)
+        timings, route = session.timings(), session.route
+    assert [span.peer_id for span in timings] == [span.peer_id for span in route]
+    steps = 4  # the prompt, then 3 decode steps (the 4th token is generated but never sent)
+    assert all(span.steps == steps for span in timings)
+    for span in timings:
+        assert 0 < span.compute_ms <= span.round_trip_ms
+    # A step's last output cannot reach the client before every server of the chain computed its part.
+    assert timings[-1].output_at_ms >= sum(span.compute_ms for span in timings)
+
+
 def test_concurrent_sessions_each_match_local_model(llama_remote, llama_local) -> None:
     prompts = [prompt(10 + i) for i in range(3)]
     results: dict[int, list[list[int]]] = {}
