@@ -145,9 +145,9 @@ class RemoteInferenceSession:
         while index < len(self.spans):  # one span at a time: a step's start, or what the pushed step left over
             span_session = self.spans[index]
             try:
-                output = await self._call_step(
-                    span_session, hidden, step_id=f"{self.position}", next_hops=self._next_hops(index)
-                )
+                # No push here: a prefill would cross each link twice (push and client), and a pushed step that
+                # stopped midway goes on from the client anyway.
+                output = await self._call_step(span_session, hidden, step_id=f"{self.position}")
             except RECOVERABLE as error:
                 failovers_this_step += 1
                 if failovers_this_step > self.client.config.max_failovers:

@@ -295,6 +295,7 @@ class SwarmServer:
                 f"{session.position} + {hidden.shape[1]} tokens exceed the session's max_length {session.max_length}"
             )
         self._note_throughput(ctx)
+        session.last_active_s = time.monotonic()
         result: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
         session.running = RunningStep(step_id, result)
         session.admitted.set_result(None)  # wakes requests waiting for this step to be pushed
@@ -349,10 +350,13 @@ class SwarmServer:
             self.pusher.push(next_hops, {**push, "hidden": encode_tensor(output, push.get("compression"))})
 
     def _timed_forward(self, hidden: torch.Tensor, session: Session) -> tuple[torch.Tensor, float]:
-        """Gives the blocks' output and their compute time in ms, timed on the compute thread itself."""
-        started = time.perf_counter()
-        output = self.blocks.forward(hidden, session.caches, session.position)
-        return output, (time.perf_counter() - started) * 1000
+        """Gives the blocks' output and their compute time in ms, timed on the compute thread itself.
+
+        The session's pages stay its own until this returns, even if it closes meanwhile."""
+        with self.sessions.computing_with(session) as caches:
+            started = time.perf_counter()
+            output = self.blocks.forward(hidden, caches, session.position)
+            return output, (time.perf_counter() - started) * 1000
 
     def _decode_hidden(self, payload: dict[str, Any], session: Session) -> torch.Tensor:
         if "hidden" not in payload:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +46,8 @@ class Session:
     last_step_id: str | None = None
     last_result: StepResult | None = None
     running: RunningStep | None = None  # touched only on the event loop thread
+    computing: int = 0  # compute threads using `caches` now; the pages stay the session's until it drops to 0
+    closed: bool = False
     # Resolved (and replaced) whenever a step is admitted, for requests waiting for a pushed step.
     admitted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     last_active_s: float = field(default_factory=time.monotonic)
@@ -78,8 +82,8 @@ class SessionTable:
             raise MaxLengthExceeded(f"batch {batch} is outside 1..64")
         pages_per_block = self.kv_pages_per_block(batch, max_length)
         with self._lock:
-            if session_id in self._sessions:
-                raise ServerBusy(f"session {session_id!r} is already open on this server")
+            if session_id in self._sessions or self.pool.has_session(session_id):
+                raise ServerBusy(f"session {session_id!r} is already open on this server, or still closing")
             try:
                 for block in range(start, end):
                     self.pool.allocate(KVOwner(session_id, block), pages_per_block)
@@ -109,20 +113,46 @@ class SessionTable:
         return self._sessions.get(session.session_id) is session
 
     def close(self, session_id: str) -> bool:
-        """Frees a session's pages and caches; gives False if it was not open."""
+        """Closes a session and frees its pages, or, while a compute thread still uses them, lets the last such
+        thread free them (see `computing_with`); gives False if it was not open."""
         with self._lock:
             session = self._sessions.pop(session_id, None)
-            self.pool.free_session(session_id)
-        if session is None:
-            return False
-        session.caches = {}
+            if session is None:
+                return False
+            session.closed = True
+            if session.computing == 0:
+                self._free_locked(session)
         session.last_result = None
         return True
 
+    @contextmanager
+    def computing_with(self, session: Session) -> Iterator[dict[int, KVCache]]:
+        """Gives a compute thread the session's caches, which keep their pages until it is done, even if the session
+        closes meanwhile (the pages are then freed here); raises SessionNotFound if it is already closed."""
+        with self._lock:
+            if session.closed:
+                raise SessionNotFound(f"session {session.session_id!r} closed before its step could run")
+            session.computing += 1
+            caches = session.caches
+        try:
+            yield caches
+        finally:
+            with self._lock:
+                session.computing -= 1
+                if session.closed and session.computing == 0:
+                    self._free_locked(session)
+
+    def _free_locked(self, session: Session) -> None:
+        self.pool.free_session(session.session_id)
+        session.caches = {}
+
     def close_idle(self, idle_timeout_s: float) -> list[str]:
-        """Closes the sessions idle for longer than `idle_timeout_s`; gives their ids."""
+        """Closes the sessions idle for longer than `idle_timeout_s` and not running a step; gives their ids."""
         now = time.monotonic()
-        expired = [s.session_id for s in list(self._sessions.values()) if now - s.last_active_s > idle_timeout_s]
+        expired = [
+            s.session_id for s in list(self._sessions.values())
+            if s.running is None and now - s.last_active_s > idle_timeout_s
+        ]
         return [session_id for session_id in expired if self.close(session_id)]
 
     def close_all(self) -> int:

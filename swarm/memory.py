@@ -16,7 +16,9 @@ import torch
 from swarm.errors import OutOfPages
 
 DEFAULT_PAGE_BYTES = 1 << 20
-CUDA_BUDGET_FRACTION = 0.9
+# The pool's buffer is allocated up front; on CUDA, what it leaves holds a block while it is built (before it moves
+# into its pages), bitsandbytes' state and prefill activations.
+CUDA_BUDGET_FRACTION = 0.8
 CPU_BUDGET_FRACTION = 0.5
 
 _SIZE_UNITS: dict[str, int] = {
@@ -54,7 +56,7 @@ def parse_size(text: str) -> int:
 
 
 def default_budget_bytes(device: torch.device) -> int:
-    """Gives the pool budget when none is configured: 90% of free CUDA memory, or half of available host RAM."""
+    """Gives the pool budget when none is configured: 80% of free CUDA memory, or half of available host RAM."""
     if device.type == "cuda":
         free_bytes, _total_bytes = torch.cuda.mem_get_info(device)
         return int(free_bytes * CUDA_BUDGET_FRACTION)
@@ -163,6 +165,11 @@ class PagePool:
                 owner for owner in self._pages_by_owner if isinstance(owner, KVOwner) and owner.session_id == session_id
             ]
             return sum(self._free_locked(owner) for owner in session_owners)
+
+    def has_session(self, session_id: str) -> bool:
+        """Gives whether any page holds KV of session `session_id`."""
+        with self._lock:
+            return any(isinstance(owner, KVOwner) and owner.session_id == session_id for owner in self._pages_by_owner)
 
     def _free_locked(self, owner: Owner) -> int:
         pages = self._pages_by_owner.pop(owner, None)
