@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import sys
@@ -33,7 +34,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from orchestrator.sim.methods import FIG8_POLICIES, PROPOSED
-from orchestrator.sim.overall import PAPER_REDUCTION, VARIANT_LABELS, fig8, fig8_table, non_wins, paired_comparison
+from orchestrator.sim.overall import (
+    PAPER_REDUCTION,
+    VARIANT_LABELS,
+    fig8,
+    fig8_table,
+    non_wins,
+    paired_between,
+    paired_reduction,
+)
 from orchestrator.sim.report import write_json
 
 SHIPPED = "proposed-spare"  # the variant a live swarm runs; the target is judged on it
@@ -52,6 +61,12 @@ def variant_verdict(result: dict, variant: str) -> tuple[bool, str]:
     if not failures:
         return True, f"{label}: PASS: beats every baseline in every cell ({cells} of {cells})"
     return False, f"{label}: FAIL: beats every baseline in {wins} of {cells} cells; not wins: " + "; ".join(failures)
+
+
+def percent_range(values: list[float]) -> str:
+    """Gives "low% .. high%" over the finite values (a cell where a policy never ran gives NaN), or "-"."""
+    finite = [v for v in values if math.isfinite(v)]
+    return f"{100 * min(finite):.1f}% .. {100 * max(finite):.1f}%" if finite else "-"
 
 
 def main() -> None:
@@ -87,24 +102,20 @@ def main() -> None:
         reductions, vs_bprr, chosen_c = [], [], []
         for cell in result["cells"]:
             reductions.append(cell["reduction_vs_petals"][variant])
-            bprr, mine = (cell["policies"][n]["mean_response_ms"] for n in ("bprr", variant))
-            vs_bprr.append(1.0 - mine / bprr)
+            vs_bprr.append(paired_reduction(cell, variant, "bprr"))
             chosen_c.extend(cell["policies"][variant].get("c", []))
-        print(f"{variant}: reduction of mean response vs PETALS {100 * min(reductions):.1f}% .. "
-              f"{100 * max(reductions):.1f}% (paper: {100 * low:.0f}% .. {100 * high:.0f}%); vs BPRR "
-              f"{100 * min(vs_bprr):.1f}% .. {100 * max(vs_bprr):.1f}%; tuned c: "
+        print(f"{variant}: reduction of mean response vs PETALS {percent_range(reductions)} (paper: {100 * low:.0f}% "
+              f".. {100 * high:.0f}%); vs BPRR {percent_range(vs_bprr)}; tuned c: "
               + ", ".join(f"{c} x{chosen_c.count(c)}" for c in sorted(set(chosen_c))))
     for variant in variants[1:]:
-        against_paper = [
-            paired_comparison(cell["policies"][variant]["mean_response_per_run_ms"],
-                              cell["policies"]["proposed"]["mean_response_per_run_ms"])
-            for cell in result["cells"]
-        ]
-        counts = {v: sum(1 for c in against_paper if c.verdict == v) for v in ("win", "tie", "loss")}
-        losses = [f"J={cell['servers']} eta={cell['eta']}" for cell, c in zip(result["cells"], against_paper,
-                                                                              strict=True) if c.verdict == "loss"]
+        # paired on the seeds both variants ran; a cell where they share none is not counted
+        against_paper = [(cell, paired_between(cell, variant, "proposed")) for cell in result["cells"]]
+        counts = {v: sum(1 for _, c in against_paper if c and c.verdict == v) for v in ("win", "tie", "loss")}
+        losses = [f"J={cell['servers']} eta={cell['eta']}" for cell, c in against_paper if c and c.verdict == "loss"]
+        unpaired = sum(1 for _, c in against_paper if c is None)
         print(f"{variant} vs proposed (paper), paired per cell: {counts['win']} wins, {counts['tie']} ties, "
-              f"{counts['loss']} losses" + (f" ({', '.join(losses)})" if losses else ""))
+              f"{counts['loss']} losses" + (f" ({', '.join(losses)})" if losses else "")
+              + (f"; {unpaired} cells without a seed both ran" if unpaired else ""))
     infeasible = sorted({n for c in result["cells"] for n, s in c["policies"].items() if s["infeasible"]})
     for name in infeasible:
         reason = next(c["policies"][name]["reason"] for c in result["cells"] if c["policies"][name]["infeasible"])

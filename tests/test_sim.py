@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -16,7 +17,15 @@ from orchestrator.baselines.jffc import JFFCPolicy
 from orchestrator.cli import main as swarm_sim
 from orchestrator.sim.engine import CapacityViolation, PolicyError, simulate
 from orchestrator.sim.methods import FIG8_POLICIES
-from orchestrator.sim.overall import fig8, fig8_table, non_wins, paired_comparison, paired_verdicts
+from orchestrator.sim.overall import (
+    fig8,
+    fig8_cell,
+    fig8_table,
+    non_wins,
+    paired_comparison,
+    paired_comparisons,
+    paired_verdicts,
+)
 from orchestrator.sim.policy import Route, Start
 from orchestrator.sim.presets import (
     HIGH_PERFORMANCE,
@@ -28,7 +37,8 @@ from orchestrator.sim.presets import (
     per_block_time_ms,
     synthetic_rtt,
 )
-from orchestrator.sim.workload import Workload, load_azure_trace, poisson_workload, trace_workload
+from orchestrator.sim.report import write_json
+from orchestrator.sim.workload import Trace, Workload, load_azure_trace, poisson_workload, trace_workload
 from orchestrator.swarm_model import Chain, ModelSpec, Placement, ServerSpec, SwarmModel
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -126,6 +136,49 @@ def test_engine_rejects_a_route_that_skips_blocks():
         simulate(Skipper(), Workload(np.array([0.0]), np.array([1.0]), "one"), swarm)
 
 
+class Scripted:
+    """A policy that starts every job on arrival, on the route `routes[job]`, over the chains of `one_block_chains`."""
+
+    name = "scripted"
+
+    def __init__(self, placement, chains, routes):
+        self.placement, self.chains, self.routes = placement, chains, routes
+
+    def arrive(self, job, now_ms):
+        return [Start(job, self.routes[job])]
+
+    def complete(self, job, now_ms):
+        return []
+
+
+@pytest.mark.parametrize(
+    ("second", "message"),
+    [
+        (lambda chains: Route(chains[0].servers, (1,), chains[0].service_time_ms, 7), "chain 7 of 2"),  # no chain 7
+        (lambda chains: Route.of_chain(chains[0], 1), "names chain 1"),  # chain 0's servers, counted against chain 1
+    ],
+)
+def test_engine_rejects_a_route_naming_a_missing_or_another_chain_even_after_checking_its_servers(second, message):
+    swarm, placement, chains = one_block_chains([1.0, 0.5], [2, 2])
+    routes = [Route.of_chain(chains[0], 0), second(chains)]  # the first start puts chain 0's servers in the cache
+    workload = Workload(np.array([0.0, 1.0]), np.array([1.0, 1.0]), "two jobs")
+    with pytest.raises(PolicyError, match=message):
+        simulate(Scripted(placement, chains, routes), workload, swarm)
+
+
+def test_engine_rejects_a_route_whose_service_time_is_not_its_hops_time():
+    swarm, placement, chains = one_block_chains([1.0, 0.5], [2, 2])
+    workload = Workload(np.array([0.0, 1.0]), np.array([1.0, 1.0]), "two jobs")
+    path = Route(("k1",), (1,), 2.0)  # k1 takes tau_p = 2 ms for the block
+    rounded = Route(("k1",), (1,), 2.0 * (1 + 1e-12))  # the same hops summed in another order: accepted
+    assert simulate(Scripted(placement, chains, [path, rounded]), workload, swarm).response_ms.size == 2
+    with pytest.raises(PolicyError, match="service time"):
+        simulate(Scripted(placement, chains, [path, Route(("k1",), (1,), 1.0)]), workload, swarm)
+    faster_chain = Route(chains[1].servers, chains[1].blocks_per_server, 1.0, 1)  # chain 1 claiming chain 0's speed
+    with pytest.raises(PolicyError):
+        simulate(Scripted(placement, chains, [path, faster_chain]), workload, swarm)
+
+
 @pytest.mark.parametrize("instance", range(6))
 def test_theorem_37_bounds_bracket_simulated_jffc_on_random_instances(instance):
     rng = np.random.default_rng([2024, instance])
@@ -191,8 +244,19 @@ def test_azure_trace_replays_scaled_to_a_rate_with_token_derived_sizes():
     workload = trace_workload(trace, jobs=5000, rate_per_ms=0.0002, sizes="trace", rng=np.random.default_rng(0))
     assert workload.rate_per_ms == pytest.approx(0.0002, rel=1e-9)
     assert workload.jobs == 5000 and np.all(workload.sizes > 0)
+    assert workload.sizes.mean() == pytest.approx(1.0, rel=1e-12)  # normalized over the replayed requests
     native = trace_workload(trace, jobs=None, rate_per_ms=None, sizes="trace", rng=np.random.default_rng(0))
     assert native.sizes.mean() == pytest.approx(1.0) and native.rate_per_ms > 1 / 1000  # several requests per second
+
+
+def test_trace_sizes_have_mean_one_over_the_replayed_prefix_not_the_whole_trace():
+    # the first requests are short, the last ones long: over the whole trace the prefix would have mean well below 1
+    context = np.array([100] * 50 + [4000] * 50)
+    trace = Trace(np.arange(100, dtype=float), context, np.full(100, 50), "synthetic")
+    prefix = trace_workload(trace, jobs=40, rate_per_ms=0.001, sizes="trace", rng=np.random.default_rng(0))
+    assert prefix.sizes.mean() == pytest.approx(1.0, rel=1e-12)
+    whole = trace_workload(trace, jobs=None, rate_per_ms=None, sizes="trace", rng=np.random.default_rng(0))
+    assert whole.sizes.mean() == pytest.approx(1.0, rel=1e-12) and whole.sizes[0] < prefix.sizes[0]
 
 
 def test_paired_comparison_calls_identical_runs_a_tie_and_consistent_gains_a_win():
@@ -219,3 +283,48 @@ def test_fig8_compares_each_proposed_variant_with_the_baselines_only():
     assert "tie vs parallax (identical in 2/2 seeds)" in non_wins(cell, "proposed")
     table = fig8_table(result)
     assert "non-wins: paper" in table and "non-wins: spare" in table
+
+
+def fake_run(means_ms: dict[str, float | None]) -> dict:
+    """Gives a `run_cell` output where each policy's jobs all took its given time, or it was infeasible (None)."""
+    policies = {
+        name: {"infeasible": f"{name} cannot run"} if mean is None
+        else {"response_ms": np.full(3, mean), "waiting_ms": np.zeros(3), "service_ms": np.full(3, mean), "c": 2}
+        for name, mean in means_ms.items()
+    }
+    return {"rtt_source": "fake", "policies": policies}
+
+
+def test_fig8_pairs_policies_by_seed_when_they_fail_on_different_seeds():
+    # seed s costs 100 (s + 1) for PETALS and 1 less for the proposed method: a win on every seed both ran. The
+    # proposed method cannot run seed 0 and PETALS not seed 5: paired by position, proposed's seed 1 would meet
+    # PETALS' seed 0 (and so on), a loss of about 99 on every pair.
+    runs = [
+        (seed, fake_run({"petals": None if seed == 5 else 100.0 * (seed + 1),
+                         "proposed": None if seed == 0 else 100.0 * (seed + 1) - 1.0}))
+        for seed in range(6)
+    ]
+    cell = fig8_cell(10, 0.1, runs, ("petals", "proposed"))
+    assert cell["policies"]["proposed"]["mean_response_per_seed_ms"] == {s: 100.0 * (s + 1) - 1.0 for s in range(1, 6)}
+    result = paired_comparisons(cell, "proposed")["petals"]
+    assert (result.verdict, result.better, result.worse, result.equal) == ("win", 4, 0, 0)  # seeds 1..4
+    assert result.mean_diff_ms == pytest.approx(1.0)
+    assert non_wins(cell, "proposed") == []
+    # the reduction too is over seeds 1..4 only: 1 - (1400 - 4) / 1400 (all six PETALS seeds would give 1 - 1396 / 1500)
+    assert cell["reduction_vs_petals"]["proposed"] == pytest.approx(4 / 1400)
+
+
+def test_fig8_per_seed_means_survive_a_json_round_trip_and_still_pair(tmp_path):
+    runs = [(s, fake_run({"petals": 10.0 + s, "proposed": None if s == 1 else 9.0 + s})) for s in range(3)]
+    cell = fig8_cell(10, 0.1, runs, ("petals", "proposed"))
+    path = tmp_path / "cell.json"
+    write_json(path, cell)
+    loaded = json.loads(path.read_text())
+    assert loaded["policies"]["proposed"]["mean_response_per_seed_ms"] == {"0": 9.0, "2": 11.0}
+    assert paired_comparisons(loaded, "proposed")["petals"] == paired_comparisons(cell, "proposed")["petals"]
+
+
+def test_fig8_rejects_an_unknown_policy_with_a_typed_error(capsys):
+    code = swarm_sim(["fig8", "--policies", "petals,nonsense", "--seeds", "1", "--no-plot", "--no-progress"])
+    assert code == 2
+    assert "swarm-sim fig8: error: unknown policy nonsense" in capsys.readouterr().err

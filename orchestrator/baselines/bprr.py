@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 from orchestrator.baselines.path_routing import PathPolicy, PlacementGraph
+from orchestrator.placement import blocks_for_capacity
 from orchestrator.sim.policy import NoFeasiblePlan, Route
 from orchestrator.swarm_model import Placement, SwarmModel
 
@@ -29,10 +30,7 @@ from orchestrator.swarm_model import Placement, SwarmModel
 def cgbp_placement(swarm: SwarmModel, concurrency: int) -> Placement:
     """Gives the CG-BP placement for target concurrency R = `concurrency`."""
     model, target = swarm.model, concurrency
-    counts = {
-        s.name: min(math.floor(s.memory_gb / (model.block_gb + model.cache_gb * target) + 1e-9), model.blocks)
-        for s in swarm.servers
-    }
+    counts = {s.name: blocks_for_capacity(s, model, target) for s in swarm.servers}
     amortized = {
         s.name: (s.tau_c_ms + s.tau_p_ms * counts[s.name]) / counts[s.name] for s in swarm.servers if counts[s.name]
     }

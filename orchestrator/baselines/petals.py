@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 from orchestrator.baselines.path_routing import PathPolicy
+from orchestrator.placement import blocks_for_capacity
 from orchestrator.sim.policy import NoFeasiblePlan, Route
 from orchestrator.swarm_model import Placement, SwarmModel
 
@@ -53,7 +54,7 @@ def petals_placement(swarm: SwarmModel, rng: np.random.Generator, cache_jobs: in
     blocks: dict[str, tuple[int, int]] = {}
     for index in rng.permutation(len(swarm.servers)):
         server = swarm.servers[int(index)]
-        count = min(math.floor(server.memory_gb / (model.block_gb + model.cache_gb * cache_jobs) + 1e-9), model.blocks)
+        count = blocks_for_capacity(server, model, cache_jobs)
         if count <= 0:
             blocks[server.name] = (0, 0)
             continue

@@ -148,6 +148,9 @@ def run_fig7(args) -> int:
 
 
 def run_fig8(args) -> int:
+    unknown = [p for p in args.policies if p not in POLICIES]
+    if unknown or not args.policies:
+        raise SimError(f"unknown policy {', '.join(unknown) or '(none given)'}; choose from {', '.join(POLICIES)}")
     seeds, jobs = (5, 500) if args.quick else (args.seeds, args.jobs)
     warmup = jobs // 10 if args.warmup is None else args.warmup
     result = fig8(servers=tuple(args.servers_grid), etas=tuple(args.eta_grid), seeds=seeds,

@@ -3,21 +3,25 @@
 Events are arrivals (from the workload, in order) and completions (a heap keyed by time, then by start order), so a
 run is a pure function of the policy, the workload and the seed that made them. At equal times completions go
 first: a job that ends at t frees its slots for a job arriving at t. The engine checks every start: the job has
-arrived and not started before, its route covers blocks 1..L in order on the policy's placement, no server holds
-more cache slots than it has, and no fixed chain runs more jobs than its capacity.
+arrived and not started before, its route covers blocks 1..L in order on the policy's placement and takes the time
+its hops take, a route that names a fixed chain is that chain's route, no server holds more cache slots than it has,
+and no fixed chain runs more jobs than its capacity.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from orchestrator.sim.metrics import RunResult
-from orchestrator.sim.policy import DispatchPolicy, Route, Start, hop_blocks, server_slots
+from orchestrator.sim.policy import DispatchPolicy, Route, Start, hop_blocks, path_service_time_ms, server_slots
 from orchestrator.sim.workload import Workload
 from orchestrator.swarm_model import SwarmModel
+
+ROUTE_TIME_REL_TOL = 1e-9  # a route's service time may differ from the sum over its hops by this much (rounding)
 
 
 class CapacityViolation(AssertionError):
@@ -48,7 +52,7 @@ def simulate(policy: DispatchPolicy, workload: Workload, swarm: SwarmModel, *, w
     ledger = _Ledger(slots, dict.fromkeys(slots, 0), [0] * len(policy.chains))
     slot_ms = dict.fromkeys(slots, 0.0)
     routes: dict[int, Route] = {}
-    checked_routes: set[tuple[tuple[str, ...], tuple[int, ...]]] = set()
+    checked_routes: set[Route] = set()
     completions: list[tuple[float, int, int]] = []
     order = 0
 
@@ -85,19 +89,30 @@ def simulate(policy: DispatchPolicy, workload: Workload, swarm: SwarmModel, *, w
     return RunResult.from_run(policy, workload, start, end, chain_of, slot_ms, slots, warmup_jobs)
 
 
-def _check_route(route: Route, policy: DispatchPolicy, swarm: SwarmModel, seen: set) -> None:
-    key = (route.servers, route.blocks_per_server)
-    if key in seen:
+def _check_route(route: Route, policy: DispatchPolicy, swarm: SwarmModel, seen: set[Route]) -> None:
+    # the whole route is the key: the same servers under another chain index or service time are checked again
+    if route in seen:
         return
+    if route.chain is not None:
+        if not 0 <= route.chain < len(policy.chains):
+            raise PolicyError(f"{policy.name}: route names chain {route.chain} of {len(policy.chains)}")
+        own = Route.of_chain(policy.chains[route.chain], route.chain)
+        if route != own:
+            raise PolicyError(f"{policy.name}: route {route} names chain {route.chain}, whose route is {own}")
     try:
         expected = hop_blocks(policy.placement, route.servers, swarm.model.blocks)
     except ValueError as error:
         raise PolicyError(f"{policy.name}: invalid route {route.servers}: {error}") from None
     if expected != route.blocks_per_server:
         raise PolicyError(f"{policy.name}: route {route.servers} holds {route.blocks_per_server}, not {expected}")
-    if route.chain is not None and not 0 <= route.chain < len(policy.chains):
-        raise PolicyError(f"{policy.name}: route names chain {route.chain} of {len(policy.chains)}")
-    seen.add(key)
+    # another summation order of the same hops differs in the last bits, hence the relative tolerance
+    service_ms = path_service_time_ms(swarm, route.servers, route.blocks_per_server)
+    if not math.isclose(route.service_time_ms, service_ms, rel_tol=ROUTE_TIME_REL_TOL):
+        raise PolicyError(
+            f"{policy.name}: route {route.servers} claims service time {route.service_time_ms} ms; its hops take "
+            f"{service_ms} ms"
+        )
+    seen.add(route)
 
 
 def _take(ledger: _Ledger, route: Route, policy: DispatchPolicy) -> None:

@@ -2,13 +2,15 @@
 
 Every (J, eta, seed) is one random Sec. 4.1 swarm and one Poisson workload; all policies of that seed see the same
 swarm and the same jobs. A policy that cannot serve a swarm at all (e.g. "JFFC only" when no server fits the whole
-model) is reported as infeasible there, not averaged in. Each variant of the proposed method ("proposed", the
-paper's Alg. 1, and "proposed-spare", with spare chains) is compared with every baseline, never with the other.
+model) is reported as infeasible there, not averaged in; each run's mean is kept by seed, and paired comparisons
+take only the seeds both policies ran. Each variant of the proposed method ("proposed", the paper's Alg. 1, and
+"proposed-spare", with spare chains) is compared with every baseline, never with the other.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -77,6 +79,53 @@ def run_cell(task: CellRun) -> dict:
     return out
 
 
+PER_SEED = "mean_response_per_seed_ms"  # {seed: that seed's mean response}: pair policies by seed, never by position
+
+
+def fig8_cell(servers: int, eta: float, seeded_runs: Sequence[tuple[int, dict]], policies: Sequence[str]) -> dict:
+    """Gives one cell of the grid from its (seed, `run_cell` output) pairs: per policy the mean response over the
+    seeds it could run, each seed's mean, and per proposed variant the reduction vs PETALS (paired by seed)."""
+    cell: dict = {"servers": servers, "eta": eta, "policies": {}}
+    for name in policies:
+        entries = [(seed, run["policies"][name]) for seed, run in seeded_runs]
+        ok = [(seed, e) for seed, e in entries if "infeasible" not in e]
+        per_seed = {seed: float(np.mean(e["response_ms"])) for seed, e in ok}
+        means = list(per_seed.values())
+        stats = {
+            "runs": len(ok),
+            "infeasible": len(entries) - len(ok),
+            "mean_response_ms": float(np.mean(means)) if means else math.nan,
+            PER_SEED: per_seed,
+            "ci95_ms": 1.96 * float(np.std(means, ddof=1)) / math.sqrt(len(means)) if len(means) > 1 else math.nan,
+            "mean_waiting_ms": float(np.mean([np.mean(e["waiting_ms"]) for _, e in ok])) if ok else math.nan,
+            "mean_service_ms": float(np.mean([np.mean(e["service_ms"]) for _, e in ok])) if ok else math.nan,
+        }
+        if name in PROPOSED and ok:
+            stats["c"] = [e["c"] for _, e in ok]
+        if len(ok) < len(entries):
+            stats["reason"] = next(e["infeasible"] for _, e in entries if "infeasible" in e)
+        cell["policies"][name] = stats
+    variants = [name for name in policies if name in PROPOSED]
+    cell["reduction_vs_petals"] = {name: paired_reduction(cell, name, "petals") for name in variants}
+    return cell
+
+
+def paired_means(cell: dict, mine: str, theirs: str) -> tuple[list, list[float], list[float]]:
+    """Gives the seeds both policies ran in `cell` (sorted) and each one's mean response on those seeds."""
+    own = cell["policies"].get(mine, {}).get(PER_SEED) or {}
+    other = cell["policies"].get(theirs, {}).get(PER_SEED) or {}
+    seeds = sorted(set(own) & set(other))
+    return seeds, [own[seed] for seed in seeds], [other[seed] for seed in seeds]
+
+
+def paired_reduction(cell: dict, mine: str, baseline: str) -> float:
+    """Gives 1 - mean(mine) / mean(baseline) over the seeds both ran in `cell`; NaN if they share none."""
+    _, own, other = paired_means(cell, mine, baseline)
+    if not own or not np.mean(other):
+        return math.nan
+    return 1.0 - float(np.mean(own)) / float(np.mean(other))
+
+
 def fig8(
     *,
     servers: tuple[int, ...] = FIG8_SERVERS,
@@ -100,53 +149,27 @@ def fig8(
         for s in range(seeds)
     ]
     runs = map_tasks(run_cell, tasks, workers=workers, description="fig8", progress=progress)
-    cells, pooled = [], {name: {"response": [], "waiting": [], "service": [], "means": []} for name in policies}
+    cells, pooled = [], {name: {"response": [], "waiting": [], "service": []} for name in policies}
     for j in servers:
         for eta in etas:
-            mine = [run for task, run in zip(tasks, runs, strict=True) if task.servers == j and task.eta == eta]
-            cell = {"servers": j, "eta": eta, "policies": {}}
+            mine = [
+                (task.seed, run) for task, run in zip(tasks, runs, strict=True) if (task.servers, task.eta) == (j, eta)
+            ]
+            cells.append(fig8_cell(j, eta, mine, policies))
             for name in policies:
-                entries = [run["policies"][name] for run in mine]
-                ok = [e for e in entries if "infeasible" not in e]
-                means = [float(np.mean(e["response_ms"])) for e in ok]
-                stats = {
-                    "runs": len(ok),
-                    "infeasible": len(entries) - len(ok),
-                    "mean_response_ms": float(np.mean(means)) if means else math.nan,
-                    "mean_response_per_run_ms": means,
-                    "ci95_ms": 1.96 * float(np.std(means, ddof=1)) / math.sqrt(len(means))
-                    if len(means) > 1
-                    else math.nan,
-                    "mean_waiting_ms": float(np.mean([np.mean(e["waiting_ms"]) for e in ok])) if ok else math.nan,
-                    "mean_service_ms": float(np.mean([np.mean(e["service_ms"]) for e in ok])) if ok else math.nan,
-                }
-                if name in PROPOSED and ok:
-                    stats["c"] = [e["c"] for e in ok]
-                if len(ok) < len(entries):
-                    stats["reason"] = next(e["infeasible"] for e in entries if "infeasible" in e)
-                cell["policies"][name] = stats
-                for e in ok:
-                    bucket = pooled[name]
-                    bucket["response"].append(e["response_ms"])
-                    bucket["waiting"].append(e["waiting_ms"])
-                    bucket["service"].append(e["service_ms"])
-                    bucket["means"].append(float(np.mean(e["response_ms"])))
-            petals = cell["policies"].get("petals", {}).get("mean_response_ms", math.nan)
-            cell["reduction_vs_petals"] = {
-                name: 1.0 - cell["policies"][name]["mean_response_ms"] / petals
-                if petals and math.isfinite(petals)
-                else math.nan
-                for name in policies
-                if name in PROPOSED
-            }
-            cells.append(cell)
+                for _, run in mine:
+                    entry = run["policies"][name]
+                    if "infeasible" not in entry:
+                        pooled[name]["response"].append(entry["response_ms"])
+                        pooled[name]["waiting"].append(entry["waiting_ms"])
+                        pooled[name]["service"].append(entry["service_ms"])
     overall = {}
     for name, bucket in pooled.items():
         if not bucket["response"]:
             overall[name] = None
             continue
         overall[name] = {
-            "runs": len(bucket["means"]),
+            "runs": len(bucket["response"]),
             "response_ms": summarize(np.concatenate(bucket["response"])),
             "waiting_ms": summarize(np.concatenate(bucket["waiting"])),
             "service_ms": summarize(np.concatenate(bucket["service"])),
@@ -205,21 +228,30 @@ def paired_comparison(mine: list[float], theirs: list[float]) -> PairedCompariso
     return PairedComparison(verdict, better, worse, int(diff.size) - better - worse, float(diff.mean()))
 
 
+def paired_between(cell: dict, mine: str, theirs: str) -> PairedComparison | None:
+    """Gives how `mine` compares with `theirs` on the seeds of `cell` both ran, or None if they share no seed."""
+    seeds, own, other = paired_means(cell, mine, theirs)
+    return paired_comparison(own, other) if seeds else None
+
+
 def paired_comparisons(cell: dict, mine: str = "proposed") -> dict[str, PairedComparison]:
-    """Gives, per baseline that ran on every seed of `cell`, how proposed variant `mine` compares with it."""
-    policies = cell["policies"]
-    own = policies.get(mine, {}).get("mean_response_per_run_ms")
+    """Gives, per baseline that ran on some seed `mine` ran too, how proposed variant `mine` compares with it there.
+
+    Seeds where either policy could not run are left out of the pair (a baseline infeasible everywhere, like "JFFC
+    only" on most swarms, is not compared at all).
+    """
     out = {}
-    for name, stats in policies.items():
-        theirs = stats.get("mean_response_per_run_ms")
-        if name in PROPOSED or not own or not theirs or len(theirs) != len(own):
+    for name in cell["policies"]:
+        if name in PROPOSED:
             continue
-        out[name] = paired_comparison(own, theirs)
+        result = paired_between(cell, mine, name)
+        if result is not None:
+            out[name] = result
     return out
 
 
 def paired_verdicts(cell: dict, mine: str = "proposed") -> dict[str, str]:
-    """Gives, per baseline that ran on every seed, "win", "tie" or "loss" of proposed variant `mine`."""
+    """Gives, per baseline that shares a seed with `mine`, "win", "tie" or "loss" of proposed variant `mine`."""
     return {name: result.verdict for name, result in paired_comparisons(cell, mine).items()}
 
 

@@ -2,8 +2,8 @@
 
 A job of size s on a route with mean service time T takes s * T (the paper's model); sizes have mean 1. Sizes are
 exponential (the paper's simulations) or derived from the trace's token counts: a request's size is its per-block
-computation time tau_p(l_in, l_out) on the reference GPU over the trace's mean of that time, so a long prompt or a
-long answer makes a proportionally longer job.
+computation time tau_p(l_in, l_out) on the reference GPU over the mean of that time over the replayed requests, so a
+long prompt or a long answer makes a proportionally longer job.
 """
 
 from __future__ import annotations
@@ -96,9 +96,14 @@ def load_azure_trace(path: str | Path) -> Trace:
     return Trace(table[:, 0] - table[0, 0], table[:, 1].astype(np.int64), table[:, 2].astype(np.int64), path.name)
 
 
-def trace_sizes(trace: Trace) -> np.ndarray:
-    """Gives each request's size: its per-block time on the reference GPU over the trace's mean (mean 1)."""
-    work = per_block_time_ms(HIGH_PERFORMANCE, trace.context_tokens, np.maximum(trace.generated_tokens, 1))
+def trace_sizes(trace: Trace, count: int | None = None) -> np.ndarray:
+    """Gives the sizes of the first `count` requests (all if None): per-block time on the reference GPU, mean 1.
+
+    The mean is taken over those requests, not the whole trace: a prefix normalized by the whole trace's mean would
+    load the swarm more (or less) than the rate its c was tuned for.
+    """
+    end = len(trace) if count is None else count
+    work = per_block_time_ms(HIGH_PERFORMANCE, trace.context_tokens[:end], np.maximum(trace.generated_tokens[:end], 1))
     return work / work.mean()
 
 
@@ -124,7 +129,7 @@ def trace_workload(
     native = (count - 1) / float(arrivals[-1] - arrivals[0])
     if rate_per_ms is not None:
         arrivals = (arrivals - arrivals[0]) * (native / rate_per_ms)
-    job_sizes = trace_sizes(trace)[:count] if sizes == "trace" else rng.exponential(1.0, size=count)
+    job_sizes = trace_sizes(trace, count) if sizes == "trace" else rng.exponential(1.0, size=count)
     rate = rate_per_ms if rate_per_ms is not None else native
     scale = "native rate" if rate_per_ms is None else f"time-scaled from {native * 1000:.3g}/s"
     return Workload(
