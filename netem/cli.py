@@ -21,20 +21,16 @@ from pathlib import Path
 
 from netem import netns, ripe, topology
 from netem.backends import BACKENDS
-from netem.network import EmulatedNetwork, down, state_dir
+from netem.network import UNWIND_SIGNALS, EmulatedNetwork, down, raise_exit, state_dir
 from netem.probe import measure_rtts
-
-
-def _raise_exit(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     spec = topology.Topology.from_file(args.topology)
     network = EmulatedNetwork(spec, run_id=args.run_id, backend=args.backend, realtime=not args.no_realtime)
     # Interrupted set-up must not leave half a run behind: start() tears down what it made on any exception.
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _raise_exit)
+    for signum in UNWIND_SIGNALS:
+        signal.signal(signum, raise_exit)
     network.start()
     assert network.backend is not None
     print(f"run {network.run_id} up: backend {network.backend.name}, {len(spec.hosts)} hosts", file=sys.stderr)
@@ -52,7 +48,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
     if not command:
         raise SystemExit("swarm-netem exec: give a command after --")
     network = EmulatedNetwork.attach(args.run)
-    env = dict(os.environ, NETEM_RUN=args.run, NETEM_HOST=args.host, NETEM_ADDRESS=network.address(args.host))
+    env = {**os.environ, **network.host_env(args.host)}
     argv = network.command(args.host, command)
     os.execvpe(argv[0], argv, env)  # replaces this process: the command's exit code is ours
     return 127  # pragma: no cover
@@ -67,7 +63,7 @@ def cmd_ping(args: argparse.Namespace) -> int:
     failures = measurement.failures()
     print(f"{len(failures)} of {len(list(measurement.pairs()))} pairs outside 10% + 1 ms; {measurement.lost} lost")
     if args.json:
-        Path(args.json).write_text(json.dumps(measurement.to_json(), indent=1))
+        Path(args.json).write_text(json.dumps(measurement.to_json(), indent=1, allow_nan=False))
     return 0
 
 

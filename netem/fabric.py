@@ -1,9 +1,9 @@
 """The user-space delay fabric: one process that forwards every packet between hosts after the pair's delay.
 
 Runs inside the run's router namespace (`python -m netem.fabric --config fabric.json`). The router sends every
-packet coming from a host into one TUN device; this loop reads it, asks `netem.schedule` when to deliver it
-(half the pair's RTT after it was read, plus token-bucket waits), keeps it in a timer heap and writes it back
-into the TUN device at that time; the router then forwards it to the destination host.
+packet coming from a host into one TUN device; this loop reads it and hands it to `netem.schedule`, which holds
+it until its delivery time (half the pair's RTT after it was read, plus token-bucket waits); the loop writes what
+is due back into the TUN device, and the router forwards it to the destination host.
 
 One thread, one epoll loop over the TUN fd, a timerfd armed at the earliest deadline (ns precision, unlike
 epoll's ms timeout), the control socket and a signal wakeup fd. Reads are drained in batches; the delay counts
@@ -22,8 +22,6 @@ import array
 import contextlib
 import ctypes
 import fcntl
-import heapq
-import itertools
 import json
 import os
 import select
@@ -127,16 +125,14 @@ class Fabric:
 
     def __init__(self, config: FabricConfig) -> None:
         self.config = config
-        self.schedule = Schedule(config.rtt_ms, config.bandwidth_mbit, config.loss_pct, queue_ms=config.queue_ms,
-                                 seed=config.seed)
+        self.schedule: Schedule[bytes] = Schedule(config.rtt_ms, config.bandwidth_mbit, config.loss_pct,
+                                                  queue_ms=config.queue_ms, seed=config.seed)
         packed = [socket.inet_aton(address) for address in config.addresses]
         # The 8 bytes at offset 12 of an IPv4 header are source + destination: one dict lookup finds the pair.
         self.links: dict[bytes, Link] = {
             packed[i] + packed[j]: self.schedule.links[i][j]
             for i in range(len(packed)) for j in range(len(packed)) if i != j
         }
-        self.heap: list[tuple[int, int, bytes]] = []
-        self.sequence = itertools.count()
         self.realtime = False
         self.reset_stats()
         self.tun = open_tun(config.tun)
@@ -175,7 +171,7 @@ class Fabric:
         return {
             "packets_in": self.packets_in, "packets_out": self.packets_out, "bytes_in": self.bytes_in,
             "dropped_loss": self.schedule.dropped_loss, "dropped_queue": self.schedule.dropped_queue,
-            "foreign": self.foreign, "write_errors": self.write_errors, "queued": len(self.heap),
+            "foreign": self.foreign, "write_errors": self.write_errors, "queued": len(self.schedule),
             "tun_dropped": self.tun_dropped() - self.tun_dropped_at_reset,
             "realtime": self.realtime,
             "lateness_us": {
@@ -187,8 +183,7 @@ class Fabric:
         }
 
     def read_packets(self) -> None:
-        read, now_ns, links, heap = os.read, time.monotonic_ns, self.links, self.heap
-        deliver_at, push, sequence = self.schedule.deliver_at, heapq.heappush, self.sequence
+        read, now_ns, links, send = os.read, time.monotonic_ns, self.links, self.schedule.send
         for _ in range(READ_BATCH):
             try:
                 packet = read(self.tun, MAX_PACKET)
@@ -201,16 +196,14 @@ class Fabric:
             if link is None:  # not IPv4 between two hosts of this run (e.g. IPv6 chatter): not ours to carry
                 self.foreign += 1
                 continue
-            deliver = deliver_at(link, len(packet), arrival)
-            if deliver is not None:
-                push(heap, (deliver, next(sequence), packet))
+            send(link, len(packet), arrival, packet)
 
     def deliver_due(self) -> None:
-        heap, write, now_ns, pop = self.heap, os.write, time.monotonic_ns, heapq.heappop
+        write, now_ns, pop_due = os.write, time.monotonic_ns, self.schedule.pop_due
         lateness, mask = self.lateness_ns, LATENESS_SAMPLES - 1
         now = now_ns()
-        while heap and heap[0][0] <= now:
-            deliver, _, packet = pop(heap)
+        while (due := pop_due(now)) is not None:
+            deliver, packet = due
             lateness[self.lateness_count & mask] = now - deliver
             self.lateness_count += 1
             try:
@@ -219,8 +212,9 @@ class Fabric:
             except OSError:  # e.g. the device went down during teardown
                 self.write_errors += 1
             now = now_ns()
-        if heap and heap[0][0] != self.timer.armed_ns:
-            self.timer.arm(heap[0][0])
+        next_ns = self.schedule.next_ns()
+        if next_ns is not None and next_ns != self.timer.armed_ns:
+            self.timer.arm(next_ns)
 
     def handle_control(self, fd: int, poller: select.epoll) -> None:
         if fd == self.control.fileno():

@@ -132,7 +132,8 @@ def set_sysctls(namespace: str, values: dict[str, str]) -> None:
             Path("/proc/sys", *key.split(".")).write_text(value)
 
 
-def _alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
+    """Gives whether process `pid` exists and is not a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -143,10 +144,10 @@ def _alive(pid: int) -> bool:
 def wait_gone(pids: Sequence[int], timeout_s: float) -> list[int]:
     """Gives the pids still alive after waiting up to `timeout_s` for them to exit."""
     deadline = time.monotonic() + timeout_s
-    alive = [pid for pid in pids if _alive(pid)]
+    alive = [pid for pid in pids if is_alive(pid)]
     while alive and time.monotonic() < deadline:
         time.sleep(0.05)
-        alive = [pid for pid in alive if _alive(pid)]
+        alive = [pid for pid in alive if is_alive(pid)]
     return alive
 
 

@@ -31,7 +31,12 @@ from netem.processes import HostProcess, namespace_command
 from netem.topology import Topology
 
 STATE_ROOT = Path(os.environ.get("CHAINSWARM_NETEM_STATE", "/run/chainswarm-netem"))
-_UNWIND_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+UNWIND_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def raise_exit(signum: int, _frame: FrameType | None) -> None:
+    """Signal handler that unwinds the stack (so `finally` and `with` clean up) as a SystemExit(128 + signum)."""
+    raise SystemExit(128 + signum)
 
 
 def state_dir(run_id: str) -> Path:
@@ -111,7 +116,7 @@ class EmulatedNetwork:
         self._closed = True
         in_main = threading.current_thread() is threading.main_thread()
         # A second SIGTERM/SIGINT must not cut the cleanup short: hold them until it is done.
-        blocked = {signal.SIGINT, *_UNWIND_SIGNALS}
+        blocked = {signal.SIGINT, *UNWIND_SIGNALS}
         if in_main:
             signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
         try:
@@ -127,8 +132,8 @@ class EmulatedNetwork:
 
     def __enter__(self) -> EmulatedNetwork:
         if threading.current_thread() is threading.main_thread():
-            for signum in _UNWIND_SIGNALS:
-                self._previous_handlers[signum] = signal.signal(signum, _raise_exit)
+            for signum in UNWIND_SIGNALS:
+                self._previous_handlers[signum] = signal.signal(signum, raise_exit)
         try:
             return self.start()
         except BaseException:
@@ -159,6 +164,10 @@ class EmulatedNetwork:
         """Gives the private address `host` is reached at from the other hosts."""
         return self.layout.address(host)
 
+    def host_env(self, host: str) -> dict[str, str]:
+        """Gives the environment variables that tell a process inside `host` where it runs."""
+        return {"NETEM_RUN": self.run_id, "NETEM_HOST": host, "NETEM_ADDRESS": self.address(host)}
+
     def command(self, host: str, argv: Sequence[str]) -> list[str]:
         """Gives the argv that runs `argv` inside `host`'s namespace."""
         return namespace_command(self.namespace(host), argv)
@@ -170,9 +179,8 @@ class EmulatedNetwork:
         """Gives a process running `argv` inside `host`, stopped by `close()` at the latest."""
         name = name or f"{host}-{len(self.processes)}"
         log_path = (log_dir or self.layout.state_dir) / f"{name}.log"
-        host_env = {"NETEM_RUN": self.run_id, "NETEM_HOST": host, "NETEM_ADDRESS": self.address(host), **(env or {})}
-        process = HostProcess.start(name, host, self.namespace(host), argv, log_path, env=host_env,
-                                    interactive=interactive)
+        process = HostProcess.start(name, host, self.namespace(host), argv, log_path,
+                                    env={**self.host_env(host), **(env or {})}, interactive=interactive)
         self.processes.append(process)
         return process
 
@@ -194,7 +202,3 @@ class EmulatedNetwork:
     def reset_backend_stats(self) -> None:
         assert self.backend is not None, "not started"
         self.backend.reset_stats()
-
-
-def _raise_exit(signum: int, _frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)

@@ -59,7 +59,9 @@ class RttMeasurement:
         return [sample - self.target_ms[i][j] for (i, j), samples in self.samples_ms.items() for sample in samples]
 
     def to_json(self) -> dict[str, Any]:
-        return {"hosts": list(self.hosts), "target_ms": self.target_ms, "measured_ms": self.measured_ms,
+        """Gives the measurement as JSON-ready data; a pair without samples is measured `None` (JSON has no NaN)."""
+        measured = [[None if math.isnan(value) else value for value in row] for row in self.measured_ms]
+        return {"hosts": list(self.hosts), "target_ms": self.target_ms, "measured_ms": measured,
                 "proto": self.proto, "lost": self.lost}
 
     def table(self) -> str:
@@ -92,6 +94,16 @@ def _closing_all(socks: list[socket.socket]) -> Iterator[list[socket.socket]]:
 
 def _all_pairs(size: int) -> list[tuple[int, int]]:
     return list(itertools.combinations(range(size), 2))
+
+
+def _normalized_pairs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Gives `pairs` as (smaller, larger) host indices, each once, in their first order."""
+    normalized: dict[tuple[int, int], None] = {}
+    for i, j in pairs:
+        if i == j:
+            raise ValueError(f"a pair needs two hosts, got ({i}, {j})")
+        normalized[min(i, j), max(i, j)] = None
+    return list(normalized)
 
 
 class _Prober:
@@ -135,11 +147,13 @@ def measure_rtts(
     network: EmulatedNetwork, *, proto: str = "udp", count: int = 20, pairs: Iterable[tuple[int, int]] | None = None,
     timeout_s: float = 60.0,
 ) -> RttMeasurement:
-    """Gives each pair's RTT measured by `count` echoes (after a warm-up), all pairs probed concurrently."""
+    """Gives each pair's RTT measured by `count` echoes (after a warm-up), all pairs probed concurrently.
+
+    A pair is measured once whichever way it is given: (j, i) is (i, j)."""
     if proto not in ("udp", "tcp"):
         raise ValueError(f"proto must be udp or tcp, got {proto!r}")
     topology = network.topology
-    pair_list = list(pairs) if pairs is not None else _all_pairs(topology.size)
+    pair_list = _normalized_pairs(pairs) if pairs is not None else _all_pairs(topology.size)
     timeout_ns = int((1.0 + 3 * max(topology.rtt_ms[i][j] for i, j in pair_list) / 1000) * 1e9) if pair_list else 0
     probers = [_Prober(index, count, timeout_ns) for index in range(len(pair_list))]
     run = _run_udp if proto == "udp" else _run_tcp

@@ -1,7 +1,8 @@
 """When the fabric delivers a packet: per-pair delay, per-host token buckets, loss, and per-pair order.
 
-Pure (no I/O, no clock): the fabric passes each packet's arrival time in ns and gets its delivery time, or None
-when the packet is dropped. Kept apart from the forwarding loop so it is unit-tested without a TUN device.
+Pure (no I/O, no clock): the fabric hands each packet in with its arrival time in ns (`send`) and takes packets
+out once they are due (`pop_due`, `next_ns`). Kept apart from the forwarding loop so it is unit-tested without a
+TUN device.
 
 A packet from host i to host j of `size` bytes arriving at `t`:
 1. leaves i's uplink after i's token bucket (rate `bandwidth_mbit[i]`, depth `burst_bytes`) lets it through;
@@ -10,18 +11,26 @@ A packet from host i to host j of `size` bytes arriving at `t`:
 4. is delivered, never before an earlier packet of the same pair (packets of a flow stay in order, also when
    the delays change at run time).
 A packet that would wait longer than `queue_ms` in a bucket is dropped (drop-tail), as a full router queue would.
-The downlink bucket serves packets in fabric-arrival order, a small simplification when several senders share it.
+Step 3 happens in virtual time order: a packet waits in the schedule until it reaches j's downlink and is only
+then admitted to its bucket, so packets from several senders share the downlink in the order they reach it (a
+far sender's packet does not hold back a near sender's that arrives earlier). Packets to a host without a downlink
+limit skip that stage.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 NS_PER_MS = 1_000_000
 DEFAULT_QUEUE_MS = 200.0
 MIN_BURST_BYTES = 3028  # two full-size Ethernet frames
+
+Payload = TypeVar("Payload")
 
 
 @dataclass
@@ -41,7 +50,9 @@ class TokenBucket:
         return cls(ns_per_byte, burst_bytes * ns_per_byte, queue_limit_ns=queue_ms * NS_PER_MS)
 
     def admit(self, size: int, at_ns: float) -> float | None:
-        """Gives when a packet of `size` bytes arriving at `at_ns` leaves the bucket, or None if the queue is full."""
+        """Gives when a packet of `size` bytes arriving at `at_ns` leaves the bucket, or None if the queue is full.
+
+        Packets must be admitted in the order of their `at_ns`: the bucket is a FIFO queue."""
         cost_ns = size * self.ns_per_byte
         depart = max(at_ns, self.full_at_ns - self.burst_ns + cost_ns)
         if depart - at_ns > self.queue_limit_ns:
@@ -53,16 +64,18 @@ class TokenBucket:
 class Link:
     """The state of one ordered pair (source host, destination host)."""
 
-    __slots__ = ("delay_ns", "destination", "last_ns", "loss", "source")
+    __slots__ = ("delay_ns", "destination", "in_transit", "last_ns", "loss", "reach_ns", "source")
 
     def __init__(self, source: int, destination: int, delay_ns: int, loss: float) -> None:
         self.source, self.destination = source, destination
         self.delay_ns, self.loss = delay_ns, loss
-        self.last_ns = 0
+        self.last_ns = 0  # latest delivery time given to a packet of this pair
+        self.reach_ns = 0  # latest time a packet of this pair reaches the destination's downlink
+        self.in_transit = 0  # packets of this pair not yet admitted to the destination's downlink
 
 
-class Schedule:
-    """Delivery times for packets between the hosts of one topology."""
+class Schedule(Generic[Payload]):
+    """The packets in flight between the hosts of one topology, each held until its delivery time."""
 
     def __init__(
         self,
@@ -80,6 +93,10 @@ class Schedule:
         self.uplinks: list[TokenBucket | None] = [None] * self.size
         self.downlinks: list[TokenBucket | None] = [None] * self.size
         self.dropped_loss = self.dropped_queue = 0
+        # (time ns, sequence, link, size, payload): with a link, when the packet reaches the link's downlink;
+        # without, when it is delivered. The sequence keeps packets of equal times in the order they came.
+        self._heap: list[tuple[int, int, Link | None, int, Payload]] = []
+        self._sequence = itertools.count()
         self.update(rtt_ms, bandwidth_mbit, loss_pct)
 
     def update(
@@ -88,7 +105,8 @@ class Schedule:
         bandwidth_mbit: Sequence[float | None],
         loss_pct: Sequence[Sequence[float]] | None = None,
     ) -> None:
-        """Changes delays, rates and loss at run time; packets already scheduled keep their times."""
+        """Changes delays, rates and loss at run time; packets on their way keep their path delay, and meet the
+        new downlink rate when they reach it."""
         if len(rtt_ms) != self.size or len(bandwidth_mbit) != self.size:
             raise ValueError(f"the schedule has {self.size} hosts")
         for i, row in enumerate(self.links):
@@ -102,29 +120,58 @@ class Schedule:
                 self.uplinks[i] = TokenBucket.for_rate(mbit, self.queue_ms)
                 self.downlinks[i] = TokenBucket.for_rate(mbit, self.queue_ms)
 
-    def deliver_at(self, link: Link, size: int, arrival_ns: int) -> int | None:
-        """Gives when to deliver a packet of `size` bytes that arrived at `arrival_ns` on `link`, or None to drop it."""
+    def __len__(self) -> int:
+        """Gives how many packets the schedule holds."""
+        return len(self._heap)
+
+    def send(self, link: Link, size: int, arrival_ns: int, payload: Payload) -> bool:
+        """Gives whether a packet of `size` bytes that arrived at `arrival_ns` on `link` is carried (False: dropped
+        by loss or a full uplink queue). Arrival times must not go back: the fabric passes its clock."""
         if link.loss and self.random() < link.loss:
             self.dropped_loss += 1
-            return None
+            return False
         at: float = arrival_ns
         uplink = self.uplinks[link.source]
         if uplink is not None:
             departed = uplink.admit(size, at)
             if departed is None:
                 self.dropped_queue += 1
-                return None
+                return False
             at = departed
         at += link.delay_ns
-        downlink = self.downlinks[link.destination]
-        if downlink is not None:
-            received = downlink.admit(size, at)
-            if received is None:
-                self.dropped_queue += 1
-                return None
-            at = received
-        deliver = int(at)
-        if deliver < link.last_ns:
-            deliver = link.last_ns
+        if self.downlinks[link.destination] is None and not link.in_transit:
+            self._push_delivery(link, at, payload)
+        else:  # wait until it reaches the downlink, so that the bucket sees packets in the order they get there
+            reach = max(int(at), link.reach_ns)
+            link.reach_ns = reach
+            link.in_transit += 1
+            heapq.heappush(self._heap, (reach, next(self._sequence), link, size, payload))
+        return True
+
+    def next_ns(self) -> int | None:
+        """Gives when the schedule next has something to do (a packet to admit or deliver), or None if empty."""
+        return self._heap[0][0] if self._heap else None
+
+    def pop_due(self, now_ns: float) -> tuple[int, Payload] | None:
+        """Gives the next packet due at `now_ns` with its delivery time (ns), or None if none is due yet."""
+        heap = self._heap
+        while heap and heap[0][0] <= now_ns:
+            at_ns, _, link, size, payload = heapq.heappop(heap)
+            if link is None:
+                return at_ns, payload
+            link.in_transit -= 1
+            at: float = at_ns
+            downlink = self.downlinks[link.destination]
+            if downlink is not None:
+                received = downlink.admit(size, at)
+                if received is None:
+                    self.dropped_queue += 1
+                    continue
+                at = received
+            self._push_delivery(link, at, payload)
+        return None
+
+    def _push_delivery(self, link: Link, at: float, payload: Payload) -> None:
+        deliver = max(int(at), link.last_ns)
         link.last_ns = deliver
-        return deliver
+        heapq.heappush(self._heap, (deliver, next(self._sequence), None, 0, payload))

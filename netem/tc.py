@@ -9,7 +9,7 @@ On each host's `eth0` (its egress) an htb tree classifies packets by destination
       u32 filters: ip dst <address of j>/32 -> class 1:<16+j>
 
 Both directions of a pair are delayed by half its RTT, so a round trip takes the RTT. A host's downlink limit is a
-tbf on the router's side of its veth. The builders are pure (argv lists) and unit-tested; `apply` runs them.
+tbf on the router's side of its veth. The builders are pure (argv lists) and unit-tested; `TcBackend` runs them.
 """
 
 from __future__ import annotations
@@ -76,8 +76,16 @@ def downlink_commands(layout: Layout, topology: Topology, host: int, verb: str =
              "rate", _rate(mbit), "burst", str(burst_bytes), "latency", f"{DEFAULT_QUEUE_MS:g}ms"]]
 
 
+def downlink_removals(layout: Layout, topology: Topology) -> list[list[str]]:
+    """Gives the deletes of the tbf of every host without a bandwidth in `topology` (a limit an earlier topology may
+    have set); each fails harmlessly where there is none, so run them without checking."""
+    return [["tc", "-n", layout.hub, "qdisc", "del", "dev", layout.hub_device(host), "root"]
+            for host, name in enumerate(topology.hosts) if name not in topology.bandwidth_mbit]
+
+
 def update_commands(layout: Layout, topology: Topology) -> list[list[str]]:
-    """Gives the `tc` invocations that change delays, loss and rates of a running tree to `topology`'s."""
+    """Gives the `tc` invocations that change delays, loss and rates of a running tree to `topology`'s (limits
+    it no longer has are removed by `downlink_removals`)."""
     commands = []
     for source, host in enumerate(topology.hosts):
         tc = ["tc", "-n", layout.namespace(host)]
@@ -117,18 +125,16 @@ class TcBackend:
 
     def __init__(self, layout: Layout, **_options: object) -> None:
         self.layout = layout
-        self.limited: set[str] | None = None  # hosts with a bandwidth limit, fixed when the tree is built
 
     def start(self, topology: Topology) -> None:
-        self.limited = set(topology.bandwidth_mbit)
         for source in range(topology.size):
             for argv in [*host_commands(self.layout, topology, source), *downlink_commands(self.layout, topology,
                                                                                           source)]:
                 netns.run(argv)
 
     def update(self, topology: Topology) -> None:
-        if self.limited is not None and set(topology.bandwidth_mbit) != self.limited:
-            raise ValueError("the tc backend changes rates but not which hosts have a limit; start a new run")
+        for argv in downlink_removals(self.layout, topology):
+            netns.run(argv, check=False)  # there may be no limit to remove
         for argv in update_commands(self.layout, topology):
             netns.run(argv)
 

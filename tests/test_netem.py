@@ -41,14 +41,6 @@ def root_links() -> list[str]:
     return sorted(line.split(":")[1].strip() for line in netns.ip("-o", "link", "show").splitlines())
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_auto_backend_is_tc_only_where_the_kernel_has_netem(four_hosts: EmulatedNetwork) -> None:
     assert four_hosts.backend is not None
     expected = "tc" if netem_available(four_hosts.layout.hub) else "fabric"
@@ -84,7 +76,8 @@ def test_delays_change_at_run_time(four_hosts: EmulatedNetwork) -> None:
     original = four_hosts.topology
     try:
         four_hosts.set_topology(original.scaled(0.25))
-        measurement = measure_rtts(four_hosts, proto="udp", count=15, pairs=[(0, 1), (2, 3)])
+        measurement = measure_rtts(four_hosts, proto="udp", count=15, pairs=[(1, 0), (2, 3)])
+        assert list(measurement.pairs()) == [(0, 1), (2, 3)]  # (1, 0) is the pair (0, 1)
         assert measurement.failures() == []
         assert measurement.measured_ms[0][1] < original.rtt_ms[0][1] * 0.5
     finally:
@@ -158,13 +151,18 @@ def test_cli_up_exec_ping_down(tmp_path: Path) -> None:
 
 CHILD = textwrap.dedent("""
     import json, sys, time
+    from netem import netns
     from netem.network import EmulatedNetwork
     from netem.topology import constant
     mode, run_id = sys.argv[1], sys.argv[2]
     with EmulatedNetwork(constant(("a", "b"), 10), run_id=run_id) as network:
         sleepers = [network.spawn("a", ["sleep", "300"]), network.spawn("b", [sys.executable, "-c",
                     "import time; time.sleep(300)"])]
-        pids = [process.pid for process in sleepers] + [int((network.layout.state_dir / "fabric.pid").read_text())]
+        # Whatever lives in the run's namespaces (the sleepers, and the fabric if that is the backend).
+        pids = sorted({pid for namespace in network.layout.namespaces for pid in netns.namespace_pids(namespace)})
+        assert {process.pid for process in sleepers} <= set(pids), pids
+        if network.backend.name == "fabric":
+            assert int((network.layout.state_dir / "fabric.pid").read_text()) in pids, pids
         print(json.dumps({"pids": pids}), flush=True)
         if mode == "raise":
             raise RuntimeError("a test failing midway")
@@ -201,7 +199,7 @@ def test_teardown_after_an_exception_midway_leaves_nothing() -> None:
 def test_teardown_on_sigterm_leaves_nothing() -> None:
     links, run_id = root_links(), next_run_id()
     child, pids = start_child("wait", run_id)
-    assert all(alive(pid) for pid in pids) and netns.list_namespaces(netns.run_prefix(run_id))
+    assert all(netns.is_alive(pid) for pid in pids) and netns.list_namespaces(netns.run_prefix(run_id))
     child.send_signal(signal.SIGTERM)
     child.communicate(timeout=60)
     assert child.returncode == 128 + signal.SIGTERM
@@ -213,7 +211,7 @@ def test_down_removes_what_a_killed_owner_left_behind() -> None:
     child, pids = start_child("wait", run_id)
     child.kill()  # no handler runs: the namespaces, fabric and sleepers stay
     child.communicate(timeout=30)
-    assert netns.list_namespaces(netns.run_prefix(run_id)) and all(alive(pid) for pid in pids)
+    assert netns.list_namespaces(netns.run_prefix(run_id)) and all(netns.is_alive(pid) for pid in pids)
     done = subprocess.run([sys.executable, "-m", "netem.cli", "down", run_id], cwd=REPO, capture_output=True,
                           text=True, timeout=60, check=True)
     assert "removed 3 namespaces" in done.stdout

@@ -11,6 +11,7 @@ Only physical lower bounds are asserted, never a speed. A decode step must cross
 from __future__ import annotations
 
 import itertools
+import statistics
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,3 +117,21 @@ def test_generate_across_namespaces_matches_local_and_pays_the_path_rtts(
     )
     assert len(steps) == NEW_TOKENS - 1
     assert steps[0] >= (push_ms if server_push else per_span_ms) - CLOCK_SLACK_MS
+
+
+def test_per_token_latency_rises_with_the_paths_rtts(wan_swarm: tuple) -> None:
+    network, client, hosts_by_peer = wan_swarm
+    input_ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(7))
+    medians_ms, bounds_ms = {}, {}
+    for scale in (1.0, 3.0):
+        topology = base_topology().scaled(scale)
+        network.set_topology(topology)
+        reply = client.request({"op": "generate", "input_ids": input_ids.tolist(), "max_new_tokens": NEW_TOKENS,
+                                "server_push": True}, CLIENT_TIMEOUT_S)
+        assert "error" not in reply, reply["error"]
+        medians_ms[scale] = statistics.median(reply["step_ms"])
+        bounds_ms[scale] = decode_bounds_ms(topology, [hosts_by_peer[peer] for peer in reply["route"]])[1]
+    print(f"median decode step: {medians_ms}; push bounds: {bounds_ms}")
+    # Tripling every RTT adds twice the path's delay to each step; compute and overheads stay. A quarter of the
+    # added delay is left to absorb what overheads the first run had on top of its bound.
+    assert medians_ms[3.0] - medians_ms[1.0] >= 0.75 * (bounds_ms[3.0] - bounds_ms[1.0])

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from netem import ripe
+from netem import netns, ripe
 from netem.layout import Layout
+from netem.probe import RttMeasurement
 from netem.schedule import NS_PER_MS, Schedule
-from netem.tc import host_commands, netem_args, update_commands
+from netem.tc import TcBackend, downlink_removals, host_commands, netem_args, update_commands
 from netem.topology import Topology, TopologyError, constant, random_geometric, uniform
 
 RIPE_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "ripe_atlas_eu_rtt.csv"
@@ -104,55 +105,105 @@ def test_ripe_matrix_is_the_papers_derivation() -> None:
     assert named.rtt_ms == topology.rtt_ms
 
 
+def run_out(schedule: Schedule[int], now_ns: float = math.inf) -> dict[int, int]:
+    """Gives packet number -> delivery time (ns) of every packet due by `now_ns`, in the order they come out."""
+    delivered = {}
+    while (due := schedule.pop_due(now_ns)) is not None:
+        delivered[due[1]] = due[0]
+    return delivered
+
+
 def test_schedule_delays_half_the_rtt_each_way() -> None:
-    schedule = Schedule([[0, 20], [20, 0]], [None, None])
+    schedule: Schedule[int] = Schedule([[0, 20], [20, 0]], [None, None])
     forward, back = schedule.links[0][1], schedule.links[1][0]
-    assert schedule.deliver_at(forward, 100, 1_000) == 1_000 + 10 * NS_PER_MS
-    assert schedule.deliver_at(back, 100, 5_000) == 5_000 + 10 * NS_PER_MS
+    assert schedule.send(forward, 100, 1_000, 0) and schedule.send(back, 100, 5_000, 1)
+    assert schedule.next_ns() == 1_000 + 10 * NS_PER_MS
+    assert run_out(schedule, 1_000 + 10 * NS_PER_MS) == {0: 1_000 + 10 * NS_PER_MS}  # the other is not due yet
+    assert run_out(schedule) == {1: 5_000 + 10 * NS_PER_MS} and len(schedule) == 0
 
 
 def test_token_bucket_paces_a_backlog_at_the_rate() -> None:
-    schedule = Schedule([[0, 0], [0, 0]], [8.0, None])  # 8 Mbit/s = 1000 bytes per ms
+    schedule: Schedule[int] = Schedule([[0, 0], [0, 0]], [8.0, None])  # 8 Mbit/s = 1000 bytes per ms
     link = schedule.links[0][1]
-    times = [schedule.deliver_at(link, 1000, 0) for _ in range(100)]  # 100 kB arriving at once
-    assert all(t is not None for t in times)
+    assert all(schedule.send(link, 1000, 0, number) for number in range(100))  # 100 kB arriving at once
+    delivered = run_out(schedule)
+    times = [delivered[number] for number in range(100)]
     spacing_ms = (times[-1] - times[50]) / 49 / NS_PER_MS  # after the initial burst
     assert spacing_ms == pytest.approx(1.0, rel=1e-6)
     assert times[:3] == [0, 0, 0]  # the bucket starts full: a small burst goes at once
 
 
 def test_full_queue_drops_instead_of_growing_without_bound() -> None:
-    schedule = Schedule([[0, 0], [0, 0]], [8.0, None])  # queue limit 200 ms = about 200 packets of 1000 bytes
+    schedule: Schedule[int] = Schedule([[0, 0], [0, 0]], [8.0, None])  # queue limit 200 ms: ~200 packets of 1 kB
     link = schedule.links[0][1]
-    outcomes = [schedule.deliver_at(link, 1000, 0) for _ in range(400)]
-    assert 190 <= sum(o is not None for o in outcomes) <= 215
-    assert schedule.dropped_queue == sum(o is None for o in outcomes)
+    carried = [schedule.send(link, 1000, 0, number) for number in range(400)]
+    assert 190 <= sum(carried) <= 215
+    assert schedule.dropped_queue == carried.count(False)
+    assert sorted(run_out(schedule)) == [number for number, ok in enumerate(carried) if ok]
 
 
 def test_downlink_limit_applies_to_what_a_host_receives() -> None:
-    schedule = Schedule([[0, 10, 10], [10, 0, 10], [10, 10, 0]], [None, None, 4.0])  # h2 receives 500 B/ms
-    times = [schedule.deliver_at(schedule.links[i % 2][2], 1000, 0) for i in range(60)]
-    assert (times[-1] - times[30]) / 29 / NS_PER_MS == pytest.approx(2.0, rel=1e-6)
-    assert schedule.deliver_at(schedule.links[0][1], 1000, 0) == 5 * NS_PER_MS  # other pairs are not slowed
+    schedule: Schedule[int] = Schedule([[0, 10, 10], [10, 0, 10], [10, 10, 0]], [None, None, 4.0])  # h2: 500 B/ms
+    for number in range(60):
+        schedule.send(schedule.links[number % 2][2], 1000, 0, number)
+    schedule.send(schedule.links[0][1], 1000, 0, 60)
+    delivered = run_out(schedule)
+    assert (delivered[59] - delivered[30]) / 29 / NS_PER_MS == pytest.approx(2.0, rel=1e-6)
+    assert delivered[60] == 5 * NS_PER_MS  # other pairs are not slowed
+
+
+def test_downlink_admits_packets_in_the_order_they_reach_it() -> None:
+    # h2 receives 1000 B/ms from a far h0 (80 ms one way) and a near h1 (5 ms one way).
+    schedule: Schedule[int] = Schedule([[0, 10, 160], [10, 0, 10], [160, 10, 0]], [None, None, 8.0])
+    far, near = schedule.links[0][2], schedule.links[1][2]
+    assert schedule.send(far, 1500, 0, 0) and schedule.send(near, 1500, 1 * NS_PER_MS, 1)
+    delivered = run_out(schedule)
+    assert 6 * NS_PER_MS <= delivered[1] <= 6 * NS_PER_MS + 1.5 * NS_PER_MS  # its half RTT, not behind the far one
+    assert 80 * NS_PER_MS <= delivered[0] <= 80 * NS_PER_MS + 1.5 * NS_PER_MS
 
 
 def test_packets_of_a_pair_stay_in_order_when_the_delay_drops() -> None:
-    schedule = Schedule([[0, 80], [80, 0]], [None, None])
+    schedule: Schedule[int] = Schedule([[0, 80], [80, 0]], [None, None])
     link = schedule.links[0][1]
-    early = schedule.deliver_at(link, 100, 0)
+    schedule.send(link, 100, 0, 0)
     schedule.update([[0, 2], [2, 0]], [None, None])
-    late = schedule.deliver_at(link, 100, 1 * NS_PER_MS)
-    assert early == 40 * NS_PER_MS and late == early  # held back behind the earlier packet, not reordered
-    assert schedule.deliver_at(link, 100, 50 * NS_PER_MS) == 51 * NS_PER_MS
+    schedule.send(link, 100, 1 * NS_PER_MS, 1)
+    schedule.send(link, 100, 50 * NS_PER_MS, 2)
+    delivered = run_out(schedule)
+    assert delivered[0] == 40 * NS_PER_MS and delivered[1] == delivered[0]  # held back, not reordered
+    assert delivered[2] == 51 * NS_PER_MS
+
+
+@pytest.mark.parametrize("later_mbit", [8.0, None])
+def test_packets_of_a_pair_stay_in_order_through_a_limited_downlink(later_mbit: float | None) -> None:
+    schedule: Schedule[int] = Schedule([[0, 80], [80, 0]], [None, 8.0])
+    link = schedule.links[0][1]
+    for number in range(5):
+        schedule.send(link, 1000, number, number)
+    schedule.update([[0, 2], [2, 0]], [None, later_mbit])  # later packets would overtake the first five
+    for number in range(5, 10):
+        schedule.send(link, 1000, 1 * NS_PER_MS + number, number)
+    delivered = run_out(schedule)  # in the order the fabric would write them
+    assert list(delivered) == list(range(10))
+    assert list(delivered.values()) == sorted(delivered.values())
 
 
 def test_loss_drops_about_the_configured_share_reproducibly() -> None:
     def dropped(seed: int) -> int:
-        schedule = Schedule([[0, 10], [10, 0]], [None, None], [[0, 25], [25, 0]], seed=seed)
-        return sum(schedule.deliver_at(schedule.links[0][1], 100, t) is None for t in range(4000))
+        schedule: Schedule[int] = Schedule([[0, 10], [10, 0]], [None, None], [[0, 25], [25, 0]], seed=seed)
+        return sum(not schedule.send(schedule.links[0][1], 100, t, t) for t in range(4000))
 
     assert dropped(1) == dropped(1)
     assert 900 <= dropped(1) <= 1100
+
+
+def test_ping_json_has_null_for_a_pair_without_samples() -> None:
+    measurement = RttMeasurement(("a", "b", "c"), [[0, 10, 20], [10, 0, 30], [20, 30, 0]],
+                                 [[0, 10.2, math.nan], [10.2, 0, 0], [math.nan, 0, 0]], "udp", {(0, 1): [10.2],
+                                                                                                (0, 2): []})
+    text = json.dumps(measurement.to_json(), allow_nan=False)
+    assert json.loads(text)["measured_ms"][0] == [0, 10.2, None]
+    assert [line.split(":")[0] for line in measurement.failures()] == ["a-c"]
 
 
 def test_tc_builder_gives_per_destination_netem_classes() -> None:
@@ -196,3 +247,25 @@ def test_tc_update_changes_delays_and_limits_in_place() -> None:
     assert netem_args(topology, 1, 0)[:3] == ["netem", "delay", "3750us"]
     assert not any("v0" in command for command in commands)  # h0 has no downlink limit
     assert math.isclose(topology.rtt("h0", "h1"), 7.5)
+
+
+def test_tc_update_removes_a_downlink_limit_the_topology_no_longer_has() -> None:
+    limited = Topology(("h0", "h1"), [[0, 7.5], [7.5, 0]], {"h0": 20, "h1": 8})
+    layout = Layout("abc", limited.hosts, Path("/nonexistent"))
+    assert downlink_removals(layout, limited) == []
+    unlimited = Topology(("h0", "h1"), [[0, 7.5], [7.5, 0]], {"h0": 20})
+    assert downlink_removals(layout, unlimited) == [["tc", "-n", "csnet-abc-_hub", "qdisc", "del", "dev", "v1", "root"]]
+    commands = update_commands(layout, unlimited)
+    assert not any("v1" in command for command in commands)  # no tbf is put back on h1's downlink
+    assert ["tc", "-n", "csnet-abc-h1", "class", "change", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb",
+            "rate", "10gbit", "ceil", "10gbit"] in commands  # nor a limit on its uplink
+
+
+def test_tc_backend_runs_the_removals_without_checking(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[tuple[list[str], bool]] = []
+    monkeypatch.setattr(netns, "run", lambda argv, *, check=True: ran.append((list(argv), check)) or "")
+    topology = Topology(("h0", "h1"), [[0, 7.5], [7.5, 0]], {"h0": 20})
+    TcBackend(Layout("abc", topology.hosts, Path("/nonexistent"))).update(topology)
+    assert [argv for argv, check in ran if not check] == [["tc", "-n", "csnet-abc-_hub", "qdisc", "del", "dev", "v1",
+                                                           "root"]]
+    assert len(ran) > 1 and all(check for argv, check in ran if "del" not in argv)
