@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchestrator.swarm_model import Chain, Placement, SwarmModel
+from orchestrator.analysis import total_rate
+from orchestrator.swarm_model import Chain, Placement, ServerSpec, SwarmModel
 
 
 def chain_blocks(placement: Placement, num_blocks: int, servers: Sequence[str]) -> tuple[int, ...]:
@@ -49,11 +50,7 @@ def chain_blocks(placement: Placement, num_blocks: int, servers: Sequence[str]) 
 
 def chain_service_time_ms(swarm: SwarmModel, servers: Sequence[str], blocks: Sequence[int]) -> float:
     """Gives T = sum over the chain's servers of tau_c + tau_p * m_ij, in ms."""
-    total = 0.0
-    for name, count in zip(servers, blocks, strict=True):
-        server = swarm.server(name)
-        total += server.tau_c_ms + server.tau_p_ms * count
-    return total
+    return sum(swarm.server(name).job_time_ms(count) for name, count in zip(servers, blocks, strict=True))
 
 
 def make_chain(swarm: SwarmModel, placement: Placement, servers: Sequence[str], capacity: int) -> Chain:
@@ -99,10 +96,9 @@ class _BoundaryGraph:
         if unknown:
             raise ValueError(f"the placement names servers the swarm does not have: {', '.join(unknown)}")
         self.names: list[str] = []
+        self.servers: list[ServerSpec] = []
         self.first: list[int] = []
         self.end: list[int] = []
-        self.tau_c: list[float] = []
-        self.tau_p: list[float] = []
         self.slots: list[int] = []
         for server in swarm.servers:
             first, count = placement.first_block(server.name), placement.num_blocks(server.name)
@@ -111,10 +107,9 @@ class _BoundaryGraph:
             if first < 1 or first + count - 1 > num_blocks:
                 raise ValueError(f"server {server.name!r} hosts blocks {first}..{first + count - 1}, outside 1..L")
             self.names.append(server.name)
+            self.servers.append(server)
             self.first.append(first)
             self.end.append(first + count)
-            self.tau_c.append(server.tau_c_ms)
-            self.tau_p.append(server.tau_p_ms)
             self.slots.append(placement.residual_slots(swarm, server.name))
         # node k of the DAG is boundary self.boundaries[k]; node 0 is block 1 (where every chain starts)
         self.boundaries = sorted({1, *self.end})
@@ -143,7 +138,7 @@ class _BoundaryGraph:
         self.dirty_from = 1
 
     def cost(self, host: int, blocks: int) -> float:
-        return self.tau_c[host] + self.tau_p[host] * blocks
+        return self.servers[host].job_time_ms(blocks)
 
     def lowest_boundary(self, host: int) -> int:
         """Gives the earliest boundary at which `host` can still take a job: it needs end - b <= slots."""
@@ -212,11 +207,10 @@ def gca(swarm: SwarmModel, placement: Placement) -> list[Chain]:
         graph.allocate(hops, capacity)
         servers = tuple(graph.names[host] for host, _ in hops)
         blocks = tuple(blocks for _, blocks in hops)
-        time_ms = sum(graph.cost(host, blocks) for host, blocks in hops)
-        chains.append(Chain(servers, blocks, capacity, time_ms))
+        chains.append(Chain(servers, blocks, capacity, chain_service_time_ms(swarm, servers, blocks)))
     return chains
 
 
 def total_rate_per_ms(chains: Sequence[Chain]) -> float:
-    """Gives nu = sum_k c_k mu_k, the chains' total service rate in jobs per ms."""
-    return sum(chain.capacity * chain.rate_per_ms for chain in chains)
+    """Gives nu = sum_k c_k mu_k, the chains' total service rate in jobs per ms (`analysis.total_rate`'s sum)."""
+    return total_rate([chain.rate_per_ms for chain in chains], [chain.capacity for chain in chains])

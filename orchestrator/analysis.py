@@ -9,8 +9,9 @@ slowest (upper bound) way JFFC's chains can be filled by n jobs; the exact solut
 of the occupancy vector (z_1..z_K) with arrivals blocked when every chain is full, then adds the geometric tail
 of queue lengths, pi(n, full) = pi(full) rho^n.
 
-`overflow_mean_response` is not from the paper: an O(C) estimate of JFFC's mean response (chains as Erlang loss
-stages in speed order, then a queue) for instances too big to solve exactly, used to tune c with spare chains.
+`overflow_estimate_unclamped` is not from the paper: an O(C) estimate of JFFC's mean response (chains as Erlang
+loss stages in speed order, then a queue) for instances too big to solve exactly; `overflow_mean_response` clamps
+it into the bounds and is used to tune c with spare chains.
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ def erlang_b(servers: int, offered_load: float) -> float:
     return loss
 
 
-def overflow_mean_response(arrival_rate: float, rates: Sequence[float], capacities: Sequence[int]) -> float:
-    """Gives an estimate of JFFC's mean response time (not a bound), in the time unit of the rates.
+def overflow_estimate_unclamped(arrival_rate: float, rates: Sequence[float], capacities: Sequence[int]) -> float:
+    """Gives the raw overflow estimate of JFFC's mean response time (not a bound), in the time unit of the rates.
 
     JFFC sends an arrival to the fastest chain with room, so the fastest chain is an Erlang loss stage fed by
     Poisson arrivals that passes on a share B(c_1, lambda / mu_1) of them to the next chain, and so on (the classic
@@ -104,10 +105,14 @@ def overflow_mean_response(arrival_rate: float, rates: Sequence[float], capaciti
     little low). Jobs that pass every chain wait in the central queue, drained at nu: their share is made
     Erlang-C-like, q / (1 - rho (1 - q)), and they wait 1 / (nu - lambda), then run C / nu on average. With one
     chain this is the exact M/M/c response time. Unlike Theorem 3.7's lower bound, it charges a job that lands
-    on a slow chain that chain's whole service time, which matters when fast and slow chains mix. The result is
-    clamped into Theorem 3.7's [lower, upper], which bracket the exact value.
+    on a slow chain that chain's whole service time, which matters when fast and slow chains mix.
     """
     sorted_rates, sorted_capacities = _checked(arrival_rate, rates, capacities)
+    return _overflow_estimate(arrival_rate, sorted_rates, sorted_capacities)
+
+
+def _overflow_estimate(arrival_rate: float, sorted_rates: list[float], sorted_capacities: list[int]) -> float:
+    """Gives the raw overflow estimate for chains already checked and sorted fastest first by `_checked`."""
     total = total_rate(sorted_rates, sorted_capacities)
     flow, carried, service = arrival_rate, 0.0, 0.0
     for rate, capacity in zip(sorted_rates, sorted_capacities, strict=True):
@@ -120,7 +125,16 @@ def overflow_mean_response(arrival_rate: float, rates: Sequence[float], capaciti
     queued = passed / (1.0 - rho * (1.0 - passed))
     jobs = sum(sorted_capacities)
     immediate = service / carried if carried > 0 else 0.0
-    estimate = (1.0 - queued) * immediate + queued * (1.0 / (total - arrival_rate) + jobs / total)
+    return (1.0 - queued) * immediate + queued * (1.0 / (total - arrival_rate) + jobs / total)
+
+
+def overflow_mean_response(arrival_rate: float, rates: Sequence[float], capacities: Sequence[int]) -> float:
+    """Gives `overflow_estimate_unclamped` clamped into Theorem 3.7's [lower, upper], which bracket the exact value.
+
+    The clamp keeps tuning's pruning floor valid (no estimate below the fastest chain's service time).
+    """
+    sorted_rates, sorted_capacities = _checked(arrival_rate, rates, capacities)
+    estimate = _overflow_estimate(arrival_rate, sorted_rates, sorted_capacities)
     lower, upper = mean_response_bounds(arrival_rate, sorted_rates, sorted_capacities)
     return min(max(estimate, lower), upper)
 

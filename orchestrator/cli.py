@@ -1,6 +1,6 @@
 """`swarm-sim`: plan a swarm's chains from a spec file and analyze chains' response times.
 
-    swarm-sim compose SPEC.json [--c N] [--method lower_bound|upper_bound|surrogate|overflow] [--spare-chains]
+    swarm-sim compose SPEC.json [--c N | --method lower_bound|upper_bound|surrogate|overflow] [--spare-chains]
                       [--json OUT.json]
     swarm-sim analyze --arrival-rate 1 --rates 1,0.3 --capacities 2,3 [--json OUT.json]
 
@@ -98,6 +98,8 @@ def compose_payload(plan: TunedPlan, spec_arrival_rate: float, rho_bar: float, m
 
 
 def run_compose(args: argparse.Namespace) -> int:
+    if args.c is not None and args.method is not None:
+        raise CommandError("--method tunes c, so it cannot be combined with a fixed --c; give one of them")
     try:
         spec = load_swarm_spec(args.spec)
     except SwarmSpecError as error:
@@ -128,10 +130,11 @@ def run_compose(args: argparse.Namespace) -> int:
     if plan.stable:
         print(f"total rate {payload['total_rate']:.4g}/s, load {payload['load']:.3f}; "
               f"mean response {plan.lower_ms:.1f} .. {plan.upper_ms:.1f} ms (Theorem 3.7 bounds)")
-    else:
-        print(f"unstable: arrival rate {spec.arrival_rate:g}/s >= total rate {payload['total_rate']:.4g}/s")
     if args.json:
-        write_json(args.json, payload)
+        write_json(args.json, payload)  # an unstable plan is written too, to show why it cannot carry the load
+    if not plan.stable:
+        raise CommandError(f"unstable: arrival rate {spec.arrival_rate:g}/s >= total rate "
+                           f"{payload['total_rate']:.4g}/s of the chains at c = {plan.c}")
     return 0
 
 
@@ -140,12 +143,13 @@ def register_compose(subparsers: Any) -> None:
         "compose", help="place blocks (GBP-CR) and compose chains (GCA) for a swarm spec",
         description="Runs GBP-CR with c tuned by Theorem 3.7's lower bound (or the given --c), then GCA. "
         "--spare-chains also stacks the servers GBP-CR leaves over into spare chains and then tunes c by the "
-        "overflow estimate of JFFC's mean response.",
+        "overflow estimate of JFFC's mean response. Exits 2 if the plan cannot carry the arrival rate (its "
+        "table and JSON are still written).",
     )
     parser.add_argument("spec", type=Path, help="swarm spec JSON (see README)")
     parser.add_argument("--c", type=_positive_int, help="required capacity c for GBP-CR (default: tuned)")
     parser.add_argument("--method", choices=TUNING_METHODS, default=None,
-                        help="how to tune c (default: lower_bound; overflow with --spare-chains)")
+                        help="how to tune c (default: lower_bound; overflow with --spare-chains); not with --c")
     parser.add_argument("--spare-chains", action="store_true",
                         help="place the servers left over at GBP-CR's stop into spare chains (not idle)")
     parser.add_argument("--json", type=Path, help="write the plan as JSON here")

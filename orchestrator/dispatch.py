@@ -15,7 +15,7 @@ from orchestrator.swarm_model import Chain
 
 
 class JFFC:
-    """Join-the-Fastest-Free-Chain over fixed chains; jobs are opaque hashable values owned by the caller.
+    """Join-the-Fastest-Free-Chain over fixed chains; jobs are opaque hashable values (not None) owned by the caller.
 
     Chains of equal rate are ranked by index (the lowest first), so every decision is deterministic.
     """
@@ -59,7 +59,12 @@ class JFFC:
         return self._capacities[chain_index]
 
     def arrive(self, job: Hashable) -> int | None:
-        """Gives the chain `job` starts on now (the fastest with a free slot), or None when it joins the queue."""
+        """Gives the chain `job` starts on now (the fastest with a free slot), or None when it joins the queue.
+
+        `job` must not be None: `complete` gives None for "no queued job starts".
+        """
+        if job is None:
+            raise ValueError("a job cannot be None: complete() gives None when no queued job starts")
         if not self._free_ranks:
             self._queue.append(job)
             return None

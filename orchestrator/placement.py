@@ -16,31 +16,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from orchestrator.swarm_model import ModelSpec, Placement, ServerSpec, SwarmModel
-
-# keeps exact quotients (e.g. 26 / 13) from flooring one short through rounding, as Placement.residual_slots does
-_FLOOR_EPSILON = 1e-9
+from orchestrator.swarm_model import ModelSpec, Placement, ServerSpec, SwarmModel, units_that_fit
 
 
 def blocks_for_capacity(server: ServerSpec, model: ModelSpec, capacity: int) -> int:
     """Gives m_j(c): the blocks `server` can host while keeping `capacity` cache slots per hosted block."""
     if capacity < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
-    per_block_gb = model.block_gb + model.cache_gb * capacity
-    return min(math.floor(server.memory_gb / per_block_gb + _FLOOR_EPSILON), model.blocks)
+    return min(units_that_fit(server.memory_gb, model.block_gb + model.cache_gb * capacity), model.blocks)
 
 
 def service_time_ms(server: ServerSpec, model: ModelSpec, capacity: int) -> float:
     """Gives t_j(c) = tau_c + tau_p m_j(c): the time one job spends on `server` when it runs all its blocks."""
-    return server.tau_c_ms + server.tau_p_ms * blocks_for_capacity(server, model, capacity)
+    return server.job_time_ms(blocks_for_capacity(server, model, capacity))
 
 
 def amortized_time_ms(server: ServerSpec, model: ModelSpec, capacity: int) -> float:
     """Gives t~_j(c) = t_j(c) / m_j(c), the time per block; infinite for a server that can host no block."""
     blocks = blocks_for_capacity(server, model, capacity)
-    if blocks == 0:
-        return math.inf
-    return (server.tau_c_ms + server.tau_p_ms * blocks) / blocks
+    return server.job_time_ms(blocks) / blocks if blocks > 0 else math.inf
 
 
 @dataclass(frozen=True)
@@ -73,7 +67,7 @@ def ranked_servers(swarm: SwarmModel, capacity: int) -> list[tuple[float, int, S
     for index, server in enumerate(swarm.servers):
         blocks = blocks_for_capacity(server, swarm.model, capacity)
         if blocks > 0:
-            ranked.append(((server.tau_c_ms + server.tau_p_ms * blocks) / blocks, index, server, blocks))
+            ranked.append((amortized_time_ms(server, swarm.model, capacity), index, server, blocks))
     ranked.sort(key=lambda item: (item[0], item[1]))
     return ranked
 
@@ -109,7 +103,7 @@ def gbp_cr_plan(
         # the last server of a chain shifts back so that it ends at block L (it overlaps its predecessor)
         first = min(next_block, model.blocks - count + 1)
         blocks[server.name] = (first, count)
-        chain_time_ms += server.tau_c_ms + server.tau_p_ms * count
+        chain_time_ms += service_time_ms(server, model, capacity)  # t_j(c): the server runs all its m_j(c) blocks
         chain_servers.append(server.name)
         next_block = min(next_block + count - 1, model.blocks) + 1
         if next_block > model.blocks:

@@ -12,10 +12,18 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
+# rounding slack before a floor, so exact quotients (26 / 13, 0.33 / 0.11) do not come out one short
+FLOOR_SLACK = 1e-9
+
 
 def per_ms(rate_per_s: float) -> float:
     """Gives a rate per second as a rate per millisecond."""
     return rate_per_s / 1000.0
+
+
+def units_that_fit(amount_gb: float, unit_gb: float) -> int:
+    """Gives floor(amount_gb / unit_gb): how many units fit, with FLOOR_SLACK against rounding."""
+    return math.floor(amount_gb / unit_gb + FLOOR_SLACK)
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,10 @@ class ServerSpec:
             raise ValueError("a server needs a non-empty name")
         if not (self.memory_gb >= 0 and self.tau_c_ms >= 0 and self.tau_p_ms > 0):
             raise ValueError(f"server {self.name!r}: memory_gb >= 0, tau_c_ms >= 0 and tau_p_ms > 0 are required")
+
+    def job_time_ms(self, blocks: int) -> float:
+        """Gives tau_c + tau_p * blocks: the time one job spends here when it runs `blocks` of the model's blocks."""
+        return self.tau_c_ms + self.tau_p_ms * blocks
 
 
 @dataclass(frozen=True)
@@ -94,8 +106,7 @@ class Placement:
         free_gb = server.memory_gb - model.block_gb * self.num_blocks(name)
         if free_gb < 0:
             raise ValueError(f"server {name!r} cannot hold its {self.num_blocks(name)} placed blocks")
-        # a small epsilon keeps exact quotients (e.g. 0.33 / 0.11) from flooring one slot short
-        return math.floor(free_gb / model.cache_gb + 1e-9)
+        return units_that_fit(free_gb, model.cache_gb)
 
 
 @dataclass(frozen=True)

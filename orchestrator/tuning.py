@@ -22,13 +22,14 @@ bound's in all 320 runs of the Fig. 8 grid.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from orchestrator.allocation import gca, total_rate_per_ms
-from orchestrator.analysis import mean_response_bounds, overflow_mean_response
+from orchestrator.analysis import mean_response_bounds, overflow_mean_response, total_rate
 from orchestrator.placement import gbp_cr_plan, ranked_servers
-from orchestrator.swarm_model import Chain, Placement, SwarmModel
+from orchestrator.swarm_model import Chain, Placement, SwarmModel, units_that_fit
 
 TuningMethod = Literal["lower_bound", "upper_bound", "surrogate", "overflow"]
 TUNING_METHODS: tuple[TuningMethod, ...] = ("lower_bound", "upper_bound", "surrogate", "overflow")
@@ -63,7 +64,7 @@ def capacity_limit(swarm: SwarmModel) -> int:
     """Gives c_max = floor((max_j M_j - s_m) / s_c): the most jobs any server could run on one hosted block."""
     model = swarm.model
     largest = max((server.memory_gb for server in swarm.servers), default=0.0)
-    return max(0, math.floor((largest - model.block_gb) / model.cache_gb + 1e-9))
+    return max(0, units_that_fit(largest - model.block_gb, model.cache_gb))
 
 
 def _check_inputs(swarm: SwarmModel, arrival_rate_per_ms: float, rho_bar: float) -> int:
@@ -77,22 +78,26 @@ def _check_inputs(swarm: SwarmModel, arrival_rate_per_ms: float, rho_bar: float)
     return limit
 
 
-def response_bounds_ms(arrival_rate_per_ms: float, chains: tuple[Chain, ...] | list[Chain]) -> tuple[float, float]:
+def _stable_inputs(arrival_rate_per_ms: float, chains: Sequence[Chain]) -> tuple[list[float], list[int]] | None:
+    """Gives the chains' (rates, capacities) for `analysis`, or None if they cannot carry the load (lambda >= nu).
+
+    nu is `analysis.total_rate`, the very sum `analysis` checks, so a load that passes here never raises there.
+    """
+    rates = [chain.rate_per_ms for chain in chains]
+    capacities = [chain.capacity for chain in chains]
+    return (rates, capacities) if arrival_rate_per_ms < total_rate(rates, capacities) else None
+
+
+def response_bounds_ms(arrival_rate_per_ms: float, chains: Sequence[Chain]) -> tuple[float, float]:
     """Gives Theorem 3.7's (lower, upper) mean response time in ms, or (inf, inf) if the chains are unstable."""
-    if not chains or arrival_rate_per_ms >= total_rate_per_ms(chains):
-        return math.inf, math.inf
-    rates = [chain.rate_per_ms for chain in chains]
-    capacities = [chain.capacity for chain in chains]
-    return mean_response_bounds(arrival_rate_per_ms, rates, capacities)
+    inputs = _stable_inputs(arrival_rate_per_ms, chains)
+    return (math.inf, math.inf) if inputs is None else mean_response_bounds(arrival_rate_per_ms, *inputs)
 
 
-def overflow_estimate_ms(arrival_rate_per_ms: float, chains: tuple[Chain, ...] | list[Chain]) -> float:
+def overflow_estimate_ms(arrival_rate_per_ms: float, chains: Sequence[Chain]) -> float:
     """Gives the overflow estimate of JFFC's mean response time in ms (see `analysis`), or inf if unstable."""
-    if not chains or arrival_rate_per_ms >= total_rate_per_ms(chains):
-        return math.inf
-    rates = [chain.rate_per_ms for chain in chains]
-    capacities = [chain.capacity for chain in chains]
-    return overflow_mean_response(arrival_rate_per_ms, rates, capacities)
+    inputs = _stable_inputs(arrival_rate_per_ms, chains)
+    return math.inf if inputs is None else overflow_mean_response(arrival_rate_per_ms, *inputs)
 
 
 def plan_for_capacity(
@@ -118,17 +123,21 @@ def surrogate_objective(swarm: SwarmModel, capacity: int, arrival_rate_per_ms: f
     return math.inf if chains is None else float(capacity * chains)
 
 
+def surrogate_ranking(swarm: SwarmModel, arrival_rate_per_ms: float, rho_bar: float) -> list[int]:
+    """Gives the feasible c of 1..c_max by increasing c K(c) of (14) (ties: the smaller c); ValueError if none."""
+    limit = _check_inputs(swarm, arrival_rate_per_ms, rho_bar)
+    values = {capacity: surrogate_objective(swarm, capacity, arrival_rate_per_ms, rho_bar)
+              for capacity in range(1, limit + 1)}
+    ranking = sorted((capacity for capacity, value in values.items() if math.isfinite(value)),
+                     key=lambda capacity: (values[capacity], capacity))
+    if not ranking:
+        raise ValueError("no capacity c lets GBP-CR's chains reach lambda / (rho_bar c): too few servers for the load")
+    return ranking
+
+
 def surrogate_capacity(swarm: SwarmModel, arrival_rate_per_ms: float, rho_bar: float) -> int:
     """Gives c* = argmin_c c K(c) of (14) over 1..c_max (ties: the smallest c); ValueError if no c is feasible."""
-    limit = _check_inputs(swarm, arrival_rate_per_ms, rho_bar)
-    best_c, best_value = 0, math.inf
-    for capacity in range(1, limit + 1):
-        value = surrogate_objective(swarm, capacity, arrival_rate_per_ms, rho_bar)
-        if value < best_value:
-            best_c, best_value = capacity, value
-    if best_c == 0:
-        raise ValueError("no capacity c lets GBP-CR's chains reach lambda / (rho_bar c): too few servers for the load")
-    return best_c
+    return surrogate_ranking(swarm, arrival_rate_per_ms, rho_bar)[0]
 
 
 def fastest_possible_chain_ms(swarm: SwarmModel, capacity: int) -> float:
@@ -150,14 +159,18 @@ def tune_capacity(
     `lower_bound` (the paper's choice) and `upper_bound` minimize Theorem 3.7's bound over GBP-CR + GCA, skipping
     c with lambda >= nu; `overflow` (ours) minimizes the overflow estimate of JFFC's mean response over the same
     plans, which unlike the lower bound charges jobs that overflow to slow chains their full service time (see
-    `analysis.overflow_mean_response`); `surrogate` minimizes c K(c) (K counts only the chains up to Alg. 1's
-    stop). With `spare_chains` every candidate placement also holds the spare chains. Raises ValueError when no c
-    keeps the swarm stable.
+    `analysis.overflow_mean_response`); `surrogate` takes the feasible c with the smallest c K(c) (K counts only
+    the chains up to Alg. 1's stop) whose plan is stable, as GCA's greedy chains can carry less than the K(c)
+    chains of c jobs that (13) counts. With `spare_chains` every candidate placement also holds the spare chains.
+    Raises ValueError when no c keeps the swarm stable.
     """
     limit = _check_inputs(swarm, arrival_rate_per_ms, rho_bar)
     if method == "surrogate":
-        capacity = surrogate_capacity(swarm, arrival_rate_per_ms, rho_bar)
-        return plan_for_capacity(swarm, capacity, arrival_rate_per_ms, rho_bar, spare_chains=spare_chains)
+        for capacity in surrogate_ranking(swarm, arrival_rate_per_ms, rho_bar):
+            plan = plan_for_capacity(swarm, capacity, arrival_rate_per_ms, rho_bar, spare_chains=spare_chains)
+            if plan.stable:
+                return plan
+        raise ValueError("no capacity c feasible for the surrogate gives GCA chains that carry the arrival rate")
     if method not in TUNING_METHODS:
         raise ValueError(f"unknown tuning method {method!r}; choose one of {', '.join(TUNING_METHODS)}")
     best: TunedPlan | None = None

@@ -13,6 +13,7 @@ from orchestrator.analysis import (
     exact_mean_response,
     exact_two_chain_mean_response,
     mean_response_bounds,
+    overflow_estimate_unclamped,
     overflow_mean_response,
 )
 
@@ -130,15 +131,38 @@ def test_overflow_estimate_of_one_chain_is_the_mmc_response(arrival: float, mu: 
 
 
 @settings(max_examples=60, deadline=None)
+@given(st.floats(0.05, 4.0), st.integers(1, 30), st.floats(0.02, 0.98))
+def test_raw_overflow_estimate_is_exact_for_one_chain(rate: float, capacity: int, load: float) -> None:
+    arrival = load * rate * capacity
+    exact = exact_mean_response(arrival, [rate], [capacity])
+    assert overflow_estimate_unclamped(arrival, [rate], [capacity]) == pytest.approx(exact, rel=1e-9)
+
+
+@settings(max_examples=80, deadline=None)
 @given(
-    st.lists(st.tuples(st.floats(0.05, 4.0), st.integers(1, 4)), min_size=2, max_size=4),
+    st.lists(st.tuples(st.floats(0.05, 4.0), st.integers(1, 6)), min_size=2, max_size=2),
     st.floats(0.02, 0.98),
 )
-def test_overflow_estimate_stays_within_the_bounds(chains: list[tuple[float, int]], load: float) -> None:
+def test_raw_overflow_estimate_is_within_8_percent_of_the_exact_two_chain_response(
+    chains: list[tuple[float, int]], load: float
+) -> None:
+    # measured over this domain: median relative error 0.6%, 99th percentile 4.5%, and at most 7.07% over 20,000
+    # random instances plus a hill-climbing search (the worst: rates 4 and 0.108, c = 6 and 6, load 0.48)
     rates, capacities = [rate for rate, _ in chains], [capacity for _, capacity in chains]
     arrival = load * sum(rate * capacity for rate, capacity in chains)
+    exact = exact_two_chain_mean_response(arrival, rates, capacities)
+    assert overflow_estimate_unclamped(arrival, rates, capacities) == pytest.approx(exact, rel=0.08)
+
+
+def test_overflow_mean_response_clamps_a_raw_estimate_below_the_lower_bound() -> None:
+    arrival, rates, capacities = 15.7, [3.4, 2.3], [4, 2]
+    raw = overflow_estimate_unclamped(arrival, rates, capacities)
     lower, upper = mean_response_bounds(arrival, rates, capacities)
-    assert lower <= overflow_mean_response(arrival, rates, capacities) <= upper
+    exact = exact_two_chain_mean_response(arrival, rates, capacities)
+    assert raw < lower < exact < upper  # the Poisson-overflow model underrates the burstiness here
+    assert overflow_mean_response(arrival, rates, capacities) == lower
+    inside = (1.0, [1.0, 0.3], [2, 3])  # the spec's check instance: the raw estimate is inside the bounds
+    assert overflow_mean_response(*inside) == overflow_estimate_unclamped(*inside)
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,17 @@ def test_completing_an_idle_chain_is_an_error_and_zero_capacity_chains_are_never
     assert jffc.capacity(0) == 0 and jffc.num_chains == 2
 
 
+def test_none_is_rejected_as_a_job_since_complete_gives_none_for_no_queued_job() -> None:
+    jffc = JFFC([chain(10.0, 1)])
+    with pytest.raises(ValueError, match="cannot be None"):
+        jffc.arrive(None)
+    assert jffc.jobs_in_service == 0 and jffc.queue_length == 0  # the rejected arrival left no trace
+    assert jffc.arrive(0) == 0 and jffc.arrive(1) is None
+    with pytest.raises(ValueError, match="cannot be None"):
+        jffc.arrive(None)
+    assert jffc.complete(0) == 1 and jffc.complete(0) is None
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 5), st.integers(0, 3)), min_size=1, max_size=6),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.analysis import exact_mean_response
 from orchestrator.cli import main
 from orchestrator.spec import load_swarm_spec
 from orchestrator.tuning import tune_capacity
@@ -83,20 +84,50 @@ def test_compose_with_spare_chains_places_the_servers_alg1_leaves_idle(tmp_path:
     assert spare_plan["placement"] == {"A": [1, 2], "B": [2, 2], "C": [1, 1], "D": [2, 1], "E": [3, 1]}
     assert [c["servers"] for c in spare_plan["chains"]] == [["A", "B"], ["C", "B"], ["C", "D", "E"]]
     assert all(use["free"] >= 0 for use in spare_plan["slots"].values())
-    bounds = spare_plan["bounds"]
-    assert bounds["lower_ms"] <= spare_plan["overflow_estimate_ms"] <= bounds["upper_ms"]
+    # the estimate is 50.697 ms against JFFC's exact 50.707 ms, in bounds 50.22 .. 85.37 ms
+    rates, capacities = [1 / c["service_time_ms"] for c in spare_plan["chains"]], [5, 5, 5]
+    exact = exact_mean_response(0.05, rates, capacities)
+    assert spare_plan["overflow_estimate_ms"] == pytest.approx(exact, rel=1e-3)
     tuned = tmp_path / "tuned.json"
     assert main(["compose", str(spec), "--spare-chains", "--json", str(tuned)]) == 0
     assert json.loads(tuned.read_text())["method"] == "overflow"  # the default tuning with spare chains
 
 
-def test_compose_reports_an_unstable_fixed_c_with_null_bounds(tmp_path: Path) -> None:
+def test_compose_fails_on_an_unstable_fixed_c_and_still_writes_the_plan_with_null_bounds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     spec = dict(WORKED_SPEC, arrival_rate=1000)  # 1 job per ms: more than any c can serve here
     out = tmp_path / "plan.json"
-    assert main(["compose", str(write_spec(tmp_path, spec)), "--c", "5", "--json", str(out)]) == 0
+    assert main(["compose", str(write_spec(tmp_path, spec)), "--c", "5", "--json", str(out)]) == 2
+    assert "swarm-sim compose: error: unstable: arrival rate 1000/s >= total rate" in capsys.readouterr().err
     plan = json.loads(out.read_text())
     assert plan["stable"] is False and plan["bounds"] == {"lower_ms": None, "upper_ms": None}
     assert main(["compose", str(write_spec(tmp_path, spec))]) == 2  # and tuning finds no stable c
+    assert "lambda >= nu for every c" in capsys.readouterr().err
+
+
+def test_compose_surrogate_skips_a_c_whose_gca_chains_are_unstable(tmp_path: Path) -> None:
+    # c K(c) is smallest at c = 3, but GCA's chains there carry 23.6 of the 25.7 jobs/s; c = 6 ties and carries them
+    spec = {
+        "model": {"blocks": 5, "block_gb": 2, "cache_gb": 0.5},
+        "servers": [
+            {"name": name, "memory_gb": memory, "tau_c_ms": tau_c, "tau_p_ms": tau_p}
+            for name, memory, tau_c, tau_p in [("s0", 5, 80, 21), ("s1", 18, 22, 40), ("s2", 14, 8, 34),
+                                               ("s3", 9, 43, 22)]
+        ],
+        "arrival_rate": 25.7,
+        "rho_bar": 1.0,
+    }
+    out = tmp_path / "plan.json"
+    assert main(["compose", str(write_spec(tmp_path, spec)), "--method", "surrogate", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["c"] == 6 and plan["stable"] is True and plan["load"] < 1
+
+
+def test_compose_rejects_a_tuning_method_with_a_fixed_c(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = write_spec(tmp_path, WORKED_SPEC)
+    assert main(["compose", str(spec), "--c", "5", "--method", "overflow"]) == 2
+    assert "--method tunes c, so it cannot be combined with a fixed --c" in capsys.readouterr().err
 
 
 def test_compose_names_the_bad_field_of_an_invalid_spec(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
