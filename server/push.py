@@ -4,6 +4,9 @@ The client still sends every server its step (and keeps every input for replay),
 start: the next server begins computing one network leg earlier, and the client's own copy of the step finds
 the work running or done (same step id). A failed push costs nothing but that head start, so failures are
 logged, never raised.
+
+Clients name the next hops, so a server only dials a peer that the DHT says hosts the block where the hop
+begins, at the addresses it announced there; the addresses a client sends are not used.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hivemind.p2p import P2P, PeerID
@@ -28,26 +32,41 @@ MAX_PEERS = 32  # open streams kept to next servers; the least recently used one
 MAX_IN_FLIGHT = 64  # pushes being sent at once; more are dropped (the client sends every step itself anyway)
 DIAL_BACKOFF_S = 10.0  # after a failed dial, pushes to that peer are dropped for this long
 MAX_FAILED_PEERS = 256
+VERIFIED_TTL_S = 30.0  # how long a DHT answer "peer P hosts block B at these addresses" is trusted
+MAX_VERIFIED = 256
 
 
 class Pusher:
     """Owns this server's streams to next servers (one per peer) and the tasks that push on them.
 
     Next hops come from clients, so everything they can make this server hold is bounded: streams (LRU), pushes in
-    flight, dials (one per peer at a time; a push meets a dial in progress or a recent failure and is dropped).
+    flight, dials (one per peer at a time; a push meets a dial in progress or a recent failure and is dropped),
+    and DHT answers on which peer hosts which block (LRU).
     """
 
-    def __init__(self, p2p: P2P, *, timeout_s: float, max_frame_bytes: int) -> None:
+    def __init__(
+        self,
+        p2p: P2P,
+        announced_addrs: Callable[[str, int], Awaitable[list[str] | None]],
+        *,
+        timeout_s: float,
+        max_frame_bytes: int,
+    ) -> None:
+        """`announced_addrs(peer_id, block)` gives the addresses `peer_id` announced for `block`, None if it did
+        not announce that block."""
         self.p2p = p2p
+        self.announced_addrs = announced_addrs
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
         self._connections: OrderedDict[str, RpcConnection] = OrderedDict()
         self._dialing: set[str] = set()
         self._failed_at: OrderedDict[str, float] = OrderedDict()
+        self._verified: OrderedDict[tuple[str, int], tuple[float, list[str]]] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def push(self, hops: list[NextHop], step: dict[str, Any]) -> None:
-        """Starts sending `step` (a `push` payload without session and route) to hops[0], handing on hops[1:]."""
+    def push(self, hops: list[NextHop], step: dict[str, Any], *, block: int) -> None:
+        """Starts sending `step` (a `push` payload without session and route) to hops[0], which starts at `block`,
+        handing on hops[1:]."""
         if not hops:
             return
         first, rest = hops[0], hops[1:]
@@ -58,13 +77,13 @@ class Pusher:
             log.debug("push to %s dropped (%d in flight)", first.peer_id, len(self._tasks))
             return
         payload = {**step, "session_id": first.session_id, "next": [hop.to_wire() for hop in rest]}
-        task = asyncio.create_task(self._send(first, payload), name=f"push-{first.peer_id[-8:]}")
+        task = asyncio.create_task(self._send(first, block, payload), name=f"push-{first.peer_id[-8:]}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(self, hop: NextHop, payload: dict[str, Any]) -> None:
+    async def _send(self, hop: NextHop, block: int, payload: dict[str, Any]) -> None:
         try:
-            connection = await self._connection(hop)
+            connection = await self._connection(hop, block)
             await connection.call("push", payload, timeout=self.timeout_s)
         except SwarmError as error:  # e.g. the next server already has the step from the client, or it is gone
             log.debug("push to %s failed: %s: %s", hop.peer_id, type(error).__name__, error.message)
@@ -72,8 +91,10 @@ class Pusher:
             if dropped is not None and dropped.is_closed:
                 self._connections.pop(hop.peer_id, None)
 
-    async def _connection(self, hop: NextHop) -> RpcConnection:
-        """Gives an open stream to `hop`'s server, dialing its announced addresses the first time."""
+    async def _connection(self, hop: NextHop, block: int) -> RpcConnection:
+        """Gives an open stream to `hop`'s server once the DHT confirms it hosts `block`, dialing the addresses it
+        announced there the first time."""
+        addrs = await self._announced(hop.peer_id, block)
         connection = self._connections.get(hop.peer_id)
         if connection is not None and not connection.is_closed:
             self._connections.move_to_end(hop.peer_id)
@@ -83,20 +104,17 @@ class Pusher:
         self._dialing.add(hop.peer_id)
         try:
             try:
-                addrs = [Multiaddr(addr.split("/p2p/")[0]) for addr in hop.addrs]
                 peer = PeerID.from_base58(hop.peer_id)
-                await asyncio.wait_for(self.p2p._client.connect(peer, addrs), self.timeout_s)
-            except Exception as error:  # a bad address or peer id from the client, or a dead peer
+                multiaddrs = [Multiaddr(addr.split("/p2p/")[0]) for addr in addrs]
+                await asyncio.wait_for(self.p2p._client.connect(peer, multiaddrs), self.timeout_s)
+            except Exception as error:  # an unusable announced address, or a dead peer
                 log.debug("cannot dial %s for a push: %s: %s", hop.peer_id, type(error).__name__, error)
             try:
                 connection = await RpcConnection.open(
                     self.p2p, hop.peer_id, timeout=self.timeout_s, max_frame_bytes=self.max_frame_bytes
                 )
             except SwarmError:
-                self._failed_at[hop.peer_id] = time.monotonic()
-                self._failed_at.move_to_end(hop.peer_id)
-                while len(self._failed_at) > MAX_FAILED_PEERS:
-                    self._failed_at.popitem(last=False)
+                self._note_failure(hop.peer_id)
                 raise
         finally:
             self._dialing.discard(hop.peer_id)
@@ -106,6 +124,28 @@ class Pusher:
             _, evicted = self._connections.popitem(last=False)
             self._close_later(evicted)
         return connection
+
+    async def _announced(self, peer_id: str, block: int) -> list[str]:
+        """Gives the addresses `peer_id` announced for `block` (looked up at most every VERIFIED_TTL_S), or raises
+        PeerUnreachable if it does not host that block."""
+        known = self._verified.get((peer_id, block))
+        if known is not None and time.monotonic() - known[0] < VERIFIED_TTL_S:
+            return known[1]
+        addrs = await self.announced_addrs(peer_id, block)
+        if addrs is None:
+            self._note_failure(peer_id)
+            raise PeerUnreachable(f"{peer_id} has not announced block {block}; no push to it")
+        self._verified[peer_id, block] = (time.monotonic(), addrs)
+        self._verified.move_to_end((peer_id, block))
+        while len(self._verified) > MAX_VERIFIED:
+            self._verified.popitem(last=False)
+        return addrs
+
+    def _note_failure(self, peer_id: str) -> None:
+        self._failed_at[peer_id] = time.monotonic()
+        self._failed_at.move_to_end(peer_id)
+        while len(self._failed_at) > MAX_FAILED_PEERS:
+            self._failed_at.popitem(last=False)
 
     def _close_later(self, connection: RpcConnection) -> None:
         task = asyncio.create_task(connection.close())

@@ -17,7 +17,7 @@ from server.compute import cached_block_compute_ms
 from server.config import ServerConfig
 from server.push import Pusher
 from server.sessions import RunningStep, Session, SessionTable, StepResult
-from swarm.dht import Announcer
+from swarm.dht import Announcer, lookup_block_async
 from swarm.errors import (
     InternalServerError,
     InvalidTensor,
@@ -137,7 +137,10 @@ class SwarmServer:
         methods = {"info": self._info, "open": self._open, "step": self._step, "push": self._push, "close": self._close}
         for name, method in methods.items():
             self.rpc.add_method(name, method)
-        self.pusher = Pusher(p2p, timeout_s=self.config.push_timeout_s, max_frame_bytes=self.config.max_frame_bytes)
+        self.pusher = Pusher(
+            p2p, self._announced_addrs, timeout_s=self.config.push_timeout_s,
+            max_frame_bytes=self.config.max_frame_bytes,
+        )
         await self.rpc.start()
         self.state = ServerState.online
         self.announcer = Announcer(
@@ -347,7 +350,22 @@ class SwarmServer:
         result.set_result(session.last_result)
         # A step without an id cannot be matched with the client's own copy of it, so it is never pushed.
         if next_hops and push["step_id"] is not None and self.pusher is not None and self.sessions.is_open(session):
-            self.pusher.push(next_hops, {**push, "hidden": encode_tensor(output, push.get("compression"))})
+            self.pusher.push(
+                next_hops, {**push, "hidden": encode_tensor(output, push.get("compression"))}, block=session.end
+            )
+
+    async def _announced_addrs(self, peer_id: str, block: int) -> list[str] | None:
+        """Gives the addresses `peer_id` announced in the DHT for `block` of this model, None if it did not."""
+        assert self.dht is not None
+        try:
+            records = await lookup_block_async(
+                self.dht, self.source.model_id, block, timeout_s=self.config.push_timeout_s
+            )
+        except SwarmError as error:
+            log.debug("DHT lookup of block %d for a push failed: %s", block, error.message)
+            return None
+        record = records.get(peer_id)
+        return None if record is None else list(record.addrs)
 
     def _timed_forward(self, hidden: torch.Tensor, session: Session) -> tuple[torch.Tensor, float]:
         """Gives the blocks' output and their compute time in ms, timed on the compute thread itself.

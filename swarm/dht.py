@@ -83,22 +83,26 @@ def _store_future(
 def _records_by_block(
     model_id: str, num_blocks: int, entries: Mapping[str, Mapping[Any, Any]]
 ) -> list[dict[str, ServerRecord]]:
-    records_by_block: list[dict[str, ServerRecord]] = []
-    for block_index in range(num_blocks):
-        records: dict[str, ServerRecord] = {}
-        for subkey, value in entries.get(block_key(model_id, block_index), {}).items():
-            record = ServerRecord.from_wire(value)
-            if record is None:
-                continue
-            # Without this check any peer could announce another peer, or a stale record a range it gave up.
-            if record.peer_id != subkey or record.model_id != model_id or block_index not in record.block_range:
-                logger.debug(
-                    "dropping record of %r found under block %d, subkey %.100r", record.peer_id, block_index, subkey
-                )
-                continue
-            records[record.peer_id] = record
-        records_by_block.append(records)
-    return records_by_block
+    return [
+        _valid_records(model_id, block_index, entries.get(block_key(model_id, block_index), {}))
+        for block_index in range(num_blocks)
+    ]
+
+
+def _valid_records(model_id: str, block_index: int, subkeys: Mapping[Any, Any]) -> dict[str, ServerRecord]:
+    records: dict[str, ServerRecord] = {}
+    for subkey, value in subkeys.items():
+        record = ServerRecord.from_wire(value)
+        if record is None:
+            continue
+        # Without this check any peer could announce another peer, or a stale record a range it gave up.
+        if record.peer_id != subkey or record.model_id != model_id or block_index not in record.block_range:
+            logger.debug(
+                "dropping record of %r found under block %d, subkey %.100r", record.peer_id, block_index, subkey
+            )
+            continue
+        records[record.peer_id] = record
+    return records
 
 
 def announce(
@@ -139,6 +143,16 @@ async def lookup_async(
     keys = [block_key(model_id, block_index) for block_index in range(num_blocks)]
     future = dht.run_coroutine(partial(_get_latest_subkeys, keys=keys), return_future=True)
     return _records_by_block(model_id, num_blocks, await _await_dht(future, timeout_s))
+
+
+async def lookup_block_async(
+    dht: hivemind.DHT, model_id: str, block_index: int, *, timeout_s: float = DEFAULT_DHT_TIMEOUT_S
+) -> dict[str, ServerRecord]:
+    """Gives the valid records (peer_id -> record) announced for one block (for asyncio code)."""
+    key = block_key(model_id, block_index)
+    future = dht.run_coroutine(partial(_get_latest_subkeys, keys=[key]), return_future=True)
+    entries = await _await_dht(future, timeout_s)
+    return _valid_records(model_id, block_index, entries.get(key, {}))
 
 
 async def _await_dht(future: MPFuture[T], timeout_s: float) -> T:

@@ -165,3 +165,22 @@ def test_a_waiting_request_gets_the_pushed_step_or_a_typed_error_in_time(spans: 
     reply = second.call("step", {"session_id": second.session_id, "step_id": "after", "position": second.position,
                                  "hidden": encode_tensor(hidden)})
     torch.testing.assert_close(decode_tensor(reply["hidden"]), second.expected(hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_a_hop_that_does_not_host_the_next_block_gets_no_push(spans: tuple[Span, Span]) -> None:
+    first, second = spans
+    # A session on the first server that ends at block 2 names a fresh session of the second server (blocks 4:8)
+    # as its next hop. The push would be accepted there (same position, valid shape), but the DHT says that server
+    # does not host block 2, so the first server must not push to it.
+    short = first.call("open", {"blocks": [0, 2], "max_length": 8})["session_id"]
+    target = second.call("open", {"blocks": [4, 8], "max_length": 8})["session_id"]
+    hop = NextHop(peer_id=second.record.peer_id, session_id=target, addrs=second.record.addrs).to_wire()
+    hidden = torch.randn(1, 1, HIDDEN, generator=torch.Generator().manual_seed(11))
+    try:
+        first.call("step", {"session_id": short, "step_id": "misrouted", "position": 0,
+                            "hidden": encode_tensor(hidden), "next": [hop]})
+        with pytest.raises(StepNotPushed):
+            second.call("step", {"session_id": target, "step_id": "misrouted", "wait_ms": 1500})
+    finally:
+        first.call("close", {"session_id": short})
+        second.call("close", {"session_id": target})
