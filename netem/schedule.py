@@ -130,15 +130,10 @@ class Schedule(Generic[Payload]):
         if link.loss and self.random() < link.loss:
             self.dropped_loss += 1
             return False
-        at: float = arrival_ns
-        uplink = self.uplinks[link.source]
-        if uplink is not None:
-            departed = uplink.admit(size, at)
-            if departed is None:
-                self.dropped_queue += 1
-                return False
-            at = departed
-        at += link.delay_ns
+        departed = self._through(self.uplinks[link.source], size, arrival_ns)
+        if departed is None:
+            return False
+        at = departed + link.delay_ns
         if self.downlinks[link.destination] is None and not link.in_transit:
             self._push_delivery(link, at, payload)
         else:  # wait until it reaches the downlink, so that the bucket sees packets in the order they get there
@@ -160,16 +155,19 @@ class Schedule(Generic[Payload]):
             if link is None:
                 return at_ns, payload
             link.in_transit -= 1
-            at: float = at_ns
-            downlink = self.downlinks[link.destination]
-            if downlink is not None:
-                received = downlink.admit(size, at)
-                if received is None:
-                    self.dropped_queue += 1
-                    continue
-                at = received
-            self._push_delivery(link, at, payload)
+            received = self._through(self.downlinks[link.destination], size, at_ns)
+            if received is not None:
+                self._push_delivery(link, received, payload)
         return None
+
+    def _through(self, bucket: TokenBucket | None, size: int, at: float) -> float | None:
+        """Gives when a packet arriving at `at` leaves `bucket` (at once without one), or None if it is dropped."""
+        if bucket is None:
+            return at
+        departed = bucket.admit(size, at)
+        if departed is None:
+            self.dropped_queue += 1
+        return departed
 
     def _push_delivery(self, link: Link, at: float, payload: Payload) -> None:
         deliver = max(int(at), link.last_ns)
