@@ -27,6 +27,7 @@ import itertools
 import json
 import os
 import platform
+import select
 import statistics
 import subprocess
 import sys
@@ -55,6 +56,7 @@ PROMPT_TEXT = (
     "The history of distributed computing begins with time-sharing systems, where many users shared one "
     "machine. Later, networks of workstations cooperated on large problems, splitting work between nodes. "
 )
+WORKER_TIMEOUT_S = 600.0  # one warm-up or timed run of the client worker
 NOOP_PROBES = 20  # `info` round trips per server, to price a hop that computes nothing
 
 
@@ -318,6 +320,11 @@ class ClientProcess:
         assert self.popen.stdin is not None and self.popen.stdout is not None
         self.popen.stdin.write(command + "\n")
         self.popen.stdin.flush()
+        # The worker answers one line per command; text-mode readline would wait forever on a hung worker.
+        ready, _, _ = select.select([self.popen.stdout], [], [], WORKER_TIMEOUT_S)
+        if not ready:
+            self.popen.kill()
+            raise RuntimeError(f"client worker did not answer {command!r} within {WORKER_TIMEOUT_S:.0f} s")
         line = self.popen.stdout.readline()
         if not line:
             raise RuntimeError(f"client worker exited with {self.popen.wait(timeout=30)} during {command!r}")
