@@ -180,7 +180,7 @@ def measure_decode(args: argparse.Namespace, workdir: Path) -> list[DecodeRow]:
     # torch, transformers and hivemind load only for this part
     from transformers import AutoTokenizer
 
-    from swarm.local_swarm import SwarmProcesses
+    from swarm.local_swarm import SwarmProcesses, threads_per_server
     from swarm.model import DEFAULT_MODEL, resolve_model
 
     tokenizer_path = resolve_model(DEFAULT_MODEL).path
@@ -188,7 +188,8 @@ def measure_decode(args: argparse.Namespace, workdir: Path) -> list[DecodeRow]:
     topology = constant(SWARM_HOSTS, args.rtts[0])
     # Default announce period and TTL: background DHT traffic is what a real swarm has.
     with EmulatedNetwork(topology, run_id=f"bench{os.getpid()}") as network, \
-            SwarmProcesses(workdir, announce_period_s=10.0, record_ttl_s=30.0) as swarm:
+            SwarmProcesses(workdir, announce_period_s=10.0, record_ttl_s=30.0,
+                           torch_threads=threads_per_server(len(SERVER_BLOCKS))) as swarm:
         started = time.monotonic()
         swarm.start_dht(host=network.address("dht"), launcher=network.command("dht", []))
         procs = {host: swarm.start_server(DEFAULT_MODEL, blocks, wait=False, name=host, host=network.address(host),

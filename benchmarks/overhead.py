@@ -5,8 +5,10 @@ Runs the embedded SmolLM2-135M-Instruct locally (Hugging Face, float32) and thro
 prints one table and a one-line verdict against the target "3-server swarm reaches >= 0.85x local decode
 tokens/s" (with push, the default). It never asserts.
 
-The local model runs in this process with torch's defaults. Each swarm client runs in a process of its own that,
-like the servers it shares the machine with, runs OpenMP threads passively (see `ClientProcess`). Both paths are
+The local model runs in this process with torch's defaults; each round also runs it on one torch thread, printed
+for reference (the verdict is against torch's defaults). The servers split the machine's cores between them, as the
+demo's do (`threads_per_server`). Each swarm client runs in a process of its own that, like the servers it shares
+the machine with, runs OpenMP threads passively (see `ClientProcess`). Both paths are
 timed the same way: a streamer stamps `time.perf_counter()` at every token `generate()` emits.
 Time to first token is prefill plus the first token; decode tokens/s counts only the tokens after it. For the
 swarm, the session is opened (route + `open` calls) before the clock starts; its cost is printed separately.
@@ -33,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from client import ClientConfig, DistributedModelForCausalLM
 from client.inference import InferenceSession
-from swarm.local_swarm import SwarmProcesses
+from swarm.local_swarm import SwarmProcesses, threads_per_server
 from swarm.model import DEFAULT_MODEL, ModelSource, resolve_model
 
 TARGET_RATIO = 0.85
@@ -142,6 +144,8 @@ class ConfigResult:
     runs: list[RunSample]
     noop_rtt_ms: list[float] = field(default_factory=list)  # per server, median of `info` round trips
     paired_local: ConfigResult | None = None  # local runs interleaved with this swarm's runs
+    paired_local_one_thread: ConfigResult | None = None  # the same, with torch on one thread
+    torch_threads: int = 0  # swarm only: the servers' --torch-threads (0: torch's choice)
     error: str | None = None
     push: bool | None = None  # swarm only: whether servers pushed hidden states to the next server
 
@@ -169,6 +173,13 @@ class ConfigResult:
         if self.paired_local is None:
             return float("nan")
         return self.decode_tokens_per_s / self.paired_local.decode_tokens_per_s
+
+    @property
+    def ratio_vs_local_one_thread(self) -> float:
+        """Gives decode tokens/s relative to the one-thread local runs taken alongside."""
+        if self.paired_local_one_thread is None:
+            return float("nan")
+        return self.decode_tokens_per_s / self.paired_local_one_thread.decode_tokens_per_s
 
     def median_run(self) -> RunSample:
         """Gives the run with the median decode tokens/s (the upper one of an even count)."""
@@ -242,6 +253,17 @@ def run_local(model: AutoModelForCausalLM, input_ids: torch.Tensor, max_new_toke
     sample.others_cpu_pct = others.percent()
     sample.body_ms = statistics.mean(body_ms[1:]) if len(body_ms) > 1 else float("nan")  # [0] is the prefill
     return sample
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Runs the block with torch's intra-op threads set to `count`, then restores them."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _snapshot(session: InferenceSession) -> list[tuple[tuple[int, int], int, float, float]]:
@@ -385,8 +407,10 @@ def measure_swarm(
     name = f"swarm {' '.join(ranges)}"
     started_s = time.perf_counter()
     pushes = (True, False) if args.compare_push else (True,)
-    # Servers' own default announce period and TTL, so background DHT traffic is what a real swarm has.
-    with SwarmProcesses(workdir, announce_period_s=10.0, record_ttl_s=30.0) as swarm:
+    # Servers' own default announce period and TTL, so background DHT traffic is what a real swarm has. The servers
+    # split the machine's cores between them, as the demo's do.
+    threads = threads_per_server(servers)
+    with SwarmProcesses(workdir, announce_period_s=10.0, record_ttl_s=30.0, torch_threads=threads) as swarm:
         swarm.start_dht()
         procs = [swarm.start_server(DEFAULT_MODEL, blocks, wait=False) for blocks in ranges]
         for proc in procs:
@@ -399,8 +423,11 @@ def measure_swarm(
                 noop_rtt_ms = client.warm_up()
             swarm_runs: dict[bool, list[RunSample]] = {push: [] for push in pushes}
             local_runs: list[RunSample] = []
+            one_thread_runs: list[RunSample] = []
             for repeat in range(args.repeats):
                 local_runs.append(run_local(local_model, input_ids, args.max_new_tokens))
+                with torch_threads(1):
+                    one_thread_runs.append(run_local(local_model, input_ids, args.max_new_tokens))
                 for push, client in clients.items():
                     swarm_runs[push].append(client.run())
                 latest = [local_runs[-1], *(runs[-1] for runs in swarm_runs.values())]
@@ -409,15 +436,20 @@ def measure_swarm(
                     for push, runs in swarm_runs.items()
                 )
                 print(
-                    f"  {name}: run {repeat + 1}/{args.repeats}: local {local_runs[-1].decode_tokens_per_s:.1f} tok/s, "
-                    f"{speeds}; others' CPU up to {max(run.others_cpu_pct for run in latest):.0f}%",
+                    f"  {name}: run {repeat + 1}/{args.repeats}: local {local_runs[-1].decode_tokens_per_s:.1f} tok/s "
+                    f"(1 thread {one_thread_runs[-1].decode_tokens_per_s:.1f}), {speeds}; "
+                    f"others' CPU up to {max(run.others_cpu_pct for run in latest):.0f}%",
                     flush=True,
                 )
         finally:
             for client in clients.values():
                 client.close()
     local = ConfigResult("local HF", 0, local_runs)
-    return [ConfigResult(name, servers, runs, noop_rtt_ms, local, push=push) for push, runs in swarm_runs.items()]
+    one_thread = ConfigResult("local HF, 1 thread", 0, one_thread_runs)
+    return [
+        ConfigResult(name, servers, runs, noop_rtt_ms, local, one_thread, threads, push=push)
+        for push, runs in swarm_runs.items()
+    ]
 
 
 def measure_local_alone(
@@ -457,13 +489,14 @@ def label(result: ConfigResult) -> str:
     return f"{result.name}{'' if result.push else ' (no push)'}"
 
 
-def print_table(local: ConfigResult, results: list[ConfigResult]) -> None:
+def print_table(local: ConfigResult, one_thread: ConfigResult | None, results: list[ConfigResult]) -> None:
     header = [
         "config",
         "servers",
         "TTFT ms",
         "decode tok/s",
         "ratio vs local",
+        "vs local 1 thread",
         "ms/token",
         "servers' compute",
         "network + loop",
@@ -471,12 +504,19 @@ def print_table(local: ConfigResult, results: list[ConfigResult]) -> None:
         "tokens match",
     ]
     local_ms = 1000 / local.decode_tokens_per_s
-    rows = [[local.name, "-", f"{local.ttft_ms:.0f}", f"{local.decode_tokens_per_s:.1f}", "1.00", f"{local_ms:.1f}",
-             "-", "-", "-", "-"]]
+    rows = [[local.name, "-", f"{local.ttft_ms:.0f}", f"{local.decode_tokens_per_s:.1f}", "1.00", "-",
+             f"{local_ms:.1f}", "-", "-", "-", "-"]]
     local_tokens = local.runs[0].tokens
+    if one_thread is not None:
+        rows.append([
+            one_thread.name, "-", f"{one_thread.ttft_ms:.0f}", f"{one_thread.decode_tokens_per_s:.1f}",
+            f"{one_thread.decode_tokens_per_s / local.decode_tokens_per_s:.2f}", "1.00",
+            f"{1000 / one_thread.decode_tokens_per_s:.1f}", "-", "-", "-",
+            "yes" if all(run.tokens == local_tokens for run in one_thread.runs) else "NO",
+        ])
     for result in results:
         if result.error is not None:
-            rows.append([label(result), str(result.servers), "error", *["-"] * 7])
+            rows.append([label(result), str(result.servers), "error", *["-"] * 8])
             continue
         token_ms, compute_ms, network_ms, client_ms = decode_step_parts(result)
         match = all(run.tokens == local_tokens for run in result.runs)
@@ -487,6 +527,7 @@ def print_table(local: ConfigResult, results: list[ConfigResult]) -> None:
                 f"{result.ttft_ms:.0f}",
                 f"{result.decode_tokens_per_s:.1f}",
                 f"{result.ratio_vs_local:.2f}",
+                f"{result.ratio_vs_local_one_thread:.2f}",
                 f"{token_ms:.1f}",
                 f"{compute_ms:.1f}",
                 f"{network_ms:.1f}",
@@ -525,7 +566,8 @@ def print_breakdown(results: list[ConfigResult]) -> None:
         print(
             f"  {label(result)}: {token_ms:.1f} = servers' compute {compute_ms:.1f} + network, RPC and loops "
             f"{network_ms:.1f} + client (embed, head, generate) {client_ms:.1f}; session open {result.open_ms:.0f} ms "
-            f"(not in TTFT); others' CPU up to {result.others_cpu_max_pct:.0f}%"
+            f"(not in TTFT); servers on {result.torch_threads or 'torch default'} thread(s) each; "
+            f"others' CPU up to {result.others_cpu_max_pct:.0f}%"
         )
         if result.paired_local is not None:
             local_run = result.paired_local.median_run()
@@ -557,6 +599,10 @@ def print_verdict(results: list[ConfigResult]) -> None:
     print(
         f"verdict: {status}: {goal}: measured {ratio:.2f}x "
         f"({target.decode_tokens_per_s:.1f} vs {target.decode_tokens_per_s / ratio:.1f} tok/s paired local){caveat}"
+    )
+    print(
+        f"  against the local model on one torch thread, measured alongside: {target.ratio_vs_local_one_thread:.2f}x "
+        f"(the target's baseline is the local model as Hugging Face runs it, on torch's default threads)"
     )
     for pushed in results:
         unpushed = next((r for r in results if r.servers == pushed.servers and r.push is False and not r.error), None)
@@ -610,8 +656,12 @@ def main(argv: list[str] | None = None) -> None:
                 results.append(ConfigResult(f"swarm x{servers}", servers, [], error=message))
     local_runs = [run for result in results if result.paired_local for run in result.paired_local.runs]
     local = ConfigResult("local HF", 0, local_runs or measure_local_alone(local_model, input_ids, args).runs)
+    one_thread_runs = [
+        run for result in results if result.paired_local_one_thread for run in result.paired_local_one_thread.runs
+    ]
+    one_thread = ConfigResult("local HF, 1 thread", 0, one_thread_runs) if one_thread_runs else None
     print()
-    print_table(local, results)
+    print_table(local, one_thread, results)
     print_breakdown(results)
     print_verdict(results)
     print(f"loadavg at end (1, 5, 15 min): {', '.join(f'{value:.2f}' for value in os.getloadavg())}")

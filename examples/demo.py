@@ -21,7 +21,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, TextStreamer
 
 from client import DistributedModelForCausalLM, InferenceSession, SpanTimings
-from swarm.local_swarm import SwarmProcesses
+from swarm.local_swarm import SwarmProcesses, threads_per_server
 from swarm.model import DEFAULT_MODEL, resolve_model
 
 BLOCK_RANGES = ("0:10", "10:20", "20:30")
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> None:
     print(f"Resolving {DEFAULT_MODEL} (converted into the local cache once, then reused) ...", flush=True)
     source = resolve_model(DEFAULT_MODEL)
     print(f"Checkpoint: {source.path}\nProcess logs: {log_dir}")
-    with SwarmProcesses(log_dir) as swarm:
+    with SwarmProcesses(log_dir, torch_threads=threads_per_server(len(BLOCK_RANGES))) as swarm:
         try:
             started = time.perf_counter()
             print(f"Starting a DHT bootstrap and {len(BLOCK_RANGES)} servers (blocks {', '.join(BLOCK_RANGES)}) ...",

@@ -38,12 +38,25 @@ class Proc:
         raise AssertionError(f"{self.name} has not announced a peer id:\n{self.output()[-3000:]}")
 
 
-class SwarmProcesses:
-    """Starts and always cleans up the processes of one local swarm; a context manager."""
+def threads_per_server(servers: int, cores: int | None = None) -> int:
+    """Gives the intra-op threads each of `servers` servers on one machine gets, so that together they use its cores
+    without oversubscribing them (at least one each)."""
+    return max(1, (cores or os.cpu_count() or 1) // max(1, servers))
 
-    def __init__(self, workdir: Path, *, announce_period_s: float = 1.0, record_ttl_s: float = 4.0) -> None:
+
+class SwarmProcesses:
+    """Starts and always cleans up the processes of one local swarm; a context manager.
+
+    `torch_threads` > 0 is passed to every server as `--torch-threads` (0: torch's choice, one thread per core in
+    each server); see `threads_per_server`.
+    """
+
+    def __init__(
+        self, workdir: Path, *, announce_period_s: float = 1.0, record_ttl_s: float = 4.0, torch_threads: int = 0
+    ) -> None:
         self.workdir = workdir
         self.announce_period_s, self.record_ttl_s = announce_period_s, record_ttl_s
+        self.torch_threads = torch_threads
         self.procs: list[Proc] = []
         self.initial_peers: list[str] = []
 
@@ -87,6 +100,8 @@ class SwarmProcesses:
         args = ["-m", "server.cli", "--model", str(model), "--blocks", blocks, "--host", host,
                 "--initial-peers", *self.initial_peers, "--announce-period", str(self.announce_period_s),
                 "--record-ttl", str(self.record_ttl_s), *extra]
+        if self.torch_threads > 0 and "--torch-threads" not in extra:
+            args += ["--torch-threads", str(self.torch_threads)]
         proc = self._spawn(name or f"server-{blocks.replace(':', '-')}-{len(self.procs)}", args, launcher)
         if wait:
             self.wait_ready(proc)
