@@ -42,16 +42,28 @@ def servers_of(records_by_block: Iterable[Mapping[str, ServerRecord]]) -> dict[s
     return servers
 
 
-def kv_pages_needed(record: ServerRecord, blocks: int, max_length: int, batch: int = 1) -> int:
-    """Gives the pages `record`'s server needs for a session's KV on `blocks` blocks."""
-    per_block = -(-batch * max_length * record.kv_bytes_per_token // record.page_bytes)
-    return blocks * per_block
+def kv_pages_per_block(record: ServerRecord, max_length: int, batch: int = 1) -> int:
+    """Gives the pages `record`'s server needs for one block of a session's KV (one contiguous run)."""
+    return -(-batch * max_length * record.kv_bytes_per_token // record.page_bytes)
+
+
+def kv_fits(record: ServerRecord, blocks: int, max_length: int, batch: int = 1) -> bool:
+    """Gives whether a session's KV on `blocks` blocks fits the free pages `record` announced.
+
+    Each block takes a contiguous run, so announced free runs are counted run by run; only the largest runs are
+    announced, which makes this conservative when there are more."""
+    per_block = kv_pages_per_block(record, max_length, batch)
+    if blocks * per_block > record.pages_free:
+        return False
+    if not record.free_runs or per_block == 0:
+        return True
+    return sum(run // per_block for run in record.free_runs) >= blocks
 
 
 def span_cost_ms(record: ServerRecord, blocks: int, *, rtt_ms: float, max_length: int, batch: int = 1) -> float:
     """Gives the estimated per-token latency of serving `blocks` blocks on this server."""
     cost = rtt_ms + blocks * record.block_compute_ms
-    if kv_pages_needed(record, blocks, max_length, batch) > record.pages_free or max_length > record.max_length:
+    if not kv_fits(record, blocks, max_length, batch) or max_length > record.max_length:
         cost += NO_FREE_PAGES_PENALTY_MS
     return cost
 

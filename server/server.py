@@ -32,7 +32,7 @@ from swarm.errors import (
 )
 from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, parse_size
 from swarm.model import BlockRange, ModelSource, parse_block_range, pick_device, pick_dtype, resolve_model
-from swarm.records import SOFTWARE_VERSION, NextHop, ServerRecord, ServerState
+from swarm.records import MAX_FREE_RUNS, SOFTWARE_VERSION, NextHop, ServerRecord, ServerState
 from swarm.rpc import CallContext, RpcServer
 from swarm.wire import decode_tensor, encode_tensor, validate_compression
 
@@ -109,6 +109,7 @@ class SwarmServer:
             pages_params=stats.pages_params,
             pages_kv=stats.pages_kv,
             pages_free=stats.pages_free,
+            free_runs=list(stats.free_runs[:MAX_FREE_RUNS]),
             page_bytes=stats.page_bytes,
             kv_bytes_per_token=self.blocks.kv_bytes_per_token(),
             block_compute_ms=self.block_compute_ms,

@@ -92,6 +92,7 @@ class PoolStats:
     pages_kv: int
     pages_free: int
     page_bytes: int
+    free_runs: tuple[int, ...] = ()  # lengths of the runs of contiguous free pages, largest first
 
 
 class PagePool:
@@ -240,6 +241,7 @@ class PagePool:
                 pages_kv=pages_kv,
                 pages_free=self._pages_free,
                 page_bytes=self.page_bytes,
+                free_runs=tuple(sorted((length for _, length in self._free_runs), reverse=True)),
             )
 
     def check_invariants(self) -> None:

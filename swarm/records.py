@@ -13,6 +13,7 @@ logger = logging.getLogger(__name__)
 
 MAX_BLOCKS = 100_000
 MAX_ADDRS = 16
+MAX_FREE_RUNS = 32
 MAX_PUBLIC_NAME_CHARS = 64
 MAX_ID_CHARS = 128
 MAX_MODEL_ID_CHARS = 256
@@ -57,6 +58,11 @@ class ServerRecord(BaseModel):
     pages_params: int = Field(ge=0)
     pages_kv: int = Field(ge=0)
     pages_free: int = Field(ge=0)
+    # A session's KV takes one contiguous run of pages per block, so free pages split into short runs may not fit it.
+    free_runs: list[Annotated[int, Field(gt=0)]] = Field(
+        default_factory=list, max_length=MAX_FREE_RUNS,
+        description="lengths of the largest runs of contiguous free pages, largest first (empty: not announced)",
+    )
     page_bytes: int = Field(gt=0)
     kv_bytes_per_token: int = Field(ge=0, description="KV bytes one token takes in one block")
     block_compute_ms: float = Field(ge=0, allow_inf_nan=False, description="mean time of one block for one token")
@@ -78,6 +84,10 @@ class ServerRecord(BaseModel):
             raise ValueError(
                 f"pages_params + pages_kv + pages_free = {pages_accounted} != pages_total {self.pages_total}"
             )
+        if sum(self.free_runs) > self.pages_free:
+            raise ValueError(f"free runs of {sum(self.free_runs)} pages exceed pages_free {self.pages_free}")
+        if self.free_runs != sorted(self.free_runs, reverse=True):
+            raise ValueError("free_runs must be listed largest first")
         return self
 
     @property

@@ -62,7 +62,9 @@ def test_allocate_and_free_keep_accounting_straight() -> None:
     pool = PagePool(total_bytes=10 * KIB, page_bytes=KIB)
     assert pool.allocate(ParamsOwner(block=0), 4) == (0, 1, 2, 3)
     assert pool.allocate(KVOwner("s1", block=0), 2) == (4, 5)
-    assert pool.stats() == PoolStats(pages_total=10, pages_params=4, pages_kv=2, pages_free=4, page_bytes=KIB)
+    assert pool.stats() == PoolStats(
+        pages_total=10, pages_params=4, pages_kv=2, pages_free=4, page_bytes=KIB, free_runs=(4,)
+    )
     assert pool.owner_of(5) == KVOwner("s1", block=0)
     assert pool.owner_of(6) is None
 
@@ -83,6 +85,7 @@ def test_fragmented_pages_are_refused_until_neighbours_free_and_runs_merge() -> 
     pool.free_session("b")
     pool.free_session("d")
     assert pool.stats().pages_free == 4
+    assert pool.stats().free_runs == (2, 2)  # what a server announces, so clients route around it
     with pytest.raises(OutOfPages, match="4 of 10 are free, and no 3 of them are contiguous"):
         pool.allocate(KVOwner("e", block=0), 3)
     pool.free_session("c")  # frees 5..7 between the runs 3..4 and 8..9: one run of 7

@@ -85,6 +85,10 @@ def test_record_is_frozen() -> None:
         ("oversized address", {"addrs": ["/ip4/" + "1" * 300]}),
         ("too many addresses", {"addrs": [f"/ip4/127.0.0.1/tcp/{port}" for port in range(17)]}),
         ("empty model id", {"model_id": ""}),
+        ("free runs beyond the free pages", {"free_runs": [40, 20]}),
+        ("free runs not largest first", {"free_runs": [5, 10]}),
+        ("empty free run", {"free_runs": [0]}),
+        ("too many free runs", {"free_runs": [1] * 33}),
     ],
 )
 def test_invalid_record_is_dropped(case: str, overrides: dict[str, Any]) -> None:

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from client.routing import find_route, servers_of
+from client.routing import find_route, kv_fits, servers_of
 from swarm.errors import NoRouteFound
 from swarm.records import ServerRecord
 
 
 def record(peer_id: str, start: int, end: int, *, compute_ms: float = 1.0, pages_free: int = 1000,
-           state: str = "online") -> ServerRecord:
+           state: str = "online", free_runs: list[int] | None = None) -> ServerRecord:
     return ServerRecord(
         peer_id=peer_id, model_id="m", block_start=start, block_end=end, state=state, pages_total=pages_free + 10,
-        pages_params=10, pages_kv=0, pages_free=pages_free, page_bytes=1 << 20, kv_bytes_per_token=1024,
+        pages_params=10, pages_kv=0, pages_free=pages_free, free_runs=free_runs or [], page_bytes=1 << 20,
+        kv_bytes_per_token=1024,
         block_compute_ms=compute_ms, network_mbps=None, session_count=0, max_length=2048, dtype="float32",
         quant="none", version="test", public_name=None, addrs=[],
     )
@@ -51,6 +52,17 @@ def test_servers_without_free_pages_are_penalized_not_excluded() -> None:
     assert route_of(find_route(servers(full), 0, 8, rtt_ms={}, max_length=64)) == [("full", 0, 8)]
     swarm = servers(full, record("a", 0, 8, compute_ms=20.0))
     assert route_of(find_route(swarm, 0, 8, rtt_ms={"full": 1.0, "a": 50.0}, max_length=64)) == [("a", 0, 8)]
+
+
+def test_free_pages_in_runs_too_short_for_a_block_count_as_full() -> None:
+    # 2048 tokens x 1 KiB = 2 pages of 1 MiB per block: 16 free pages in runs of 1 hold no block.
+    fragmented = record("fragmented", 0, 8, pages_free=16, free_runs=[1] * 16)
+    assert not kv_fits(fragmented, 8, 2048)
+    assert kv_fits(record("runs", 0, 8, pages_free=16, free_runs=[10, 6]), 8, 2048)
+    assert not kv_fits(record("runs", 0, 8, pages_free=16, free_runs=[9, 7]), 8, 2048)  # 4 + 3 blocks
+    swarm = servers(fragmented, record("a", 0, 8, compute_ms=20.0))
+    rtt = {"fragmented": 1.0, "a": 50.0}
+    assert route_of(find_route(swarm, 0, 8, rtt_ms=rtt, max_length=2048)) == [("a", 0, 8)]
 
 
 def test_banned_and_draining_servers_are_skipped_and_gaps_raise() -> None:
