@@ -350,11 +350,13 @@ class SwarmServer:
             self.block_compute_ms = 0.9 * self.block_compute_ms + 0.1 * sample_ms
         # The push goes first: the next server waits for it, while this reply only feeds the client's replay log.
         # A step without an id cannot be matched with the client's own copy of it, so it is never pushed.
-        if next_hops and push["step_id"] is not None and self.pusher is not None and self.sessions.is_open(session):
-            self.pusher.push(
-                next_hops, {**push, "hidden": encode_tensor(output, push.get("compression"))}, block=session.end
-            )
-        result.set_result(session.last_result)
+        try:
+            if next_hops and push["step_id"] is not None and self.pusher is not None and self.sessions.is_open(session):
+                self.pusher.push(
+                    next_hops, {**push, "hidden": encode_tensor(output, push.get("compression"))}, block=session.end
+                )
+        finally:
+            result.set_result(session.last_result)
 
     async def _announced_addrs(self, peer_id: str, block: int) -> list[str] | None:
         """Gives the addresses `peer_id` announced in the DHT for `block` of this model, None if it did not."""
