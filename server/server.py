@@ -150,8 +150,8 @@ class SwarmServer:
         await self.announcer.start()
         self._tasks.append(asyncio.create_task(self._expire_sessions_loop(), name="expire-sessions"))
         log.info(
-            "Serving %s blocks %d:%d as %s; %s", self.source.model_id, self.blocks.start, self.blocks.end,
-            self.peer_id, self.pool.stats(),
+            "Serving %s blocks %d:%d as %s on %d torch thread(s); %s", self.source.model_id, self.blocks.start,
+            self.blocks.end, self.peer_id, torch.get_num_threads(), self.pool.stats(),
         )
 
     async def shutdown(self) -> None:

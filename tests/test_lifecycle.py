@@ -12,7 +12,7 @@ import torch
 
 from client import SwarmClient
 from swarm.errors import SessionNotFound
-from swarm.local_swarm import SwarmProcesses
+from swarm.local_swarm import SwarmProcesses, threads_per_server
 from swarm.model import resolve_model
 from swarm.records import ServerRecord
 from swarm.wire import encode_tensor
@@ -88,3 +88,11 @@ def test_idle_session_times_out_and_frees_its_pages_then_sigterm_shuts_down_clea
         )
     finally:
         client.shutdown()
+
+
+def test_servers_on_one_machine_split_its_cores() -> None:
+    assert threads_per_server(3, cores=2) == 1
+    assert threads_per_server(2, cores=2) == 1
+    assert threads_per_server(1, cores=2) == 2
+    assert threads_per_server(3, cores=16) == 5
+    assert threads_per_server(0, cores=4) == 4

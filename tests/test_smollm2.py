@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 from client import DistributedModelForCausalLM
-from swarm.local_swarm import SwarmProcesses
+from swarm.local_swarm import SwarmProcesses, threads_per_server
 from swarm.model import DEFAULT_MODEL, resolve_model
 from tests.test_swarm_generate import start_swarm
 
@@ -18,7 +18,10 @@ def test_smollm2_chat_through_three_servers_matches_local_generate(
     swarm_factory: SwarmProcesses, capsys: pytest.CaptureFixture[str]
 ) -> None:
     source = resolve_model(DEFAULT_MODEL)  # converts the bundled GGUF once into the cache
+    swarm_factory.torch_threads = threads_per_server(3)  # as the demo starts them
     start_swarm(swarm_factory, source.path, ["0:10", "10:20", "20:30"])
+    for server in (proc for proc in swarm_factory.procs if proc.name != "dht"):
+        assert f"on {threads_per_server(3)} torch thread(s)" in server.output(), server.output()[-2000:]
     tokenizer = AutoTokenizer.from_pretrained(source.path)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
