@@ -5,6 +5,9 @@ from __future__ import annotations
 import functools
 import itertools
 import secrets
+import time
+
+import psutil
 
 from netem import netns
 from netem.network import down
@@ -31,3 +34,14 @@ def remove_session_runs() -> list[str]:
     for run_id in leftovers:
         down(run_id)
     return leftovers
+
+
+def wait_for_quiet_cpu(busy_below_pct: float = 50.0, window_s: float = 0.5, timeout_s: float = 20.0) -> float:
+    """Waits until the machine's CPUs were busy less than `busy_below_pct` over a `window_s` window (at most
+    `timeout_s`); gives the last window's busy share. Freshly started processes (a swarm's servers announcing, a
+    client importing torch) otherwise starve the probes that time RTTs to a tenth of a millisecond."""
+    deadline = time.monotonic() + timeout_s
+    busy = psutil.cpu_percent(interval=window_s)
+    while busy >= busy_below_pct and time.monotonic() < deadline:
+        busy = psutil.cpu_percent(interval=window_s)
+    return busy
