@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to let steps finish on shutdown")
     parser.add_argument("--compute-threads", type=int, default=2, help="steps computed at once")
     parser.add_argument(
+        "--inline-step-ms", type=float, default=50.0,
+        help="a step expected to compute within this many ms, while no other step computes, runs on the event loop "
+        "instead of the compute pool, saving two thread hand-offs (0 = never)",
+    )
+    parser.add_argument(
         "--torch-threads", type=int, default=0,
         help="threads one step's operators use (default 0: torch's choice, one per core); 1 suits several servers "
         "sharing a few cores",
@@ -86,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         record_ttl_s=args.record_ttl,
         drain_timeout_s=args.drain_timeout,
         compute_threads=args.compute_threads,
+        inline_step_ms=args.inline_step_ms,
         torch_threads=args.torch_threads,
     )
 

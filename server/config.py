@@ -32,5 +32,6 @@ class ServerConfig:
     drain_timeout_s: float = 10.0
     push_timeout_s: float = 10.0
     compute_threads: int = 2
+    inline_step_ms: float = 50.0  # a step expected within this computes on the event loop when it is the only one
     torch_threads: int = 0  # intra-op threads of a step; 0 keeps torch's default
     max_frame_bytes: int = 64 << 20

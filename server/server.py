@@ -323,9 +323,12 @@ class SwarmServer:
         """Computes an admitted step on the compute pool, commits it, resolves `result` and pushes the output on."""
         self._inflight_steps += 1
         try:
-            output, compute_ms = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self._timed_forward, hidden, session
-            )
+            if self._computes_inline(hidden, session):
+                output, compute_ms = self._timed_forward(hidden, session)
+            else:
+                output, compute_ms = await asyncio.get_running_loop().run_in_executor(
+                    self.executor, self._timed_forward, hidden, session
+                )
         except asyncio.CancelledError:
             result.set_exception(ServerDraining("the server shut down while computing this step"))
             result.exception()
@@ -357,6 +360,16 @@ class SwarmServer:
                 )
         finally:
             result.set_result(session.last_result)
+
+    def _computes_inline(self, hidden: torch.Tensor, session: Session) -> bool:
+        """Gives whether a step computes on the event loop itself: a short one (a decode step) while no other step
+        computes. That saves the compute pool's two thread hand-offs, each a wake-up of a sleeping thread, which on
+        a machine whose idle cores sleep deeply cost more than the network leg; the loop stalls for one short step
+        at most. Longer steps, and steps beside others, go to the pool so that the loop keeps serving."""
+        if self._inflight_steps > 1:
+            return False
+        expected_ms = hidden.shape[0] * hidden.shape[1] * (session.end - session.start) * self.block_compute_ms
+        return expected_ms <= self.config.inline_step_ms
 
     async def _announced_addrs(self, peer_id: str, block: int) -> list[str] | None:
         """Gives the addresses `peer_id` announced in the DHT for `block` of this model, None if it did not."""

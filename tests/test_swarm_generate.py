@@ -17,9 +17,12 @@ from swarm.local_swarm import SwarmProcesses
 pytestmark = pytest.mark.slow
 
 
-def start_swarm(swarm: SwarmProcesses, model: Path, block_ranges: list[str]) -> None:
+def start_swarm(
+    swarm: SwarmProcesses, model: Path, block_ranges: list[str], extra_args: dict[str, list[str]] | None = None
+) -> None:
     swarm.start_dht()
-    servers = [swarm.start_server(model, blocks, wait=False) for blocks in block_ranges]
+    extra_args = extra_args or {}
+    servers = [swarm.start_server(model, blocks, *extra_args.get(blocks, []), wait=False) for blocks in block_ranges]
     for server in servers:
         swarm.wait_ready(server)
 
@@ -35,7 +38,10 @@ def llama_local(tiny_llama: Path) -> AutoModelForCausalLM:
 
 @pytest.fixture(scope="module")
 def llama_remote(swarm_factory: SwarmProcesses, tiny_llama: Path) -> Iterator[DistributedModelForCausalLM]:
-    start_swarm(swarm_factory, tiny_llama, ["0:2", "2:4", "4:6", "6:8"])
+    # Two servers compute every step on their compute pool, two on their event loop (short steps, one at a time):
+    # each chain, and each concurrent test, goes through both paths.
+    pool_only = ["--inline-step-ms", "0"]
+    start_swarm(swarm_factory, tiny_llama, ["0:2", "2:4", "4:6", "6:8"], {"0:2": pool_only, "4:6": pool_only})
     model = DistributedModelForCausalLM.from_pretrained(str(tiny_llama), initial_peers=swarm_factory.initial_peers)
     try:
         yield model
