@@ -3,7 +3,8 @@
 The client still sends every server its step (and keeps every input for replay), so a push is only a head
 start: the next server begins computing one network leg earlier, and the client's own copy of the step finds
 the work running or done (same step id). A failed push costs nothing but that head start, so failures are
-logged, never raised.
+logged, never raised. Pushes are RPC notifications: the next server answers nothing, so no acknowledgement
+crosses the link (and wakes both servers) while the next server starts its step.
 
 Clients name the next hops, so a server only dials a peer that the DHT says hosts the block where the hop
 begins, at the addresses it announced there; the addresses a client sends are not used.
@@ -84,8 +85,8 @@ class Pusher:
     async def _send(self, hop: NextHop, block: int, payload: dict[str, Any]) -> None:
         try:
             connection = await self._connection(hop, block)
-            await connection.call("push", payload, timeout=self.timeout_s)
-        except SwarmError as error:  # e.g. the next server already has the step from the client, or it is gone
+            await connection.notify("push", payload, timeout=self.timeout_s)
+        except SwarmError as error:  # e.g. the next server is gone; what it refuses, it logs itself
             log.debug("push to %s failed: %s: %s", hop.peer_id, type(error).__name__, error.message)
             dropped = self._connections.get(hop.peer_id)
             if dropped is not None and dropped.is_closed:

@@ -234,7 +234,8 @@ class SwarmServer:
                 "compute_ms": result.compute_ms}
 
     async def _push(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
-        """Accepts a step pushed by the previous server of a chain; answers at once, computes in the background."""
+        """Accepts a step pushed by the previous server of a chain (a notification: its reply is not sent) and
+        computes it in the background."""
         validate_compression(field(payload, "compression", str, optional=True))
         self._admit_step(payload, ctx)
         return {}

@@ -2,7 +2,10 @@
 
 Request: ``{"id": int, "method": str, "payload": map}``.
 Reply: ``{"id": int, "ok": map}`` or ``{"id": int | None, "error": {"code": str, "message": str}}``.
-A stream carries any number of calls, answered in order; each stream is served by its own coroutine.
+Notification: a request with ``"notify": true`` gets no reply at all, not even an error (the server logs it), so the
+sender's stream carries nothing back and neither side wakes up for an acknowledgement.
+A stream carries any number of calls and notifications, handled in order; each stream is served by its own
+coroutine.
 A peer ends a stream by closing it (there is no half-close): the server then cancels the request it is
 handling and runs the stream's close callbacks, which is how sessions die with their stream.
 """
@@ -181,7 +184,8 @@ class RpcServer:
                     return  # finally cancels the handler
                 reply = await handling
                 handling = None
-                await self._write_reply(writer, reply)
+                if reply is not None:  # None: a notification
+                    await self._write_reply(writer, reply)
         finally:
             for task in (handling, next_header):
                 if task is not None:
@@ -189,12 +193,21 @@ class RpcServer:
                     with suppress(asyncio.CancelledError, Exception):
                         await task
 
-    async def _answer(self, body: bytes, ctx: CallContext) -> dict[str, Any]:
-        """Gives the reply frame to one request body; every failure becomes a typed error reply."""
+    async def _answer(self, body: bytes, ctx: CallContext) -> dict[str, Any] | None:
+        """Gives the reply frame to one request body (every failure becomes a typed error reply), or None for a
+        notification, whose failures are only logged."""
         try:
             request = unpack_body(body)
         except MalformedFrame as e:
             return _error_reply(None, e)
+        if request.get("notify") is True:
+            reply = await self._answer_request(request, ctx)
+            if "error" in reply:
+                logger.debug(f"notification {request.get('method')!r:.50} from {ctx.peer_id} failed: {reply['error']}")
+            return None
+        return await self._answer_request(request, ctx)
+
+    async def _answer_request(self, request: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         request_id = request.get("id")
         if not isinstance(request_id, int) or isinstance(request_id, bool):
             return _error_reply(None, MalformedFrame(f"request id must be an int, got {request_id!r:.50}"))
@@ -314,6 +327,35 @@ class RpcConnection:
                 return self._unwrap(reply, request_id, method)
         except TimeoutError:
             raise RpcTimeout(f"{self.peer_id} did not answer {method!r} within {timeout} s") from None
+
+    async def notify(self, method: str, payload: dict[str, Any], *, timeout: float) -> None:
+        """Sends `method(payload)` as a notification: the peer runs it and answers nothing, not even an error.
+
+        Returns once the frame is handed to the transport. Raises PeerUnreachable if the stream is closed or the
+        peer has ended it (seen on the next notification), RpcTimeout if the frame could not be sent within
+        `timeout`, FrameTooLarge for a request over the limit.
+        """
+        try:
+            async with asyncio.timeout(timeout), self._lock:
+                if self._reader.at_eof():  # the peer ended the stream, e.g. after refusing an oversized frame
+                    self._break("the peer ended the stream")
+                if self._unusable is not None:
+                    raise PeerUnreachable(f"connection to {self.peer_id} is unusable: {self._unusable}")
+                frame = pack_frame(
+                    {"id": next(self._request_ids), "method": method, "payload": payload, "notify": True},
+                    max_bytes=self.max_frame_bytes,
+                )
+                try:
+                    self._writer.write(frame)
+                    await self._writer.drain()
+                except ConnectionError as e:
+                    self._break(f"stream lost during notification {method!r}")
+                    raise PeerUnreachable(f"stream to {self.peer_id} lost during {method!r}: {e}") from e
+                except asyncio.CancelledError:  # part of a frame may be out: the stream is out of sync
+                    self._break(f"notification {method!r} timed out or was cancelled while sending")
+                    raise
+        except TimeoutError:
+            raise RpcTimeout(f"could not send {method!r} to {self.peer_id} within {timeout} s") from None
 
     def _unwrap(self, reply: dict[str, Any], request_id: int, method: str) -> dict[str, Any]:
         """Gives the reply's `ok` map or raises the error it carries."""

@@ -252,6 +252,51 @@ def test_close_callbacks_run_once_when_the_client_closes_the_stream() -> None:
     run_with_peers(scenario)
 
 
+def test_notifications_run_in_order_and_get_no_reply_not_even_an_error() -> None:
+    async def scenario(server_p2p: P2P, client_p2p: P2P) -> None:
+        received: list[int] = []
+        failed = asyncio.Event()
+
+        async def record(payload: dict, ctx: CallContext) -> dict:
+            received.append(payload["n"])
+            return {"recorded": payload["n"]}
+
+        async def fail(payload: dict, ctx: CallContext) -> dict:
+            failed.set()
+            raise SessionNotFound("no such session")
+
+        async with serving(server_p2p, {"echo": echo, "record": record, "fail": fail}) as server:
+            connection = await RpcConnection.open(client_p2p, server_p2p.peer_id, timeout=WAIT_S)
+            try:
+                await connection.notify("record", {"n": 1}, timeout=WAIT_S)
+                await connection.notify("fail", {}, timeout=WAIT_S)
+                await connection.notify("nope", {}, timeout=WAIT_S)
+                await connection.notify("record", {"n": 2}, timeout=WAIT_S)
+                # Had any notification been answered, this call would read that answer instead of its own.
+                reply = await connection.call("echo", {"x": 3}, timeout=WAIT_S)
+                assert reply["payload"] == {"x": 3}
+                assert received == [1, 2] and failed.is_set()
+                with pytest.raises(FrameTooLarge):
+                    await connection.notify("record", {"n": b"x" * (server.max_frame_bytes + 1)}, timeout=WAIT_S)
+                assert (await connection.call("echo", {"x": 4}, timeout=WAIT_S))["payload"] == {"x": 4}
+            finally:
+                await connection.close()
+            with pytest.raises(PeerUnreachable, match="closed"):
+                await connection.notify("record", {"n": 5}, timeout=WAIT_S)
+
+            # A stream the server ended is noticed by the next notification, not written into forever.
+            connection = await RpcConnection.open(client_p2p, server_p2p.peer_id, timeout=WAIT_S)
+            await connection.call("echo", {}, timeout=WAIT_S)
+            await server.stop()
+            with pytest.raises(PeerUnreachable, match=r"ended|lost"):
+                for _ in range(int(WAIT_S / 0.01)):
+                    await connection.notify("record", {"n": 6}, timeout=WAIT_S)
+                    await asyncio.sleep(0.01)
+            assert received == [1, 2]
+
+    run_with_peers(scenario)
+
+
 def test_rpc_timeout_or_cancel_breaks_the_connection_and_cancels_the_hung_handler() -> None:
     async def scenario(server_p2p: P2P, client_p2p: P2P) -> None:
         in_handler, handler_cancelled, stream_released = asyncio.Event(), asyncio.Event(), asyncio.Event()
