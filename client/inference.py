@@ -173,12 +173,34 @@ class RemoteInferenceSession:
         step id) answer without running it again.
         """
         step_id = f"{self.position}"
-        calls = [self._call_step(self.spans[0], hidden, step_id=step_id, next_hops=self._next_hops(0))]
-        calls += [
-            self._call_step(later, None, step_id=step_id, wait_ms=self._push_wait_ms(index), dtype=hidden.dtype)
-            for index, later in enumerate(self.spans[1:], start=1)
+        earlier = [
+            asyncio.ensure_future(self._call_step(self.spans[0], hidden, step_id=step_id, next_hops=self._next_hops(0)))
         ]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        earlier += [
+            asyncio.ensure_future(
+                self._call_step(later, None, step_id=step_id, wait_ms=self._push_wait_ms(index), dtype=hidden.dtype)
+            )
+            for index, later in enumerate(self.spans[1:-1], start=1)
+        ]
+        # The last span's output ends the step, so its call runs in this coroutine rather than as one more task: the
+        # step returns in the loop iteration that reads it, not after a task and a gather have finished in turn. It
+        # starts once the tasks have sent their requests, so the first server's request still goes out first.
+        last_index = len(self.spans) - 1
+        try:
+            await asyncio.sleep(0)
+            last: torch.Tensor | BaseException = await self._call_step(
+                self.spans[-1], None, step_id=step_id, wait_ms=self._push_wait_ms(last_index), dtype=hidden.dtype
+            )
+        except SwarmError as error:
+            last = error
+        except BaseException:
+            for task in earlier:
+                task.cancel()
+            raise
+        pending = [task for task in earlier if not task.done()]
+        if pending:  # the last server answered before an earlier one's reply arrived; rare, but it must be read
+            await asyncio.wait(pending)
+        results = [task.exception() or task.result() for task in earlier] + [last]
         for index, result in enumerate(results):
             if isinstance(result, BaseException):
                 if not isinstance(result, SwarmError):
