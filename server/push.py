@@ -78,9 +78,29 @@ class Pusher:
             log.debug("push to %s dropped (%d in flight)", first.peer_id, len(self._tasks))
             return
         payload = {**step, "session_id": first.session_id, "next": [hop.to_wire() for hop in rest]}
+        if self._send_now(first, block, payload):
+            return
         task = asyncio.create_task(self._send(first, block, payload), name=f"push-{first.peer_id[-8:]}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _send_now(self, hop: NextHop, block: int, payload: dict[str, Any]) -> bool:
+        """Writes the push at once on an open stream to a peer recently confirmed to host `block`, sparing the task
+        hop of `_send`; gives whether the push is done with (sent or failed)."""
+        connection = self._connections.get(hop.peer_id)
+        known = self._verified.get((hop.peer_id, block))
+        if connection is None or known is None or time.monotonic() - known[0] >= VERIFIED_TTL_S:
+            return False
+        try:
+            if not connection.notify_now("push", payload):
+                return False
+        except SwarmError as error:
+            log.debug("push to %s failed: %s: %s", hop.peer_id, type(error).__name__, error.message)
+            if connection.is_closed:
+                self._connections.pop(hop.peer_id, None)
+            return True
+        self._connections.move_to_end(hop.peer_id)
+        return True
 
     async def _send(self, hop: NextHop, block: int, payload: dict[str, Any]) -> None:
         try:

@@ -337,14 +337,7 @@ class RpcConnection:
         """
         try:
             async with asyncio.timeout(timeout), self._lock:
-                if self._reader.at_eof():  # the peer ended the stream, e.g. after refusing an oversized frame
-                    self._break("the peer ended the stream")
-                if self._unusable is not None:
-                    raise PeerUnreachable(f"connection to {self.peer_id} is unusable: {self._unusable}")
-                frame = pack_frame(
-                    {"id": next(self._request_ids), "method": method, "payload": payload, "notify": True},
-                    max_bytes=self.max_frame_bytes,
-                )
+                frame = self._notification_frame(method, payload)
                 try:
                     self._writer.write(frame)
                     await self._writer.drain()
@@ -356,6 +349,25 @@ class RpcConnection:
                     raise
         except TimeoutError:
             raise RpcTimeout(f"could not send {method!r} to {self.peer_id} within {timeout} s") from None
+
+    def notify_now(self, method: str, payload: dict[str, Any]) -> bool:
+        """Sends a notification without waiting if no call holds the stream and its transport has nothing queued;
+        gives whether it did (if not, `notify` waits its turn). Raises like `notify`."""
+        if self._lock.locked() or self._writer.transport.get_write_buffer_size() > 0:
+            return False
+        self._writer.write(self._notification_frame(method, payload))
+        return True
+
+    def _notification_frame(self, method: str, payload: dict[str, Any]) -> bytes:
+        """Gives the frame of a notification; raises PeerUnreachable if the stream cannot carry one."""
+        if self._reader.at_eof():  # the peer ended the stream, e.g. after refusing an oversized frame
+            self._break("the peer ended the stream")
+        if self._unusable is None and self._writer.transport.is_closing():
+            self._break("the transport is closing")
+        if self._unusable is not None:
+            raise PeerUnreachable(f"connection to {self.peer_id} is unusable: {self._unusable}")
+        message = {"id": next(self._request_ids), "method": method, "payload": payload, "notify": True}
+        return pack_frame(message, max_bytes=self.max_frame_bytes)
 
     def _unwrap(self, reply: dict[str, Any], request_id: int, method: str) -> dict[str, Any]:
         """Gives the reply's `ok` map or raises the error it carries."""

@@ -265,13 +265,25 @@ def test_notifications_run_in_order_and_get_no_reply_not_even_an_error() -> None
             failed.set()
             raise SessionNotFound("no such session")
 
-        async with serving(server_p2p, {"echo": echo, "record": record, "fail": fail}) as server:
+        go = asyncio.Event()
+
+        async def wait_for_go(payload: dict, ctx: CallContext) -> dict:
+            await go.wait()
+            return {}
+
+        methods = {"echo": echo, "record": record, "fail": fail, "wait_for_go": wait_for_go}
+        async with serving(server_p2p, methods) as server:
             connection = await RpcConnection.open(client_p2p, server_p2p.peer_id, timeout=WAIT_S)
             try:
                 await connection.notify("record", {"n": 1}, timeout=WAIT_S)
                 await connection.notify("fail", {}, timeout=WAIT_S)
                 await connection.notify("nope", {}, timeout=WAIT_S)
-                await connection.notify("record", {"n": 2}, timeout=WAIT_S)
+                assert connection.notify_now("record", {"n": 2})  # an idle stream takes it at once
+                waiting = asyncio.create_task(connection.call("wait_for_go", {}, timeout=WAIT_S))
+                await asyncio.sleep(0)
+                assert not connection.notify_now("record", {"n": 99})  # a call holds the stream: not sent
+                go.set()
+                await waiting
                 # Had any notification been answered, this call would read that answer instead of its own.
                 reply = await connection.call("echo", {"x": 3}, timeout=WAIT_S)
                 assert reply["payload"] == {"x": 3}
