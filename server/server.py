@@ -321,7 +321,8 @@ class SwarmServer:
         next_hops: list[NextHop],
         push: dict[str, Any],
     ) -> None:
-        """Computes an admitted step on the compute pool, commits it, resolves `result` and pushes the output on."""
+        """Computes an admitted step (on the event loop if short and alone, else on the compute pool), commits it,
+        pushes the output on and resolves `result`."""
         self._inflight_steps += 1
         try:
             if self._computes_inline(hidden, session):
