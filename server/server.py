@@ -85,6 +85,7 @@ class SwarmServer:
         self.rpc: RpcServer | None = None
         self.announcer: Announcer | None = None
         self._inflight_steps = 0
+        self.steps_computed = {"loop": 0, "pool": 0}  # steps computed so far, by where they ran
         self._idle = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._step_tasks: set[asyncio.Task[None]] = set()
@@ -196,7 +197,8 @@ class SwarmServer:
             raise ServerDraining(f"server {self.peer_id} is {self.state.value}; retry on another server")
 
     async def _info(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
-        return {"record": self.record().to_wire(), "num_blocks": self.source.num_blocks}
+        return {"record": self.record().to_wire(), "num_blocks": self.source.num_blocks,
+                "steps_computed": dict(self.steps_computed)}
 
     async def _open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         self._check_serving()
@@ -327,10 +329,12 @@ class SwarmServer:
         try:
             if self._computes_inline(hidden, session):
                 output, compute_ms = self._timed_forward(hidden, session)
+                self.steps_computed["loop"] += 1
             else:
                 output, compute_ms = await asyncio.get_running_loop().run_in_executor(
                     self.executor, self._timed_forward, hidden, session
                 )
+                self.steps_computed["pool"] += 1
         except asyncio.CancelledError:
             result.set_exception(ServerDraining("the server shut down while computing this step"))
             result.exception()

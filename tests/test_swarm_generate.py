@@ -167,6 +167,26 @@ def test_an_idle_session_does_not_stall_others(llama_remote, llama_local) -> Non
 
 
 
+def test_short_steps_compute_on_the_event_loop_unless_disabled(llama_remote, llama_local) -> None:
+    input_ids = prompt(30)
+    assert llama_remote.generate(input_ids, max_new_tokens=4, do_sample=False).tolist() == \
+        llama_local.generate(input_ids, max_new_tokens=4, do_sample=False).tolist()
+    swarm = llama_remote.swarm
+    records = swarm.run(swarm.servers()).values()
+    computed: dict[int, dict[str, int]] = {}
+    for record in records:
+        connection = swarm.run(swarm.connect(record))
+        try:
+            computed[record.block_start] = swarm.run(connection.call("info", {}, timeout=30))["steps_computed"]
+        finally:
+            swarm.run(connection.close())
+    # Servers 0:2 and 4:6 run with --inline-step-ms 0; the tiny model's steps are short enough for the others' loops.
+    for start in (0, 4):
+        assert computed[start]["loop"] == 0 and computed[start]["pool"] >= 5, computed
+    for start in (2, 6):
+        assert computed[start]["loop"] >= 5, computed
+
+
 def test_fp16_transport_compression_stays_close(llama_remote, llama_local, swarm_factory, tiny_llama: Path) -> None:
     compressed = DistributedModelForCausalLM.from_pretrained(
         str(tiny_llama), initial_peers=swarm_factory.initial_peers, client_config=ClientConfig(compression="fp16")
