@@ -1,8 +1,8 @@
 """Petals-style min-latency routing over DHT records: the cheapest chain of server spans covering [start, end).
 
 Pure: records and measured RTTs in, spans out. Cost of using server s for blocks [i, j) is its RTT plus
-(j - i) x its measured per-block compute time; a server without free pages for the session is penalized, not
-excluded, so that a chain still exists (the server answers busy and the client moves on).
+(j - i) x its measured per-block compute time; a server whose headroom rule admits no new session is penalized,
+not excluded, so that a chain still exists (the server answers busy and the client moves on).
 """
 
 from __future__ import annotations
@@ -42,28 +42,19 @@ def servers_of(records_by_block: Iterable[Mapping[str, ServerRecord]]) -> dict[s
     return servers
 
 
-def kv_pages_per_block(record: ServerRecord, max_length: int, batch: int = 1) -> int:
-    """Gives the pages `record`'s server needs for one block of a session's KV (one contiguous run)."""
-    return -(-batch * max_length * record.kv_bytes_per_token // record.page_bytes)
+def kv_fits(record: ServerRecord, blocks: int, batch: int = 1) -> bool:
+    """Gives whether `record`'s server would admit a session of `batch` rows on `blocks` of its blocks now.
 
-
-def kv_fits(record: ServerRecord, blocks: int, max_length: int, batch: int = 1) -> bool:
-    """Gives whether a session's KV on `blocks` blocks fits the free pages `record` announced.
-
-    Each block takes a contiguous run, so announced free runs are counted run by run; only the largest runs are
-    announced, which makes this conservative when there are more."""
-    per_block = kv_pages_per_block(record, max_length, batch)
-    if blocks * per_block > record.pages_free:
-        return False
-    if not record.free_runs or per_block == 0:
-        return True
-    return sum(run // per_block for run in record.free_runs) >= blocks
+    Servers announce how many one-row sessions over all their blocks their headroom rule admits (`sessions_fit`);
+    a session on fewer blocks, or of more rows, takes proportionally fewer or more of that room."""
+    hosted = record.block_end - record.block_start
+    return record.sessions_fit * hosted >= blocks * batch
 
 
 def span_cost_ms(record: ServerRecord, blocks: int, *, rtt_ms: float, max_length: int, batch: int = 1) -> float:
     """Gives the estimated per-token latency of serving `blocks` blocks on this server."""
     cost = rtt_ms + blocks * record.block_compute_ms
-    if not kv_fits(record, blocks, max_length, batch) or max_length > record.max_length:
+    if not kv_fits(record, blocks, batch) or max_length > record.max_length:
         cost += NO_FREE_PAGES_PENALTY_MS
     return cost
 

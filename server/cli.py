@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from orchestrator.admission import DEFAULT_HEADROOM_TOKENS
 from server.config import ServerConfig
 from server.server import SwarmServer
 from swarm.errors import InvalidBlockRange, OutOfPages, UnsupportedArchitecture
@@ -30,6 +31,20 @@ def _checked(parse: Callable[[str], object]) -> Callable[[str], str]:
         return text
 
     return check
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--announce-period", type=float, default=10.0, help="seconds between DHT announcements")
     parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds a DHT record lives unless refreshed")
     parser.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to let steps finish on shutdown")
-    parser.add_argument("--compute-threads", type=int, default=2, help="steps computed at once")
+    parser.add_argument(
+        "--max-batch-tokens", type=_positive, default=256,
+        help="tokens one forward pass computes at most: every waiting decode step, then chunks of prefills",
+    )
+    parser.add_argument(
+        "--kv-headroom-tokens", type=_non_negative, default=DEFAULT_HEADROOM_TOKENS,
+        help="tokens each running session is expected to grow by; a new session is admitted only while the free "
+        "pages cover that growth and its own",
+    )
     parser.add_argument(
         "--inline-step-ms", type=float, default=50.0,
         help="a step expected to compute within this many ms, while no other step computes, runs on the event loop "
@@ -90,7 +113,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         announce_period_s=args.announce_period,
         record_ttl_s=args.record_ttl,
         drain_timeout_s=args.drain_timeout,
-        compute_threads=args.compute_threads,
+        max_batch_tokens=args.max_batch_tokens,
+        kv_headroom_tokens=args.kv_headroom_tokens,
         inline_step_ms=args.inline_step_ms,
         torch_threads=args.torch_threads,
     )

@@ -1,4 +1,5 @@
-"""Measured compute speed of hosted blocks: one token through one block, measured once per setup and cached."""
+"""Measured compute speed of hosted blocks: a decode step through one block at batch 1, 8 and 32, measured once per
+setup and cached."""
 
 from __future__ import annotations
 
@@ -12,9 +13,15 @@ from pathlib import Path
 
 import torch
 
+from swarm.memory import PagePool
 from swarm.model import BlockRange, cache_root
+from swarm.model.paged_kv import PagedBatch, SequenceChunk
 
 log = logging.getLogger(__name__)
+
+DECODE_BATCHES = (1, 8, 32)
+HISTORY_TOKENS = 16  # each measured sequence attends over this much history
+ENGINE = "paged-v1"  # bump when the block implementation changes what a measurement means
 
 
 def _cache_key(blocks: BlockRange, model_id: str) -> str:
@@ -24,43 +31,62 @@ def _cache_key(blocks: BlockRange, model_id: str) -> str:
     config_digest = hashlib.sha256(blocks.config.to_json_string(use_diff=False).encode()).hexdigest()[:12]
     cpu = platform.processor() or platform.machine()
     parts = [model_id, config_digest, blocks.dtype_name, blocks.quant, device, cpu,
-             f"threads={torch.get_num_threads()}", f"torch={torch.__version__}"]
+             f"threads={torch.get_num_threads()}", f"torch={torch.__version__}", ENGINE]
     return "|".join(parts)
 
 
-def measure_block_compute_ms(blocks: BlockRange, *, repeats: int = 10) -> float:
-    """Gives the fastest of `repeats` decode steps (one token, short history) through one block, in ms.
+def measure_block_decode_ms(
+    blocks: BlockRange, *, batches: tuple[int, ...] = DECODE_BATCHES, repeats: int = 7
+) -> dict[int, float]:
+    """Gives, per batch size, the fastest of `repeats` decode steps (one token per session, short history) through
+    one block, in ms. The minimum, not the median: other processes starting at the same time only ever inflate a
+    sample."""
+    index = blocks.start
+    tokens_per_page = HISTORY_TOKENS + 2
+    page_bytes = tokens_per_page * blocks.kv_bytes_per_token()
+    pool = PagePool(max(batches) * page_bytes, page_bytes, device=blocks.device)
+    kv = blocks.paged_kv(pool.storage, page_bytes)
+    generator = torch.Generator().manual_seed(0)
+    timings: dict[int, float] = {}
+    for batch in batches:
+        prefill = PagedBatch(tuple(
+            SequenceChunk(row * HISTORY_TOKENS, HISTORY_TOKENS, 0, index, index + 1, {index: [row]})
+            for row in range(batch)
+        ))
+        blocks(torch.randn(batch * HISTORY_TOKENS, blocks.hidden_size, generator=generator), prefill, kv)
+        decode = PagedBatch(tuple(
+            SequenceChunk(row, 1, HISTORY_TOKENS, index, index + 1, {index: [row]}) for row in range(batch)
+        ))
+        hidden = torch.randn(batch, blocks.hidden_size, generator=generator)
+        blocks(hidden, decode, kv)  # warm-up: first calls pay for allocation and kernel selection
+        samples = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            blocks(hidden, decode, kv)
+            if blocks.device.type == "cuda":
+                torch.cuda.synchronize(blocks.device)
+            samples.append((time.perf_counter() - started) * 1000)
+        timings[batch] = min(samples)
+    return timings
 
-    The minimum, not the median: other processes starting at the same time only ever inflate a sample.
-    """
-    caches = blocks.new_caches(blocks.start, blocks.start + 1, batch=1, capacity=repeats + 2)
-    hidden = torch.randn(1, 1, blocks.hidden_size, generator=torch.Generator().manual_seed(0))
-    blocks(hidden, caches, 0)  # warm-up: first calls pay for allocation and kernel selection
-    samples = []
-    for position in range(1, repeats + 1):
-        started = time.perf_counter()
-        blocks(hidden, caches, position)
-        if blocks.device.type == "cuda":
-            torch.cuda.synchronize(blocks.device)
-        samples.append((time.perf_counter() - started) * 1000)
-    return min(samples)
 
-
-def cached_block_compute_ms(blocks: BlockRange, model_id: str, *, path: Path | None = None) -> float:
-    """Gives the measured per-block compute time, measuring only when this setup has no cached value."""
+def cached_block_decode_ms(blocks: BlockRange, model_id: str, *, path: Path | None = None) -> dict[int, float]:
+    """Gives the measured per-block decode times by batch size, measuring only when this setup has none cached."""
     path = path or cache_root() / "block_compute_ms.json"
     key = _cache_key(blocks, model_id)
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
-    if isinstance(cached.get(key), int | float):
-        return float(cached[key])
-    value = measure_block_compute_ms(blocks)
-    cached[key] = value
+    entry = cached.get(key)
+    if isinstance(entry, dict) and all(isinstance(entry.get(str(b)), int | float) for b in DECODE_BATCHES):
+        return {batch: float(entry[str(batch)]) for batch in DECODE_BATCHES}
+    timings = measure_block_decode_ms(blocks)
+    cached[key] = {str(batch): ms for batch, ms in timings.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f"{path.name}.{os.getpid()}")
     staging.write_text(json.dumps(cached, indent=1, sort_keys=True))
     staging.replace(path)
-    log.info("Measured %.2f ms per block per token (%s)", value, key)
-    return value
+    log.info("Measured a block's decode step: %s (%s)",
+             ", ".join(f"{ms:.2f} ms at batch {batch}" for batch, ms in timings.items()), key)
+    return timings

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.admission import DEFAULT_HEADROOM_TOKENS
 from swarm.memory import DEFAULT_PAGE_BYTES
 from swarm.model import DEFAULT_MODEL
 
@@ -31,7 +32,8 @@ class ServerConfig:
     record_ttl_s: float = 30.0
     drain_timeout_s: float = 10.0
     push_timeout_s: float = 10.0
-    compute_threads: int = 2
+    max_batch_tokens: int = 256  # tokens one batch computes at most: every decode step, then prefill chunks
+    kv_headroom_tokens: int = DEFAULT_HEADROOM_TOKENS  # growth expected of each running session, for admission
     inline_step_ms: float = 50.0  # a step expected within this computes on the event loop when it is the only one
     torch_threads: int = 0  # intra-op threads of a step; 0 keeps torch's default
     max_frame_bytes: int = 64 << 20

@@ -6,20 +6,19 @@ import asyncio
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from typing import Any
 
 import hivemind
 import torch
 
-from server.compute import cached_block_compute_ms
+from server.compute import cached_block_decode_ms
 from server.config import ServerConfig
 from server.push import Pusher
-from server.sessions import RunningStep, Session, SessionTable, StepResult
+from server.scheduler import Step, StepScheduler
+from server.sessions import Session, SessionTable, StepResult
 from swarm.dht import Announcer, lookup_block_async
 from swarm.errors import (
-    InternalServerError,
     InvalidTensor,
     MalformedFrame,
     MaxLengthExceeded,
@@ -32,7 +31,7 @@ from swarm.errors import (
 )
 from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, parse_size
 from swarm.model import BlockRange, ModelSource, parse_block_range, pick_device, pick_dtype, resolve_model
-from swarm.records import MAX_FREE_RUNS, SOFTWARE_VERSION, NextHop, ServerRecord, ServerState
+from swarm.records import SOFTWARE_VERSION, BatchTiming, NextHop, ServerRecord, ServerState
 from swarm.rpc import CallContext, RpcServer
 from swarm.wire import decode_tensor, encode_tensor, validate_compression
 
@@ -75,20 +74,24 @@ class SwarmServer:
         except OutOfPages as error:
             message = f"--memory {config.memory or budget} cannot hold blocks {start}:{end}: {error}"
             raise OutOfPages(message) from None
-        self.sessions = SessionTable(self.blocks, self.pool, max_length=config.max_length)
-        self.block_compute_ms = cached_block_compute_ms(self.blocks, self.source.model_id)
+        self.kv = self.blocks.paged_kv(self.pool.storage, self.pool.page_bytes)
+        self.sessions = SessionTable(
+            block_start=start, block_end=end, pool=self.pool, tokens_per_page=self.kv.tokens_per_page,
+            max_length=config.max_length, headroom_tokens=config.kv_headroom_tokens,
+        )
+        self.block_decode_ms = cached_block_decode_ms(self.blocks, self.source.model_id)
+        self.scheduler = StepScheduler(
+            self.blocks, self.kv, self.sessions, max_batch_tokens=config.max_batch_tokens,
+            inline_step_ms=config.inline_step_ms, block_compute_ms=self.block_decode_ms[1],
+            on_step_done=self._push_on,
+        )
         self.state = ServerState.joining
         self.network_mbps: float | None = None
-        self.executor = ThreadPoolExecutor(max_workers=config.compute_threads, thread_name_prefix="compute")
         self.dht: hivemind.DHT | None = None
         self._addrs: list[str] = []
         self.rpc: RpcServer | None = None
         self.announcer: Announcer | None = None
-        self._inflight_steps = 0
-        self.steps_computed = {"loop": 0, "pool": 0}  # steps computed so far, by where they ran
-        self._idle = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._step_tasks: set[asyncio.Task[None]] = set()
         self.pusher: Pusher | None = None
 
     @property
@@ -110,10 +113,11 @@ class SwarmServer:
             pages_params=stats.pages_params,
             pages_kv=stats.pages_kv,
             pages_free=stats.pages_free,
-            free_runs=list(stats.free_runs[:MAX_FREE_RUNS]),
+            sessions_fit=self.sessions.sessions_fit(),
             page_bytes=stats.page_bytes,
             kv_bytes_per_token=self.blocks.kv_bytes_per_token(),
-            block_compute_ms=self.block_compute_ms,
+            block_compute_ms=self.scheduler.block_compute_ms,
+            block_decode_ms=[BatchTiming(batch=batch, ms=ms) for batch, ms in sorted(self.block_decode_ms.items())],
             network_mbps=self.network_mbps,
             session_count=len(self.sessions),
             max_length=self.config.max_length,
@@ -144,6 +148,7 @@ class SwarmServer:
             max_frame_bytes=self.config.max_frame_bytes,
         )
         await self.rpc.start()
+        self.scheduler.start()
         self.state = ServerState.online
         self.announcer = Announcer(
             self.dht, self.record, period_s=self.config.announce_period_s, ttl_s=self.config.record_ttl_s
@@ -151,8 +156,9 @@ class SwarmServer:
         await self.announcer.start()
         self._tasks.append(asyncio.create_task(self._expire_sessions_loop(), name="expire-sessions"))
         log.info(
-            "Serving %s blocks %d:%d as %s on %d torch thread(s); %s", self.source.model_id, self.blocks.start,
-            self.blocks.end, self.peer_id, torch.get_num_threads(), self.pool.stats(),
+            "Serving %s blocks %d:%d as %s on %d torch thread(s); %s; %d tokens per KV page; batches of up to %d "
+            "tokens", self.source.model_id, self.blocks.start, self.blocks.end, self.peer_id, torch.get_num_threads(),
+            self.pool.stats(), self.kv.tokens_per_page, self.config.max_batch_tokens,
         )
 
     async def shutdown(self) -> None:
@@ -165,21 +171,18 @@ class SwarmServer:
                 await asyncio.wait_for(self.announcer.stop(), timeout=self.config.drain_timeout_s)
             except TimeoutError:
                 log.warning("Could not announce draining within %.0f s", self.config.drain_timeout_s)
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        while self._inflight_steps and time.monotonic() < deadline:
-            self._idle.clear()
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), timeout=max(0.0, deadline - time.monotonic()))
-        for task in (*self._tasks, *self._step_tasks):
+        if not await self.scheduler.wait_idle(self.config.drain_timeout_s):
+            log.warning("%d step(s) still running after %.0f s", self.scheduler.pending, self.config.drain_timeout_s)
+        await self.scheduler.stop()
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._step_tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         open_sessions = len(self.sessions)
         if self.pusher is not None:
             await self.pusher.close()
         if self.rpc is not None:
             await self.rpc.stop()  # closing the streams frees their sessions
         self.sessions.close_all()
-        self.executor.shutdown(wait=True, cancel_futures=True)
         if self.dht is not None:
             self.dht.shutdown()
         log.info("Shut down; freed %d open session(s); pool %s", open_sessions, self.pool.stats())
@@ -197,8 +200,10 @@ class SwarmServer:
             raise ServerDraining(f"server {self.peer_id} is {self.state.value}; retry on another server")
 
     async def _info(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        stats = self.scheduler.stats
         return {"record": self.record().to_wire(), "num_blocks": self.source.num_blocks,
-                "steps_computed": dict(self.steps_computed)}
+                "steps_computed": {"loop": stats.steps_by_place["loop"], "pool": stats.steps_by_place["pool"]},
+                "batches": stats.to_wire(), "kv_tokens_per_page": self.kv.tokens_per_page}
 
     async def _open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         self._check_serving()
@@ -301,81 +306,31 @@ class SwarmServer:
             raise MaxLengthExceeded(
                 f"{session.position} + {hidden.shape[1]} tokens exceed the session's max_length {session.max_length}"
             )
+        # The step's pages are taken now, all or none: a step that cannot have them fails alone, at once, instead of
+        # taking the pool's last pages chunk by chunk from the sessions already running.
+        self.sessions.grow(session, session.position + hidden.shape[1])
         self._note_throughput(ctx)
         session.last_active_s = time.monotonic()
         result: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
-        session.running = RunningStep(step_id, result)
+        step = Step(session, step_id, hidden, result, next_hops=next_hops, compression=payload.get("compression"))
+        session.running = step
         session.admitted.set_result(None)  # wakes requests waiting for this step to be pushed
         session.admitted = asyncio.get_running_loop().create_future()
-        push = {"step_id": step_id, "position": session.position}
-        if "compression" in payload:
-            push["compression"] = payload["compression"]
-        task = asyncio.create_task(self._compute_step(session, hidden, result, next_hops, push))
-        self._step_tasks.add(task)
-        task.add_done_callback(self._step_tasks.discard)
+        self.scheduler.submit(step)
         return session, result
 
-    async def _compute_step(
-        self,
-        session: Session,
-        hidden: torch.Tensor,
-        result: asyncio.Future[StepResult],
-        next_hops: list[NextHop],
-        push: dict[str, Any],
-    ) -> None:
-        """Computes an admitted step (on the event loop if short and alone, else on the compute pool), commits it,
-        pushes the output on and resolves `result`."""
-        self._inflight_steps += 1
-        try:
-            if self._computes_inline(hidden, session):
-                output, compute_ms = self._timed_forward(hidden, session)
-                self.steps_computed["loop"] += 1
-            else:
-                output, compute_ms = await asyncio.get_running_loop().run_in_executor(
-                    self.executor, self._timed_forward, hidden, session
-                )
-                self.steps_computed["pool"] += 1
-        except asyncio.CancelledError:
-            result.set_exception(ServerDraining("the server shut down while computing this step"))
-            result.exception()
-            raise
-        except Exception as error:
-            if not isinstance(error, SwarmError):
-                log.exception("step of session %s failed", session.session_id)
-                error = InternalServerError(f"{type(error).__name__}: {error}")
-            result.set_exception(error)
-            result.exception()  # retrieved here, so that a step nobody awaits (a push) logs no warning
+    def _push_on(self, step: Step) -> None:
+        """Sends a finished step's output to the next server of its chain. A step without an id cannot be matched
+        with the client's own copy of it, so it is never pushed."""
+        session, result = step.session, step.session.last_result
+        if not step.next_hops or step.step_id is None or self.pusher is None or result is None:
             return
-        finally:
-            session.running = None
-            self._inflight_steps -= 1
-            if not self._inflight_steps:
-                self._idle.set()
-        session.position += hidden.shape[1]
-        session.last_step_id, session.last_result = push["step_id"], StepResult(output, compute_ms)
-        session.last_active_s = time.monotonic()
-        if hidden.shape[1] == 1:  # decode steps refine the start-up measurement under the real load
-            sample_ms = compute_ms / (session.end - session.start)
-            self.block_compute_ms = 0.9 * self.block_compute_ms + 0.1 * sample_ms
-        # The push goes first: the next server waits for it, while this reply only feeds the client's replay log.
-        # A step without an id cannot be matched with the client's own copy of it, so it is never pushed.
-        try:
-            if next_hops and push["step_id"] is not None and self.pusher is not None and self.sessions.is_open(session):
-                self.pusher.push(
-                    next_hops, {**push, "hidden": encode_tensor(output, push.get("compression"))}, block=session.end
-                )
-        finally:
-            result.set_result(session.last_result)
-
-    def _computes_inline(self, hidden: torch.Tensor, session: Session) -> bool:
-        """Gives whether a step computes on the event loop itself: a short one (a decode step) while no other step
-        computes. That saves the compute pool's two thread hand-offs, each a wake-up of a sleeping thread, which on
-        a machine whose idle cores sleep deeply cost more than the network leg; the loop stalls for one short step
-        at most. Longer steps, and steps beside others, go to the pool so that the loop keeps serving."""
-        if self._inflight_steps > 1:
-            return False
-        expected_ms = hidden.shape[0] * hidden.shape[1] * (session.end - session.start) * self.block_compute_ms
-        return expected_ms <= self.config.inline_step_ms
+        if self.sessions.is_open(session):
+            push = {"step_id": step.step_id, "position": session.position - step.tokens,
+                    "hidden": encode_tensor(result.output, step.compression)}
+            if step.compression is not None:
+                push["compression"] = step.compression
+            self.pusher.push(step.next_hops, push, block=session.end)
 
     async def _announced_addrs(self, peer_id: str, block: int) -> list[str] | None:
         """Gives the addresses `peer_id` announced in the DHT for `block` of this model, None if it did not."""
@@ -389,15 +344,6 @@ class SwarmServer:
             return None
         record = records.get(peer_id)
         return None if record is None else list(record.addrs)
-
-    def _timed_forward(self, hidden: torch.Tensor, session: Session) -> tuple[torch.Tensor, float]:
-        """Gives the blocks' output and their compute time in ms, timed on the compute thread itself.
-
-        The session's pages stay its own until this returns, even if it closes meanwhile."""
-        with self.sessions.computing_with(session) as caches:
-            started = time.perf_counter()
-            output = self.blocks.forward(hidden, caches, session.position)
-            return output, (time.perf_counter() - started) * 1000
 
     def _decode_hidden(self, payload: dict[str, Any], session: Session) -> torch.Tensor:
         if "hidden" not in payload:

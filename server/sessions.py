@@ -1,19 +1,29 @@
-"""Inference sessions of one server: their KV pages in the pool, positions, duplicate-step replies and timeouts."""
+"""Inference sessions of one server: their page tables in the pool, positions, steps, duplicate replies, timeouts.
+
+A session's whole life is here: opened (admitted by the headroom rule, with its first page per block and row),
+grown page by page before each chunk it computes, committed step by step, closed. Everything runs on the server's
+event loop; compute threads only read the page tables of the sessions in the batch they compute, which hold their
+pages until that batch ends even if they close meanwhile.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from orchestrator.admission import KVPolicy, SessionKV
 from swarm.errors import BlocksNotHosted, MaxLengthExceeded, OutOfPages, ServerBusy, SessionNotFound
-from swarm.memory import KVOwner, PagePool
-from swarm.model import BlockRange, KVCache
+from swarm.memory import KVOwner, PagePool, kv_pages_for
+from swarm.model.paged_kv import SequenceChunk
+
+if TYPE_CHECKING:
+    from server.scheduler import Step
+
+MAX_BATCH_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -25,81 +35,152 @@ class StepResult:
 
 
 @dataclass
-class RunningStep:
-    """The step a session is computing now; a copy of the same step (client and push) awaits its result."""
-
-    step_id: str | None
-    result: asyncio.Future[StepResult]
-
-
-@dataclass
 class Session:
-    """One client's attention state for blocks [start, end) of this server, reserved up to `max_length` tokens."""
+    """One client's attention state for blocks [start, end) of this server, growing up to `max_length` tokens."""
 
     session_id: str
     start: int
     end: int
     batch: int
     max_length: int
-    caches: dict[int, KVCache]
-    position: int = 0
+    # block -> batch row -> page ids in token order; mutated only between batches
+    page_tables: dict[int, list[list[int]]] = field(default_factory=dict)
+    position: int = 0  # tokens committed: visible to attention
     last_step_id: str | None = None
     last_result: StepResult | None = None
-    running: RunningStep | None = None  # touched only on the event loop thread
-    computing: int = 0  # compute threads using `caches` now; the pages stay the session's until it drops to 0
+    running: Step | None = None  # the step queued or computing now (one at a time)
+    in_batches: int = 0  # batches computing with its pages now; its pages stay its own until this drops to 0
     closed: bool = False
     # Resolved (and replaced) whenever a step is admitted, for requests waiting for a pushed step.
     admitted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     last_active_s: float = field(default_factory=time.monotonic)
 
+    @property
+    def blocks(self) -> int:
+        return self.end - self.start
+
+    @property
+    def pages_held(self) -> int:
+        return sum(len(pages) for rows in self.page_tables.values() for pages in rows)
+
+    def tokens_held(self, tokens_per_page: int) -> int:
+        """Gives how many tokens per row its pages hold room for."""
+        return min(len(pages) for pages in self.page_tables[self.start]) * tokens_per_page
+
+    def chunks(self, first_row: int, offset: int, tokens: int) -> list[SequenceChunk]:
+        """Gives one chunk per batch row for `tokens` tokens starting `offset` tokens after the committed position,
+        their rows numbered from `first_row` (row-major: all of row 0's tokens, then row 1's)."""
+        return [
+            SequenceChunk(
+                first_row + row * tokens, tokens, self.position + offset, self.start, self.end,
+                {block: rows[row] for block, rows in self.page_tables.items()},
+            )
+            for row in range(self.batch)
+        ]
+
 
 class SessionTable:
-    """Opens, finds and closes sessions; every session's KV lives in pages of the server's one pool."""
+    """Opens, finds, grows and closes sessions; every session's KV lives in pages of the server's one pool."""
 
-    def __init__(self, blocks: BlockRange, pool: PagePool, *, max_length: int) -> None:
-        self.blocks = blocks
+    def __init__(
+        self, *, block_start: int, block_end: int, pool: PagePool, tokens_per_page: int, max_length: int,
+        headroom_tokens: int,
+    ) -> None:
+        self.block_start, self.block_end = block_start, block_end
         self.pool = pool
+        self.tokens_per_page = tokens_per_page
         self.max_length = max_length
+        self.policy = KVPolicy(tokens_per_page, headroom_tokens)
         self._sessions: dict[str, Session] = {}
-        self._lock = threading.Lock()
+        self._closing: dict[str, Session] = {}  # closed while a batch computes with them; freed when it ends
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def kv_pages_per_block(self, batch: int, max_length: int) -> int:
-        """Gives the pages one block's cache takes for a session of `batch` sequences up to `max_length` tokens."""
-        return self.pool.pages_needed(self.blocks.kv_cache_bytes(batch=batch, capacity=max_length))
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(self._sessions.values()))
+
+    def growth_reserve(self) -> int:
+        """Gives the free pages the open sessions are expected to still take (the headroom rule)."""
+        return self.policy.growth_reserve(self._kv_of(session) for session in self._sessions.values())
+
+    def _kv_of(self, session: Session) -> SessionKV:
+        expected = self.policy.expected_pages(
+            tokens=session.position, max_length=session.max_length, sequences=session.blocks * session.batch
+        )
+        return SessionKV(pages_held=session.pages_held, pages_expected=expected)
+
+    def sessions_fit(self) -> int:
+        """Gives how many new one-row sessions over every hosted block the headroom rule would admit now."""
+        per_session = self.policy.expected_pages(
+            tokens=0, max_length=self.max_length, sequences=self.block_end - self.block_start
+        )
+        return self.policy.sessions_fit(
+            pages_free=self.pool.pages_free, reserve=self.growth_reserve(), pages_per_session=per_session
+        )
 
     def open(self, session_id: str, start: int, end: int, *, batch: int, max_length: int) -> Session:
-        """Gives a new session with its KV pages reserved, or raises a typed error and reserves nothing."""
-        if not (self.blocks.start <= start < end <= self.blocks.end):
+        """Gives a new session holding its first page per block and row, or raises a typed error and holds
+        nothing."""
+        if not (self.block_start <= start < end <= self.block_end):
             raise BlocksNotHosted(
-                f"blocks {start}:{end} requested, but this server hosts {self.blocks.start}:{self.blocks.end}"
+                f"blocks {start}:{end} requested, but this server hosts {self.block_start}:{self.block_end}"
             )
         if not 0 < max_length <= self.max_length:
             raise MaxLengthExceeded(f"max_length {max_length} is outside 1..{self.max_length} (the server's limit)")
-        if not 0 < batch <= 64:
-            raise MaxLengthExceeded(f"batch {batch} is outside 1..64")
-        pages_per_block = self.kv_pages_per_block(batch, max_length)
-        with self._lock:
-            if session_id in self._sessions or self.pool.has_session(session_id):
-                raise ServerBusy(f"session {session_id!r} is already open on this server, or still closing")
-            try:
-                for block in range(start, end):
-                    self.pool.allocate(KVOwner(session_id, block), pages_per_block)
-            except OutOfPages as error:
-                self.pool.free_session(session_id)
-                message = f"no room for a session of {max_length} tokens x {end - start} blocks: {error}"
-                raise ServerBusy(message) from None
-            session = Session(session_id, start, end, batch, max_length, caches={})
-            self._sessions[session_id] = session
+        if not 0 < batch <= MAX_BATCH_ROWS:
+            raise MaxLengthExceeded(f"batch {batch} is outside 1..{MAX_BATCH_ROWS}")
+        if session_id in self._sessions or session_id in self._closing:
+            raise ServerBusy(f"session {session_id!r} is already open on this server, or still closing")
+        expected = self.policy.expected_pages(tokens=0, max_length=max_length, sequences=(end - start) * batch)
+        reserve, pages_free = self.growth_reserve(), self.pool.pages_free
+        if not self.policy.admits(pages_free=pages_free, reserve=reserve, new_session_pages=expected):
+            raise ServerBusy(
+                f"no room for a session of {end - start} blocks x {batch} row(s): it is expected to take {expected} "
+                f"pages, {pages_free} are free and the {len(self)} open session(s) are expected to take {reserve} "
+                f"more as they grow"
+            )
+        session = Session(session_id, start, end, batch, max_length)
+        self._sessions[session_id] = session
         try:
-            buffers = {block: self.pool.buffer(KVOwner(session_id, block)) for block in range(start, end)}
-            session.caches = self.blocks.new_caches(start, end, batch=batch, capacity=max_length, buffers=buffers)
+            self._grow(session, 1)
         except BaseException:
             self.close(session_id)
             raise
         return session
+
+    def grow(self, session: Session, tokens: int) -> None:
+        """Gives `session` pages for `tokens` tokens per row in every block (all or nothing); raises ServerBusy
+        when the pool has too few free pages, so the client moves the session elsewhere."""
+        if tokens > session.max_length:
+            raise MaxLengthExceeded(f"{tokens} tokens exceed the session's max_length {session.max_length}")
+        self._grow(session, tokens)
+
+    def _grow(self, session: Session, tokens: int) -> None:
+        needed = kv_pages_for(tokens, self.tokens_per_page)
+        missing = {
+            block: sum(max(0, needed - len(pages)) for pages in session.page_tables.get(block, [[]] * session.batch))
+            for block in range(session.start, session.end)
+        }
+        total = sum(missing.values())
+        if total == 0:
+            return
+        if total > self.pool.pages_free:
+            raise ServerBusy(
+                f"out of KV pages: session {session.session_id!r} needs {total} more page(s) to reach {tokens} tokens "
+                f"but {self.pool.pages_free} are free; continue on another server"
+            )
+        for block, count in missing.items():
+            if count == 0:
+                continue
+            try:
+                taken = list(self.pool.take(KVOwner(session.session_id, block), count))
+            except OutOfPages as error:  # another owner took pages meanwhile (not on this loop today)
+                raise ServerBusy(f"out of KV pages: {error.message}; continue on another server") from None
+            rows = session.page_tables.setdefault(block, [[] for _ in range(session.batch)])
+            for pages in rows:
+                while len(pages) < needed:
+                    pages.append(taken.pop())
 
     def get(self, session_id: str) -> Session:
         """Gives the open session `session_id`, or raises SessionNotFound."""
@@ -113,38 +194,32 @@ class SessionTable:
         return self._sessions.get(session.session_id) is session
 
     def close(self, session_id: str) -> bool:
-        """Closes a session and frees its pages, or, while a compute thread still uses them, lets the last such
-        thread free them (see `computing_with`); gives False if it was not open."""
-        with self._lock:
-            session = self._sessions.pop(session_id, None)
-            if session is None:
-                return False
-            session.closed = True
-            if session.computing == 0:
-                self._free_locked(session)
+        """Closes a session and frees its pages, or, while a batch computes with them, once that batch ends; gives
+        False if it was not open."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        session.closed = True
         session.last_result = None
+        if session.in_batches:
+            self._closing[session_id] = session
+        else:
+            self._free(session)
         return True
 
-    @contextmanager
-    def computing_with(self, session: Session) -> Iterator[dict[int, KVCache]]:
-        """Gives a compute thread the session's caches, which keep their pages until it is done, even if the session
-        closes meanwhile (the pages are then freed here); raises SessionNotFound if it is already closed."""
-        with self._lock:
-            if session.closed:
-                raise SessionNotFound(f"session {session.session_id!r} closed before its step could run")
-            session.computing += 1
-            caches = session.caches
-        try:
-            yield caches
-        finally:
-            with self._lock:
-                session.computing -= 1
-                if session.closed and session.computing == 0:
-                    self._free_locked(session)
+    def enter_batch(self, session: Session) -> None:
+        """Marks `session`'s pages as used by a batch about to compute."""
+        session.in_batches += 1
 
-    def _free_locked(self, session: Session) -> None:
+    def leave_batch(self, session: Session) -> None:
+        """Ends a batch's use of `session`'s pages; frees them if the session closed meanwhile."""
+        session.in_batches -= 1
+        if session.closed and session.in_batches == 0 and self._closing.pop(session.session_id, None) is not None:
+            self._free(session)
+
+    def _free(self, session: Session) -> None:
         self.pool.free_session(session.session_id)
-        session.caches = {}
+        session.page_tables = {}
 
     def close_idle(self, idle_timeout_s: float) -> list[str]:
         """Closes the sessions idle for longer than `idle_timeout_s` and not running a step; gives their ids."""

@@ -65,6 +65,21 @@ def default_budget_bytes(device: torch.device) -> int:
     raise ValueError(f"no default memory budget for device type {device.type!r}; pass an explicit size")
 
 
+def kv_bytes_per_token(*, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Gives the KV bytes one token of one sequence takes in one block (keys and values)."""
+    return 2 * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def kv_tokens_per_page(page_bytes: int, bytes_per_token: int) -> int:
+    """Gives how many tokens of one sequence's KV for one block one page holds."""
+    return page_bytes // bytes_per_token if bytes_per_token > 0 else 0
+
+
+def kv_pages_for(tokens: int, tokens_per_page: int) -> int:
+    """Gives the pages one sequence's KV for one block takes at `tokens` tokens (at least one)."""
+    return max(1, -(-tokens // tokens_per_page))
+
+
 @dataclass(frozen=True)
 class ParamsOwner:
     """The parameters of one hosted block."""
@@ -92,7 +107,6 @@ class PoolStats:
     pages_kv: int
     pages_free: int
     page_bytes: int
-    free_runs: tuple[int, ...] = ()  # lengths of the runs of contiguous free pages, largest first
 
 
 class PagePool:
@@ -100,8 +114,10 @@ class PagePool:
 
     The pages are real memory: one buffer of `pages_total * page_bytes` bytes on the pool's device (on CPU an
     anonymous mapping that the kernel may back with transparent huge pages, committed only as pages are touched).
-    An owner holds a contiguous run of pages, so its tensors are views into the buffer: a block's parameters and a
-    session's KV for one block live in the pages that the accounting says they hold.
+    A block's parameters hold one contiguous run of pages (`allocate`, `adopt`), so its tensors are views into the
+    buffer. A session's KV for one block holds pages one by one as it grows (`take`), wherever they are free, as
+    vLLM's block pool does: KV never needs a contiguous run. Runs are cut from the lowest free pages and KV pages
+    are taken from the highest, so KV churn leaves long runs for parameters.
 
     Thread-safe: the server calls it from its asyncio loop and from compute threads.
     """
@@ -117,10 +133,14 @@ class PagePool:
         self.storage = _page_buffer(self.pages_total * page_bytes, self.device)
         self._lock = threading.Lock()
         self._owner_by_page: list[Owner | None] = [None] * self.pages_total
-        self._pages_by_owner: dict[Owner, range] = {}
+        self._pages_by_owner: dict[Owner, list[int]] = {}
         # Free runs as sorted (start, length), coalesced: first fit gives the lowest run, a deterministic layout.
         self._free_runs: list[tuple[int, int]] = [(0, self.pages_total)] if self.pages_total else []
         self._pages_free = self.pages_total
+
+    @property
+    def pages_free(self) -> int:
+        return self._pages_free
 
     def pages_needed(self, nbytes: int) -> int:
         """Gives how many pages hold `nbytes` bytes (rounded up)."""
@@ -134,7 +154,8 @@ class PagePool:
             raise ValueError(f"n_pages must be positive, got {n_pages}")
         with self._lock:
             if owner in self._pages_by_owner:
-                raise ValueError(f"{owner} already holds {len(self._pages_by_owner[owner])} pages; free them first")
+                held = len(self._pages_by_owner[owner])
+                raise ValueError(f"{owner} already holds {held} pages; free them first")
             index = next((i for i, (_, length) in enumerate(self._free_runs) if length >= n_pages), None)
             if index is None:
                 fragmented = "" if n_pages > self._pages_free else f", and no {n_pages} of them are contiguous"
@@ -147,12 +168,37 @@ class PagePool:
                 del self._free_runs[index]
             else:
                 self._free_runs[index] = (start + n_pages, length - n_pages)
-            pages = range(start, start + n_pages)
-            for page in pages:
-                self._owner_by_page[page] = owner
-            self._pages_by_owner[owner] = pages
-            self._pages_free -= n_pages
+            pages = list(range(start, start + n_pages))
+            self._hold_locked(owner, pages)
             return tuple(pages)
+
+    def take(self, owner: KVOwner, n_pages: int) -> tuple[int, ...]:
+        """Gives `n_pages` more pages for `owner`, wherever they are free (the highest first), appended to the pages
+        it holds; all or nothing."""
+        if n_pages <= 0:
+            raise ValueError(f"n_pages must be positive, got {n_pages}")
+        with self._lock:
+            if n_pages > self._pages_free:
+                raise OutOfPages(
+                    f"{owner} needs {n_pages} more page(s) but only {self._pages_free} of {self.pages_total} are free"
+                )
+            pages: list[int] = []
+            while len(pages) < n_pages:
+                start, length = self._free_runs[-1]
+                count = min(length, n_pages - len(pages))
+                pages.extend(range(start + length - 1, start + length - 1 - count, -1))
+                if count == length:
+                    self._free_runs.pop()
+                else:
+                    self._free_runs[-1] = (start, length - count)
+            self._hold_locked(owner, pages)
+            return tuple(pages)
+
+    def _hold_locked(self, owner: Owner, pages: list[int]) -> None:
+        for page in pages:
+            self._owner_by_page[page] = owner
+        self._pages_by_owner.setdefault(owner, []).extend(pages)
+        self._pages_free -= len(pages)
 
     def free(self, owner: Owner) -> int:
         """Gives the number of pages `owner` held, now returned to the free list (0 if it held none)."""
@@ -179,8 +225,12 @@ class PagePool:
         for page in pages:
             self._owner_by_page[page] = None
         self._pages_free += len(pages)
-        index = bisect.bisect(self._free_runs, (pages.start, 0))
-        start, length = pages.start, len(pages)
+        for start, length in _runs_of(sorted(pages)):
+            self._insert_free_run_locked(start, length)
+        return len(pages)
+
+    def _insert_free_run_locked(self, start: int, length: int) -> None:
+        index = bisect.bisect(self._free_runs, (start, 0))
         if index < len(self._free_runs) and self._free_runs[index][0] == start + length:  # merge with the next run
             length += self._free_runs.pop(index)[1]
         if index > 0 and sum(self._free_runs[index - 1]) == start:  # and with the previous one
@@ -188,13 +238,16 @@ class PagePool:
             length += previous_length
             index -= 1
         self._free_runs.insert(index, (start, length))
-        return len(pages)
 
     def buffer(self, owner: Owner) -> torch.Tensor:
-        """Gives the bytes of `owner`'s pages: a uint8 view into the pool's memory (raises KeyError if it has none)."""
+        """Gives the bytes of `owner`'s pages: a uint8 view into the pool's memory (raises KeyError if it has none,
+        ValueError if its pages are not one run)."""
         with self._lock:
             pages = self._pages_by_owner[owner]
-        return self.storage[pages.start * self.page_bytes : pages.stop * self.page_bytes]
+        first = pages[0]
+        if pages != list(range(first, first + len(pages))):
+            raise ValueError(f"{owner} does not hold one run of pages")
+        return self.storage[first * self.page_bytes : (first + len(pages)) * self.page_bytes]
 
     def adopt(self, owner: Owner, tensors: list[torch.Tensor]) -> tuple[int, ...]:
         """Gives the pages that now hold `tensors`: allocates them, copies each tensor in and repoints it there.
@@ -220,7 +273,7 @@ class PagePool:
             return self._owner_by_page[page]
 
     def pages_of(self, owner: Owner) -> tuple[int, ...]:
-        """Gives the pages `owner` holds (empty if none)."""
+        """Gives the pages `owner` holds, in the order it took them (empty if none)."""
         with self._lock:
             return tuple(self._pages_by_owner.get(owner, ()))
 
@@ -241,11 +294,11 @@ class PagePool:
                 pages_kv=pages_kv,
                 pages_free=self._pages_free,
                 page_bytes=self.page_bytes,
-                free_runs=tuple(sorted((length for _, length in self._free_runs), reverse=True)),
             )
 
     def check_invariants(self) -> None:
-        """Raises AssertionError unless every page is free xor held by exactly one owner and all counts agree."""
+        """Raises AssertionError unless every page is free xor held by exactly one owner, all counts agree and every
+        parameter owner holds one run."""
         with self._lock:
             free_set: set[int] = set()
             previous_end = -1
@@ -259,6 +312,8 @@ class PagePool:
             holders: dict[int, Owner] = {}
             for owner, pages in self._pages_by_owner.items():
                 assert pages, f"{owner} is registered with no pages"
+                if isinstance(owner, ParamsOwner):
+                    assert pages == list(range(pages[0], pages[0] + len(pages))), f"{owner} holds no single run"
                 for page in pages:
                     assert page not in holders, f"page {page} held by both {holders[page]} and {owner}"
                     assert page not in free_set, f"page {page} is both free and held by {owner}"
@@ -267,6 +322,17 @@ class PagePool:
             for page, owner in enumerate(self._owner_by_page):
                 assert (owner is None) == (page in free_set), f"page {page} is neither free nor owned (or both)"
             assert len(holders) + len(free_set) == self.pages_total, "owned + free pages do not add up to the total"
+
+
+def _runs_of(sorted_pages: list[int]) -> list[tuple[int, int]]:
+    """Gives (start, length) of each run of consecutive pages in `sorted_pages`."""
+    runs: list[tuple[int, int]] = []
+    for page in sorted_pages:
+        if runs and sum(runs[-1]) == page:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((page, 1))
+    return runs
 
 
 TENSOR_ALIGN_BYTES = 64  # cache-line and SIMD alignment of every tensor placed in the pool

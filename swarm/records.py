@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 MAX_BLOCKS = 100_000
 MAX_ADDRS = 16
-MAX_FREE_RUNS = 32
+MAX_BATCH_TIMINGS = 8
 MAX_PUBLIC_NAME_CHARS = 64
 MAX_ID_CHARS = 128
 MAX_MODEL_ID_CHARS = 256
@@ -42,6 +42,15 @@ class ServerState(StrEnum):
     draining = "draining"
 
 
+class BatchTiming(BaseModel):
+    """A measured decode step of one block at one batch size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    batch: int = Field(gt=0, le=4096)
+    ms: float = Field(ge=0, allow_inf_nan=False)
+
+
 class ServerRecord(BaseModel):
     """What one server announces: the blocks it hosts, its memory pages and its measured speed."""
 
@@ -58,14 +67,16 @@ class ServerRecord(BaseModel):
     pages_params: int = Field(ge=0)
     pages_kv: int = Field(ge=0)
     pages_free: int = Field(ge=0)
-    # A session's KV takes one contiguous run of pages per block, so free pages split into short runs may not fit it.
-    free_runs: list[Annotated[int, Field(gt=0)]] = Field(
-        default_factory=list, max_length=MAX_FREE_RUNS,
-        description="lengths of the largest runs of contiguous free pages, largest first (empty: not announced)",
+    sessions_fit: int = Field(
+        ge=0, description="new sessions over every hosted block that the server's headroom rule admits now"
     )
     page_bytes: int = Field(gt=0)
     kv_bytes_per_token: int = Field(ge=0, description="KV bytes one token takes in one block")
     block_compute_ms: float = Field(ge=0, allow_inf_nan=False, description="mean time of one block for one token")
+    block_decode_ms: list[BatchTiming] = Field(
+        default_factory=list, max_length=MAX_BATCH_TIMINGS,
+        description="measured time of one block for a decode step of `batch` sessions, by batch size",
+    )
     network_mbps: float | None = Field(ge=0, allow_inf_nan=False, description="measured inbound throughput")
     session_count: int = Field(ge=0)
     max_length: int = Field(gt=0)
@@ -84,10 +95,9 @@ class ServerRecord(BaseModel):
             raise ValueError(
                 f"pages_params + pages_kv + pages_free = {pages_accounted} != pages_total {self.pages_total}"
             )
-        if sum(self.free_runs) > self.pages_free:
-            raise ValueError(f"free runs of {sum(self.free_runs)} pages exceed pages_free {self.pages_free}")
-        if self.free_runs != sorted(self.free_runs, reverse=True):
-            raise ValueError("free_runs must be listed largest first")
+        batches = [timing.batch for timing in self.block_decode_ms]
+        if batches != sorted(set(batches)):
+            raise ValueError("block_decode_ms must list distinct batch sizes in ascending order")
         return self
 
     @property

@@ -38,6 +38,7 @@ def make_record(peer_id: str, model_id: str, block_start: int, block_end: int, *
         "pages_params": 4,
         "pages_kv": 2,
         "pages_free": 4,
+        "sessions_fit": 1,
         "page_bytes": 1 << 20,
         "kv_bytes_per_token": 1536,
         "block_compute_ms": 1.5,

@@ -61,35 +61,50 @@ def test_pages_needed_rounds_up() -> None:
 def test_allocate_and_free_keep_accounting_straight() -> None:
     pool = PagePool(total_bytes=10 * KIB, page_bytes=KIB)
     assert pool.allocate(ParamsOwner(block=0), 4) == (0, 1, 2, 3)
-    assert pool.allocate(KVOwner("s1", block=0), 2) == (4, 5)
-    assert pool.stats() == PoolStats(
-        pages_total=10, pages_params=4, pages_kv=2, pages_free=4, page_bytes=KIB, free_runs=(4,)
-    )
-    assert pool.owner_of(5) == KVOwner("s1", block=0)
+    assert pool.take(KVOwner("s1", block=0), 2) == (9, 8)  # KV pages come from the top, runs from the bottom
+    assert pool.stats() == PoolStats(pages_total=10, pages_params=4, pages_kv=2, pages_free=4, page_bytes=KIB)
+    assert pool.owner_of(8) == KVOwner("s1", block=0)
     assert pool.owner_of(6) is None
 
     assert pool.free(ParamsOwner(block=0)) == 4
     assert pool.free(ParamsOwner(block=0)) == 0
-    # An owner holds one contiguous run, from the lowest run that fits: freed parameter pages are reused first.
-    assert pool.allocate(KVOwner("s2", block=0), 3) == (0, 1, 2)
-    assert pool.allocate(KVOwner("s3", block=0), 2) == (6, 7)
-    assert pool.pages_of(KVOwner("s2", block=0)) == (0, 1, 2)
-    assert pool.stats().pages_kv == 7
+    assert pool.allocate(ParamsOwner(block=1), 3) == (0, 1, 2)  # the lowest run that fits
+    assert pool.take(KVOwner("s1", block=0), 1) == (7,)  # a session grows page by page
+    assert pool.pages_of(KVOwner("s1", block=0)) == (9, 8, 7)
+    assert pool.stats().pages_kv == 3
     pool.check_invariants()
 
 
-def test_fragmented_pages_are_refused_until_neighbours_free_and_runs_merge() -> None:
+def test_kv_pages_need_no_contiguous_run_and_freed_pages_merge_back_into_runs() -> None:
     pool = PagePool(total_bytes=10 * KIB, page_bytes=KIB)
-    for name, pages in (("a", 3), ("b", 2), ("c", 3), ("d", 2)):
-        pool.allocate(KVOwner(name, block=0), pages)
+    pool.allocate(ParamsOwner(block=0), 2)
+    for name in "abcd":  # interleaved growth: every session's pages are scattered
+        for _ in range(2):
+            pool.take(KVOwner(name, block=0), 1)
+    assert pool.stats().pages_free == 0
+    with pytest.raises(OutOfPages, match="needs 1 more page"):
+        pool.take(KVOwner("e", block=0), 1)
     pool.free_session("b")
     pool.free_session("d")
-    assert pool.stats().pages_free == 4
-    assert pool.stats().free_runs == (2, 2)  # what a server announces, so clients route around it
+    assert pool.take(KVOwner("e", block=0), 4)  # four scattered free pages serve one sequence
+    pool.free_session("e")
+    pool.free_session("a")
+    pool.free_session("c")
+    assert pool.allocate(ParamsOwner(block=1), 8) == tuple(range(2, 10))  # the pages merged into one run again
+    pool.check_invariants()
+
+
+def test_parameters_need_a_contiguous_run() -> None:
+    pool = PagePool(total_bytes=10 * KIB, page_bytes=KIB)
+    for block in range(5):
+        pool.allocate(ParamsOwner(block), 2)
+    pool.free(ParamsOwner(1))
+    pool.free(ParamsOwner(3))
     with pytest.raises(OutOfPages, match="4 of 10 are free, and no 3 of them are contiguous"):
-        pool.allocate(KVOwner("e", block=0), 3)
-    pool.free_session("c")  # frees 5..7 between the runs 3..4 and 8..9: one run of 7
-    assert pool.allocate(KVOwner("e", block=0), 7) == tuple(range(3, 10))
+        pool.allocate(ParamsOwner(9), 3)
+    pool.take(KVOwner("s", 0), 2)
+    with pytest.raises(ValueError, match="one run"):  # KV pages have no single buffer: they are read page by page
+        pool.buffer(KVOwner("s", 0))
     pool.check_invariants()
 
 
@@ -128,6 +143,8 @@ def test_out_of_pages_leaves_the_pool_unchanged() -> None:
     before_stats, before_owners = pool.stats(), pool.owners()
     with pytest.raises(OutOfPages, match=r"needs 4 pages .* only 3 of 8 are free$"):
         pool.allocate(KVOwner("s1", block=0), 4)
+    with pytest.raises(OutOfPages, match="needs 4 more page"):
+        pool.take(KVOwner("s1", block=0), 4)
     assert pool.stats() == before_stats
     assert pool.owners() == before_owners
     assert pool.pages_of(KVOwner("s1", block=0)) == ()
@@ -156,14 +173,19 @@ def test_invariants_hold_after_random_operations() -> None:
         owner = ParamsOwner(rng.randrange(4)) if rng.random() < 0.3 else KVOwner(rng.choice(sessions), rng.randrange(4))
         action = rng.random()
         if action < 0.5:
-            if pool.pages_of(owner):
+            held = pool.pages_of(owner)
+            if held and isinstance(owner, ParamsOwner):
                 continue
             try:
-                pages = pool.allocate(owner, rng.randint(1, 12))
+                if isinstance(owner, ParamsOwner):
+                    pages = pool.allocate(owner, rng.randint(1, 12))
+                else:
+                    pages = pool.take(owner, rng.randint(1, 4))
             except OutOfPages:
                 out_of_pages_count += 1
             else:
                 assert all(pool.owner_of(page) == owner for page in pages)
+                assert pool.pages_of(owner) == held + pages
         elif action < 0.85:
             held = len(pool.pages_of(owner))
             assert pool.free(owner) == held

@@ -12,22 +12,25 @@ from swarm.errors import InvalidBlockRange, UnsupportedArchitecture
 from swarm.memory import KVOwner, PagePool, ParamsOwner
 from swarm.model import BlockRange, ClientHead, get_family, parse_block_range, resolve_model
 from swarm.model import checkpoint as checkpoint_module
+from swarm.model.decoder import chunk_mask
+from swarm.model.paged_kv import PagedBatch, SequenceChunk
+from tests.reference import PagedRunner, ReferenceBlocks
 from tests.tiny_models import tiny_config, write_tiny_checkpoint
 
 
 def run_split(path: Path, splits: list[tuple[int, int]], input_ids: torch.Tensor, steps: int, **block_kwargs):
-    """Gives greedy tokens and last logits of the model run as chained block ranges with KV caches."""
+    """Gives greedy tokens and last logits of the model run as chained block ranges over paged KV, each row of
+    `input_ids` a sequence of its own in the same batches."""
     source = resolve_model(str(path))
     head = ClientHead(source)
-    ranges = [BlockRange(source, start, end, **block_kwargs) for start, end in splits]
-    caches = [r.new_caches(r.start, r.end, batch=input_ids.shape[0], capacity=64) for r in ranges]
-    position, new, tokens, logits = 0, input_ids, [], None
+    runners = [PagedRunner(BlockRange(source, start, end, **block_kwargs), page_bytes=4096, pages=256)
+               for start, end in splits]
+    new, tokens, logits = input_ids, [], None
     for _ in range(steps):
-        hidden = head.embed(new)
-        for block_range, cache in zip(ranges, caches, strict=True):
-            hidden = block_range(hidden, cache, position)
-        position += new.shape[1]
-        logits = head.logits(hidden)
+        hidden = {row: head.embed(new[row]) for row in range(new.shape[0])}
+        for runner in runners:
+            hidden = runner.step(hidden)
+        logits = torch.stack([head.logits(hidden[row]) for row in range(new.shape[0])])
         new = logits[:, -1:].argmax(-1)
         tokens.append(new)
     return torch.cat(tokens, dim=1), logits
@@ -44,6 +47,66 @@ def test_chained_block_ranges_equal_local_model(family: str, tmp_path: Path) -> 
     with torch.no_grad():
         reference = local(expected[:, :-1]).logits[:, -1:]
     torch.testing.assert_close(last_logits, reference, rtol=1e-5, atol=1e-5)
+
+
+WINDOWED = {
+    "llama": {},
+    "mistral": {"sliding_window": 6},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 4,
+              "layer_types": ["full_attention"] * 4 + ["sliding_attention"] * 4},
+}
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_block_outputs_equal_transformers_layers_in_mixed_batches(family: str, tmp_path: Path) -> None:
+    """Sequences at different positions share batches: prefills cut into chunks, decode steps, a late joiner, on
+    pages of 4 tokens (every history spans several pages) and sliding windows shorter than the histories."""
+    path = write_tiny_checkpoint(family, tmp_path / family, **WINDOWED[family])
+    source = resolve_model(str(path))
+    blocks = BlockRange(source, 1, 7)
+    runner = PagedRunner(blocks, page_bytes=4 * blocks.kv_bytes_per_token(), pages=4 * 6 * 8)
+    references = {name: ReferenceBlocks(source, 1, 7) for name in "abcd"}
+    generator = torch.Generator().manual_seed(3)
+    schedule = [  # sequence -> new tokens, one batch per line
+        {"a": 9, "b": 4},
+        {"a": 1, "b": 5, "c": 2},
+        {"a": 1, "b": 1, "c": 1},
+        {"a": 1, "c": 7, "d": 11},
+        {"a": 3, "b": 1, "c": 1, "d": 1},
+        {"a": 1, "b": 1, "c": 1, "d": 1},
+    ]
+    for batch in schedule:
+        inputs = {name: torch.randn(tokens, 64, generator=generator) for name, tokens in batch.items()}
+        outputs = runner.step(inputs)
+        for name, hidden in inputs.items():
+            expected = references[name](hidden[None])[0]
+            torch.testing.assert_close(outputs[name], expected, rtol=1e-5, atol=1e-5)
+    assert max(len(pages) for pages in runner.tables["d"].values()) == 4  # 13 tokens on pages of 4
+    for name in "abcd":
+        runner.close(name)
+    assert runner.pool.stats().pages_kv == 0
+    runner.pool.check_invariants()
+
+
+def test_sequences_that_pass_through_part_of_the_range_leave_the_others_exact(tiny_llama: Path) -> None:
+    source = resolve_model(str(tiny_llama))
+    blocks = BlockRange(source, 0, 8)
+    pool = PagePool(64 * 4096, 4096)
+    kv = blocks.paged_kv(pool.storage, pool.page_bytes)
+    spans = {"whole": (0, 8), "head": (0, 3), "middle": (2, 6), "tail": (5, 8)}
+    references = {name: ReferenceBlocks(source, *span) for name, span in spans.items()}
+    tables = {name: {block: list(pool.take(KVOwner(name, block), 1)) for block in range(*span)}
+              for name, span in spans.items()}
+    generator = torch.Generator().manual_seed(4)
+    inputs = {name: torch.randn(3, 64, generator=generator) for name in spans}
+    chunks, row = [], 0
+    for name, (start, end) in spans.items():
+        chunks.append(SequenceChunk(row, 3, 0, start, end, tables[name]))
+        row += 3
+    output = blocks(torch.cat(list(inputs.values())), PagedBatch(tuple(chunks)), kv)
+    for name, chunk in zip(spans, chunks, strict=True):
+        expected = references[name](inputs[name][None])[0]
+        torch.testing.assert_close(output[chunk.rows], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_block_range_reads_only_its_own_tensors(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,34 +137,27 @@ def test_quantized_blocks_run_and_stay_close(tiny_llama: Path) -> None:
 
 
 @pytest.mark.parametrize("quant", ["none", "int8", "nf4"])
-def test_blocks_and_kv_in_pool_pages_compute_exactly_as_in_their_own_memory(tiny_llama: Path, quant: str) -> None:
+def test_blocks_in_pool_pages_compute_exactly_as_in_their_own_memory(tiny_llama: Path, quant: str) -> None:
     source = resolve_model(str(tiny_llama))
     pool = PagePool(16 << 20, 64 << 10)
-    plain = BlockRange(source, 2, 6, quant=quant)
-    pooled = BlockRange(source, 2, 6, quant=quant, adopt=lambda index, tensors: pool.adopt(ParamsOwner(index), tensors))
-    kv_pages = pool.pages_needed(pooled.kv_cache_bytes(batch=2, capacity=16))
-    buffers = {}
-    for block in range(2, 6):
-        pool.allocate(KVOwner("s", block), kv_pages)
-        buffers[block] = pool.buffer(KVOwner("s", block))
-    buffers[2].fill_(255)  # pool pages are not cleared for a new session: stale bytes must never be read
-    plain_caches = plain.new_caches(2, 6, batch=2, capacity=16)
-    pooled_caches = pooled.new_caches(2, 6, batch=2, capacity=16, buffers=buffers)
+    plain = PagedRunner(BlockRange(source, 2, 6, quant=quant), page_bytes=4096, pages=64)
+    pooled_blocks = BlockRange(
+        source, 2, 6, quant=quant, adopt=lambda index, tensors: pool.adopt(ParamsOwner(index), tensors)
+    )
+    pooled = PagedRunner(pooled_blocks, page_bytes=4096, pages=64)
+    pooled.pool.storage.fill_(255)  # pool pages are not cleared for a new session: stale bytes must never be read
     generator = torch.Generator().manual_seed(2)
-    position = 0
     for tokens in (5, 1, 1, 3):
-        hidden = torch.randn(2, tokens, source.config.hidden_size, generator=generator)
-        expected = plain(hidden, plain_caches, position)
-        torch.testing.assert_close(pooled(hidden, pooled_caches, position), expected, rtol=0, atol=0)
-        position += tokens
-    pool_memory = range(pool.storage.data_ptr(), pool.storage.data_ptr() + pool.storage.numel())
+        inputs = {row: torch.randn(tokens, source.config.hidden_size, generator=generator) for row in range(2)}
+        expected = plain.step(inputs)
+        for row, output in pooled.step(inputs).items():
+            torch.testing.assert_close(output, expected[row], rtol=0, atol=0)
     # Every weight still lives in its block's pages after forwards (bitsandbytes int8 swaps weights at its first).
-    for index, block in zip(range(2, 6), pooled.blocks, strict=True):
+    for index, block in zip(range(2, 6), pooled_blocks.blocks, strict=True):
         run = pool.buffer(ParamsOwner(index))
         pages = range(run.data_ptr(), run.data_ptr() + run.numel())
         assert all(tensor.data_ptr() in pages for tensor in block.parameters())
-    assert all(cache.key.data_ptr() in pool_memory for cache in pooled_caches.values())
-    assert pool.stats().pages_params == sum(pool.pages_needed(pooled.block_bytes(i)) for i in range(2, 6))
+    assert pool.stats().pages_params == sum(pool.pages_needed(pooled_blocks.block_bytes(i)) for i in range(2, 6))
     pool.check_invariants()
 
 
@@ -126,9 +182,17 @@ def test_unsupported_architecture_names_the_supported_ones() -> None:
 
 
 def test_sliding_window_masks_old_tokens() -> None:
-    from swarm.model.kv import causal_mask
-
-    mask = causal_mask(3, 5, sliding_window=4, device=torch.device("cpu"))
+    mask = chunk_mask(3, 5, 4, device=torch.device("cpu"))
     assert mask is not None and mask.shape == (1, 1, 3, 8)
     assert mask[0, 0, 0].tolist() == [False, False, True, True, True, True, False, False]
-    assert causal_mask(1, 5, sliding_window=None, device=torch.device("cpu")) is None
+    assert chunk_mask(4, 0, None, device=torch.device("cpu")) is None  # SDPA's causal flag is exact
+    assert chunk_mask(4, 0, 8, device=torch.device("cpu")) is None
+    assert chunk_mask(2, 3, None, device=torch.device("cpu")) is not None  # a later chunk also sees the history
+
+
+def test_a_page_too_small_for_one_token_is_refused(tiny_llama: Path) -> None:
+    blocks = BlockRange(resolve_model(str(tiny_llama)), 0, 1)
+    pool = PagePool(8 * 128, 128)
+    with pytest.raises(ValueError, match="cannot hold one token"):
+        blocks.paged_kv(pool.storage, pool.page_bytes)
+    assert blocks.paged_kv(PagePool(8 * 256, 256).storage, 256).tokens_per_page == 1

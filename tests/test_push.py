@@ -16,10 +16,11 @@ from transformers import AutoModelForCausalLM
 from client import ClientConfig, DistributedModelForCausalLM, SwarmClient
 from swarm.errors import MalformedFrame, StepNotPushed
 from swarm.local_swarm import SwarmProcesses
-from swarm.model import BlockRange, resolve_model
+from swarm.model import resolve_model
 from swarm.records import NextHop, ServerRecord
 from swarm.rpc import RpcConnection
 from swarm.wire import decode_tensor, encode_tensor
+from tests.reference import ReferenceBlocks
 from tests.test_swarm_generate import prompt, start_swarm
 
 pytestmark = pytest.mark.slow
@@ -30,12 +31,11 @@ TIMEOUT_S = 30.0
 class Span:
     """A raw session on one server, with a local copy of its blocks to check the outputs against."""
 
-    def __init__(self, client: SwarmClient, record: ServerRecord, reference: BlockRange) -> None:
+    def __init__(self, client: SwarmClient, record: ServerRecord, reference: ReferenceBlocks) -> None:
         self.client, self.record, self.reference = client, record, reference
         self.connection: RpcConnection = client.run(client.connect(record))
         start, end = record.block_start, record.block_end
         self.session_id = self.call("open", {"blocks": [start, end], "max_length": 32})["session_id"]
-        self.caches = reference.new_caches(start, end, batch=1, capacity=32)
         self.position = 0
 
     def call(self, method: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -45,7 +45,7 @@ class Span:
         return NextHop(peer_id=self.record.peer_id, session_id=self.session_id, addrs=self.record.addrs).to_wire()
 
     def expected(self, hidden: torch.Tensor) -> torch.Tensor:
-        output = self.reference(hidden, self.caches, self.position)
+        output = self.reference(hidden)
         self.position += hidden.shape[1]
         return output
 
@@ -62,7 +62,7 @@ def spans(swarm: SwarmProcesses, tiny_llama: Path) -> Iterator[tuple[Span, Span]
     client = SwarmClient(source.model_id, source.num_blocks, swarm.initial_peers)
     try:
         records = sorted(client.run(client.servers()).values(), key=lambda record: record.block_start)
-        first, second = (Span(client, record, BlockRange(source, record.block_start, record.block_end))
+        first, second = (Span(client, record, ReferenceBlocks(source, record.block_start, record.block_end))
                          for record in records)
         yield first, second
     finally:

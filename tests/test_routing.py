@@ -10,10 +10,12 @@ from swarm.records import ServerRecord
 
 
 def record(peer_id: str, start: int, end: int, *, compute_ms: float = 1.0, pages_free: int = 1000,
-           state: str = "online", free_runs: list[int] | None = None) -> ServerRecord:
+           state: str = "online", sessions_fit: int | None = None) -> ServerRecord:
+    if sessions_fit is None:
+        sessions_fit = pages_free // (end - start)
     return ServerRecord(
         peer_id=peer_id, model_id="m", block_start=start, block_end=end, state=state, pages_total=pages_free + 10,
-        pages_params=10, pages_kv=0, pages_free=pages_free, free_runs=free_runs or [], page_bytes=1 << 20,
+        pages_params=10, pages_kv=0, pages_free=pages_free, sessions_fit=sessions_fit, page_bytes=1 << 20,
         kv_bytes_per_token=1024,
         block_compute_ms=compute_ms, network_mbps=None, session_count=0, max_length=2048, dtype="float32",
         quant="none", version="test", public_name=None, addrs=[],
@@ -54,14 +56,16 @@ def test_servers_without_free_pages_are_penalized_not_excluded() -> None:
     assert route_of(find_route(swarm, 0, 8, rtt_ms={"full": 1.0, "a": 50.0}, max_length=64)) == [("a", 0, 8)]
 
 
-def test_free_pages_in_runs_too_short_for_a_block_count_as_full() -> None:
-    # 2048 tokens x 1 KiB = 2 pages of 1 MiB per block: 16 free pages in runs of 1 hold no block.
-    fragmented = record("fragmented", 0, 8, pages_free=16, free_runs=[1] * 16)
-    assert not kv_fits(fragmented, 8, 2048)
-    assert kv_fits(record("runs", 0, 8, pages_free=16, free_runs=[10, 6]), 8, 2048)
-    assert not kv_fits(record("runs", 0, 8, pages_free=16, free_runs=[9, 7]), 8, 2048)  # 4 + 3 blocks
-    swarm = servers(fragmented, record("a", 0, 8, compute_ms=20.0))
-    rtt = {"fragmented": 1.0, "a": 50.0}
+def test_a_server_whose_headroom_rule_admits_no_session_counts_as_full() -> None:
+    # Free pages that running sessions are expected to grow into do not make room for a new session.
+    reserved = record("reserved", 0, 8, pages_free=16, sessions_fit=0)
+    assert not kv_fits(reserved, 8)
+    assert kv_fits(record("one", 0, 8, sessions_fit=1), 8)
+    assert not kv_fits(record("one", 0, 8, sessions_fit=1), 8, batch=2)
+    # A session on half the blocks takes half the room of one over all of them.
+    assert kv_fits(record("one", 0, 8, sessions_fit=1), 4, batch=2)
+    swarm = servers(reserved, record("a", 0, 8, compute_ms=20.0))
+    rtt = {"reserved": 1.0, "a": 50.0}
     assert route_of(find_route(swarm, 0, 8, rtt_ms=rtt, max_length=2048)) == [("a", 0, 8)]
 
 

@@ -26,10 +26,11 @@ from swarm.errors import (
     UnknownMethod,
 )
 from swarm.local_swarm import SwarmProcesses
-from swarm.model import BlockRange, resolve_model
+from swarm.model import ModelSource, resolve_model
 from swarm.records import ServerRecord
 from swarm.rpc import PROTOCOL, RpcConnection
 from swarm.wire import decode_tensor, encode_tensor, read_frame
+from tests.reference import ReferenceBlocks
 
 pytestmark = pytest.mark.slow
 HIDDEN = 64
@@ -39,8 +40,8 @@ TIMEOUT_S = 30.0
 class Peer:
     """A test's raw view of one server: RPC calls and raw frames, plus a local copy of its blocks."""
 
-    def __init__(self, client: SwarmClient, record: ServerRecord, reference: BlockRange) -> None:
-        self.client, self.record, self.reference = client, record, reference
+    def __init__(self, client: SwarmClient, record: ServerRecord, source: ModelSource) -> None:
+        self.client, self.record, self.source = client, record, source
         self.connection: RpcConnection = client.run(client.connect(record))
 
     def call(self, method: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -74,14 +75,14 @@ class Witness:
     def __init__(self, peer: Peer) -> None:
         self.peer = peer
         self.session_id = peer.call("open", {"blocks": [0, 8], "max_length": 64})["session_id"]
-        self.caches = peer.reference.new_caches(0, 8, batch=1, capacity=64)
+        self.reference = ReferenceBlocks(peer.source, 0, 8)
         self.position = 0
         self.generator = torch.Generator().manual_seed(0)
 
     def step_and_check(self, tokens: int = 1) -> None:
         hidden = torch.randn(1, tokens, HIDDEN, generator=self.generator)
         reply = self.peer.call("step", {"session_id": self.session_id, "hidden": encode_tensor(hidden)})
-        expected = self.peer.reference(hidden, self.caches, self.position)
+        expected = self.reference(hidden)
         self.position += tokens
         torch.testing.assert_close(decode_tensor(reply["hidden"]), expected, rtol=1e-5, atol=1e-5)
         assert reply["position"] == self.position
@@ -97,7 +98,7 @@ def peer(swarm_factory: SwarmProcesses, tiny_llama: Path) -> Iterator[Peer]:
     client = SwarmClient(source.model_id, source.num_blocks, swarm_factory.initial_peers)
     try:
         (record,) = client.run(client.servers()).values()
-        yield Peer(client, record, BlockRange(source, 0, 8))
+        yield Peer(client, record, source)
     finally:
         client.shutdown()
 
@@ -208,19 +209,21 @@ def test_block_range_not_hosted(peer: Peer) -> None:
 
 def test_server_busy_when_pages_run_out_and_pages_return(peer: Peer) -> None:
     opened = []
-    with pytest.raises(ServerBusy):
+    with pytest.raises(ServerBusy, match="expected to take"):
         for _ in range(100):
             opened.append(session(peer, max_length=64))
     assert opened, "the pool should hold at least one more session next to the witness"
     record = peer.info()
+    assert record.sessions_fit == 0  # refused by the headroom rule, which the record announces
     pages_per_session = 8 * -(-64 * record.kv_bytes_per_token // record.page_bytes)
-    assert record.pages_free < pages_per_session  # refused for want of pages, not by mistake
+    assert record.pages_free < pages_per_session  # and for want of pages, not by mistake
     for session_id in opened:
         peer.call("close", {"session_id": session_id})
+    assert peer.info().sessions_fit > 0
 
 
 def test_sessions_of_a_closed_stream_are_freed(peer: Peer) -> None:
-    other = Peer(peer.client, peer.record, peer.reference)
+    other = Peer(peer.client, peer.record, peer.source)
     other.call("open", {"blocks": [0, 8], "max_length": 32})
     assert peer.info().session_count == 2
     peer.client.run(other.connection.close())

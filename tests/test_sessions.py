@@ -1,72 +1,153 @@
-"""A session's KV pages stay its own while a compute thread uses them, even if the session closes meanwhile."""
+"""Sessions take KV pages as they grow, are admitted by the headroom rule, and keep their pages while a batch uses
+them even if they close meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
+from orchestrator.admission import KVPolicy, SessionKV
 from server.sessions import SessionTable
-from swarm.errors import ServerBusy, SessionNotFound
+from swarm.errors import BlocksNotHosted, MaxLengthExceeded, ServerBusy, SessionNotFound
 from swarm.memory import KVOwner, PagePool
-from swarm.model import BlockRange, resolve_model
 
-PAGE_BYTES = 4096
+TOKENS_PER_PAGE = 16
 
 
-def table(tiny_llama: Path, *, sessions_that_fit: int) -> SessionTable:
-    blocks = BlockRange(resolve_model(str(tiny_llama)), 0, 2)
-    per_session = 2 * PagePool(PAGE_BYTES, PAGE_BYTES).pages_needed(blocks.kv_cache_bytes(batch=1, capacity=16))
-    return SessionTable(blocks, PagePool(sessions_that_fit * per_session * PAGE_BYTES, PAGE_BYTES), max_length=16)
+def table(pages: int, *, headroom_tokens: int = 16, max_length: int = 128) -> SessionTable:
+    return SessionTable(
+        block_start=0, block_end=4, pool=PagePool(pages * 1024, 1024), tokens_per_page=TOKENS_PER_PAGE,
+        max_length=max_length, headroom_tokens=headroom_tokens,
+    )
 
 
 def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(scenario())  # sessions create asyncio futures, so they are opened inside a running loop
 
 
-def test_closing_mid_step_keeps_the_pages_until_the_step_ends(tiny_llama: Path) -> None:
+def test_a_session_holds_its_first_pages_and_grows_page_by_page() -> None:
     async def scenario() -> None:
-        sessions = table(tiny_llama, sessions_that_fit=1)
-        first = sessions.open("a", 0, 2, batch=1, max_length=16)
+        sessions = table(64)
+        session = sessions.open("a", 0, 4, batch=2, max_length=128)
+        assert session.pages_held == 4 * 2  # one page per block and row, nothing for max_length
+        for tokens in (16, 17, 40, 100):
+            sessions.grow(session, tokens)
+            pages_per_sequence = -(-tokens // TOKENS_PER_PAGE)
+            assert session.pages_held == 4 * 2 * pages_per_sequence  # pages for its length, no more
+            for block in range(4):
+                assert sorted(p for row in session.page_tables[block] for p in row) == \
+                    sorted(sessions.pool.pages_of(KVOwner("a", block)))
+        with pytest.raises(MaxLengthExceeded):
+            sessions.grow(session, 129)
+        sessions.close("a")
+        assert sessions.pool.stats().pages_kv == 0
+        sessions.pool.check_invariants()
+
+    run(scenario)
+
+
+def test_admission_leaves_headroom_for_running_sessions_to_grow() -> None:
+    async def scenario() -> None:
+        # 40 pages; a session over 4 blocks expecting 16 + 16 tokens holds 4 pages and is expected to hold 8.
+        sessions = table(40, headroom_tokens=32)
+        assert sessions.sessions_fit() == 5
+        first = sessions.open("a", 0, 4, batch=1, max_length=128)
+        assert sessions.growth_reserve() == 4  # it holds 4 and is expected to take 4 more
+        assert sessions.sessions_fit() == 4  # (36 free - 4 reserved) // 8
+        for name in "bcde":
+            sessions.open(name, 0, 4, batch=1, max_length=128)
+        assert sessions.pool.pages_free == 20 and sessions.growth_reserve() == 20 and sessions.sessions_fit() == 0
+        with pytest.raises(ServerBusy, match="expected to take"):
+            sessions.open("f", 0, 4, batch=1, max_length=128)  # 20 free pages, all of them the others' growth
+        assert not sessions.pool.has_session("f")
+        sessions.grow(first, 32)  # a running session grows into its headroom
+        assert sessions.growth_reserve() == 16 and sessions.sessions_fit() == 0
+        sessions.close("e")
+        assert sessions.sessions_fit() == 1
+        # A session that cannot grow past its max_length, or of fewer blocks, is expected to take less.
+        sessions.open("short", 0, 4, batch=1, max_length=16)
+        sessions.open("narrow", 3, 4, batch=1, max_length=128)
+        with pytest.raises(ServerBusy):
+            sessions.open("g", 0, 4, batch=1, max_length=16)
+        sessions.pool.check_invariants()
+
+    run(scenario)
+
+
+def test_running_sessions_may_grow_past_the_headroom_until_the_pool_is_empty() -> None:
+    async def scenario() -> None:
+        sessions = table(12, headroom_tokens=0)
+        big = sessions.open("big", 0, 4, batch=1, max_length=128)
+        small = sessions.open("small", 0, 4, batch=1, max_length=128)
+        sessions.grow(big, 16 * 2)
+        with pytest.raises(ServerBusy, match="out of KV pages"):
+            sessions.grow(big, 16 * 3)  # 4 more pages needed, none left
+        assert big.pages_held == 8 and small.pages_held == 4  # nothing taken half-way
+        sessions.close("small")
+        sessions.grow(big, 16 * 3)
+        sessions.pool.check_invariants()
+
+    run(scenario)
+
+
+def test_open_refuses_what_it_cannot_serve() -> None:
+    async def scenario() -> None:
+        sessions = table(64)
+        with pytest.raises(BlocksNotHosted):
+            sessions.open("a", 2, 5, batch=1, max_length=16)
+        with pytest.raises(MaxLengthExceeded):
+            sessions.open("a", 0, 4, batch=1, max_length=129)
+        with pytest.raises(MaxLengthExceeded):
+            sessions.open("a", 0, 4, batch=65, max_length=16)
+        sessions.open("a", 0, 4, batch=1, max_length=16)
+        with pytest.raises(ServerBusy, match="already open"):
+            sessions.open("a", 0, 4, batch=1, max_length=16)
+
+    run(scenario)
+
+
+def test_closing_while_a_batch_computes_keeps_the_pages_until_the_batch_ends() -> None:
+    async def scenario() -> None:
+        sessions = table(16, headroom_tokens=0)
+        session = sessions.open("a", 0, 4, batch=1, max_length=64)
         pages = sessions.pool.pages_of(KVOwner("a", 0))
-        with sessions.computing_with(first) as caches:
-            assert sessions.close("a")
-            assert sessions.pool.pages_of(KVOwner("a", 0)) == pages  # still the running step's
-            with pytest.raises(ServerBusy):  # nobody else gets them meanwhile, nor the same id
-                sessions.open("b", 0, 2, batch=1, max_length=16)
-            with pytest.raises(ServerBusy):
-                sessions.open("a", 0, 2, batch=1, max_length=16)
-            sessions.blocks.forward(torch.ones(1, 1, 64), caches, 0)  # the step writes its KV into them
+        sessions.enter_batch(session)
+        assert sessions.close("a")
+        assert sessions.pool.pages_of(KVOwner("a", 0)) == pages  # still the batch's
+        with pytest.raises(ServerBusy):  # nor the same id meanwhile
+            sessions.open("a", 0, 4, batch=1, max_length=64)
+        with pytest.raises(SessionNotFound):
+            sessions.get("a")
+        sessions.leave_batch(session)
         assert not sessions.pool.has_session("a")
         sessions.pool.check_invariants()
-        assert sessions.open("b", 0, 2, batch=1, max_length=16).caches  # the freed pages serve the next session
+        assert sessions.open("a", 0, 4, batch=1, max_length=64).pages_held == 4
 
     run(scenario)
 
 
-def test_a_closed_session_starts_no_step_and_close_frees_an_idle_one_at_once(tiny_llama: Path) -> None:
+def test_idle_expiry_skips_a_session_that_is_running_a_step() -> None:
     async def scenario() -> None:
-        sessions = table(tiny_llama, sessions_that_fit=2)
-        session = sessions.open("a", 0, 2, batch=1, max_length=16)
-        assert sessions.close("a") and not sessions.close("a")
-        assert not sessions.pool.has_session("a") and session.caches == {}
-        with pytest.raises(SessionNotFound), sessions.computing_with(session):
-            pass
-
-    run(scenario)
-
-
-def test_idle_expiry_skips_a_session_that_is_running_a_step(tiny_llama: Path) -> None:
-    async def scenario() -> None:
-        sessions = table(tiny_llama, sessions_that_fit=2)
-        busy, idle = (sessions.open(name, 0, 2, batch=1, max_length=16) for name in ("busy", "idle"))
+        sessions = table(64)
+        busy, idle = (sessions.open(name, 0, 4, batch=1, max_length=16) for name in ("busy", "idle"))
         busy.running = object()  # type: ignore[assignment]  # what the server sets while a step is admitted
         busy.last_active_s = idle.last_active_s = 0.0
         assert sessions.close_idle(idle_timeout_s=1.0) == ["idle"]
         assert sessions.get("busy") is busy
 
     run(scenario)
+
+
+def test_headroom_rule_counts_growth_capped_at_max_length() -> None:
+    policy = KVPolicy(tokens_per_page=16, headroom_tokens=100)
+    assert policy.expected_pages(tokens=0, max_length=2048, sequences=3) == 3 * 7
+    assert policy.expected_pages(tokens=0, max_length=20, sequences=3) == 3 * 2
+    assert policy.expected_pages(tokens=2000, max_length=2048, sequences=1) == 128
+    running = [SessionKV(pages_held=4, pages_expected=10), SessionKV(pages_held=12, pages_expected=10)]
+    assert policy.growth_reserve(running) == 6  # a session past its expectation reserves nothing more
+    assert policy.admits(pages_free=26, reserve=6, new_session_pages=20)
+    assert not policy.admits(pages_free=25, reserve=6, new_session_pages=20)
+    assert policy.sessions_fit(pages_free=5, reserve=6, pages_per_session=1) == 0

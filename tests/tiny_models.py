@@ -13,21 +13,21 @@ COMMON = dict(
 )
 
 
-def tiny_config(family: str) -> PretrainedConfig:
+def tiny_config(family: str, **overrides: object) -> PretrainedConfig:
     """Gives a small random-model config of `family` with 8 blocks and grouped-query attention."""
     if family == "llama":
-        return LlamaConfig(**COMMON, tie_word_embeddings=False)
+        return LlamaConfig(**{**COMMON, "tie_word_embeddings": False, **overrides})
     if family == "qwen2":
-        return Qwen2Config(**COMMON, tie_word_embeddings=True)
+        return Qwen2Config(**{**COMMON, "tie_word_embeddings": True, **overrides})
     if family == "mistral":
-        return MistralConfig(**COMMON, sliding_window=None, tie_word_embeddings=False)
+        return MistralConfig(**{**COMMON, "sliding_window": None, "tie_word_embeddings": False, **overrides})
     raise ValueError(family)
 
 
-def write_tiny_checkpoint(family: str, path: Path, *, seed: int = 0) -> Path:
-    """Gives `path` holding a seeded random checkpoint of `family` in safetensors form."""
+def write_tiny_checkpoint(family: str, path: Path, *, seed: int = 0, **overrides: object) -> Path:
+    """Gives `path` holding a seeded random checkpoint of `family` (config fields overridden) in safetensors form."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
     # random init leaves logits nearly flat; scale up so greedy decoding has clear winners
     with torch.no_grad():
         for parameter in model.parameters():

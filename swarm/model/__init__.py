@@ -7,7 +7,7 @@ from swarm.model.blocks import BlockRange, parse_block_range
 from swarm.model.device import DTYPES, dtype_name, pick_device, pick_dtype
 from swarm.model.family import DecoderFamily, get_family, supported_model_types
 from swarm.model.head import ClientHead
-from swarm.model.kv import KVCache
+from swarm.model.paged_kv import PagedBatch, PagedKV, SequenceChunk
 from swarm.model.quant import QUANT_MODES
 from swarm.model.source import DEFAULT_MODEL, ModelNotFound, ModelSource, cache_root, resolve_model
 
@@ -18,9 +18,11 @@ __all__ = [
     "BlockRange",
     "ClientHead",
     "DecoderFamily",
-    "KVCache",
     "ModelNotFound",
     "ModelSource",
+    "PagedBatch",
+    "PagedKV",
+    "SequenceChunk",
     "cache_root",
     "dtype_name",
     "get_family",

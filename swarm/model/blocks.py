@@ -1,17 +1,19 @@
-"""A contiguous range of transformer blocks loaded from a checkpoint (only those blocks' weights) and run with KV."""
+"""A contiguous range of transformer blocks loaded from a checkpoint (only those blocks' weights), run as one batch."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from swarm.errors import InvalidBlockRange
+from swarm.memory import kv_bytes_per_token
 from swarm.model.checkpoint import load_tensors
+from swarm.model.decoder import DecoderBlock
 from swarm.model.device import dtype_name
 from swarm.model.family import get_family
-from swarm.model.kv import CacheView, KVCache, causal_mask
+from swarm.model.paged_kv import PagedBatch, PagedKV
 from swarm.model.quant import quantize_linears, realias_moved_weights
 from swarm.model.source import ModelSource
 
@@ -30,6 +32,25 @@ def parse_block_range(text: str, num_blocks: int | None = None) -> tuple[int, in
     if num_blocks is not None and end > num_blocks:
         raise InvalidBlockRange(f"block range {text!r} exceeds the model's {num_blocks} blocks")
     return start, end
+
+
+class RotaryTable:
+    """cos/sin of every position up to a length, computed once by the family's rotary embedding and grown on demand."""
+
+    def __init__(self, rotary: nn.Module, *, dtype: torch.dtype, device: torch.device) -> None:
+        self.rotary, self.dtype, self.device = rotary, dtype, device
+        self.cos = self.sin = torch.empty(0, device=device)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gives cos and sin ([rows, 1, head_dim]) of `positions`."""
+        needed = int(positions.max()) + 1
+        if needed > self.cos.shape[0]:
+            length = max(256, 1 << (needed - 1).bit_length())
+            probe = torch.empty(0, dtype=self.dtype, device=self.device)
+            cos, sin = self.rotary(probe, torch.arange(length, device=self.device)[None])
+            self.cos, self.sin = cos[0], sin[0]
+        positions = positions.to(self.device)
+        return self.cos[positions][:, None], self.sin[positions][:, None]
 
 
 class BlockRange(nn.Module):
@@ -52,25 +73,26 @@ class BlockRange(nn.Module):
         parse_block_range(f"{start}:{end}", source.num_blocks)
         self.family = get_family(source.config)
         self.config = source.config
-        self.config._attn_implementation = "sdpa"
         self.start, self.end = start, end
         self.dtype, self.device, self.quant = dtype, torch.device(device), quant
         prefixes = [self.family.block_prefix(index) for index in range(start, end)]
         tensors = load_tensors(source.path, prefixes=prefixes)
         blocks = []
         for index, prefix in zip(range(start, end), prefixes, strict=True):
-            block = self.family.build_block(self.config, index)
             state = {name.removeprefix(prefix): tensor.to(dtype) for name, tensor in tensors.items()
                      if name.startswith(prefix)}
-            block.load_state_dict(state, strict=True, assign=True)
+            block = DecoderBlock.from_config(
+                self.config, state, sliding_window=self.family.sliding_window(self.config, index)
+            )
             block = quantize_linears(block.eval(), quant, compute_dtype=dtype, device=self.device)
             if adopt is not None:
                 adopt(index, [*block.parameters(), *block.buffers()])
                 realias_moved_weights(block)
             blocks.append(block)
         self.blocks = nn.ModuleList(blocks)
-        self.rotary = self.family.rotary_embedding(self.config).to(self.device)
         self.kv_heads, self.head_dim = self.family.kv_shape(self.config)
+        self.rotary = RotaryTable(self.family.rotary_embedding(self.config).to(self.device), dtype=dtype,
+                                  device=self.device)
 
     @property
     def hidden_size(self) -> int:
@@ -82,46 +104,32 @@ class BlockRange(nn.Module):
 
     def kv_bytes_per_token(self) -> int:
         """Gives the KV bytes one token of one sequence takes in one block."""
-        return 2 * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+        return kv_bytes_per_token(kv_heads=self.kv_heads, head_dim=self.head_dim, dtype=self.dtype)
 
     def block_bytes(self, index: int) -> int:
         """Gives the bytes of block `index`'s parameters and buffers as they sit in memory (after quantization)."""
         block = self.blocks[index - self.start]
         return sum(t.numel() * t.element_size() for t in (*block.parameters(), *block.buffers()))
 
-    def kv_cache_bytes(self, *, batch: int, capacity: int) -> int:
-        """Gives the bytes one block's KV cache takes for `batch` sequences of up to `capacity` tokens."""
-        return KVCache.nbytes_for(
-            batch=batch, kv_heads=self.kv_heads, capacity=capacity, head_dim=self.head_dim, dtype=self.dtype
-        )
-
-    def new_caches(
-        self, start: int, end: int, *, batch: int, capacity: int, buffers: Mapping[int, torch.Tensor] | None = None
-    ) -> dict[int, KVCache]:
-        """Gives KV caches for blocks [start, end): views into `buffers[block]` (pool pages) or fresh memory."""
-        shape = {"batch": batch, "kv_heads": self.kv_heads, "capacity": capacity, "head_dim": self.head_dim}
-        if buffers is None:
-            return {index: KVCache.zeros(**shape, dtype=self.dtype, device=self.device) for index in range(start, end)}
-        return {index: KVCache.in_buffer(buffers[index], **shape, dtype=self.dtype) for index in range(start, end)}
+    def paged_kv(self, storage: torch.Tensor, page_bytes: int) -> PagedKV:
+        """Gives the KV page view of a pool's `storage` for these blocks' shape and dtype."""
+        return PagedKV(storage, page_bytes, kv_heads=self.kv_heads, head_dim=self.head_dim, dtype=self.dtype)
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, caches: dict[int, KVCache], position: int) -> torch.Tensor:
-        """Gives the hidden states after the blocks that `caches` holds, for tokens at [position, position + n)."""
+    def forward(self, hidden: torch.Tensor, batch: PagedBatch, kv: PagedKV) -> torch.Tensor:
+        """Gives the hidden states ([rows, hidden]) after each chunk's blocks, for `hidden` ([rows, hidden]) of
+        `batch`; every chunk's keys and values are written into its pages."""
         hidden = hidden.to(self.device, self.dtype)
-        batch, new_tokens, _ = hidden.shape
-        position_ids = torch.arange(position, position + new_tokens, device=self.device)[None].expand(batch, -1)
-        position_embeddings = self.rotary(hidden, position_ids)
-        view = CacheView(caches, position)
-        masks: dict[int | None, torch.Tensor | None] = {}
-        for index in sorted(caches):
-            window = self.family.sliding_window(self.config, index)
-            if window not in masks:
-                masks[window] = causal_mask(new_tokens, position, sliding_window=window, device=self.device)
-            hidden = self.blocks[index - self.start](
-                hidden,
-                attention_mask=masks[window],
-                position_ids=position_ids,
-                past_key_values=view,
-                position_embeddings=position_embeddings,
-            )
+        cos, sin = self.rotary.lookup(batch.positions())
+        first = min(chunk.block_start for chunk in batch.chunks)
+        last = max(chunk.block_end for chunk in batch.chunks)
+        for index in range(first, last):
+            block = self.blocks[index - self.start]
+            through = batch.through(index)
+            if through is batch:
+                hidden = block(hidden, batch, kv, index, cos, sin)
+                continue
+            rows = batch.row_index(index).to(self.device)
+            part = block(hidden[rows], through, kv, index, cos[rows], sin[rows])
+            hidden = hidden.index_copy(0, rows, part)
         return hidden

@@ -1,0 +1,62 @@
+"""Admission of sessions to one server's KV pages, which sessions take one by one as they grow.
+
+A session holds pages only for the tokens it has, so a server that admitted every session its free pages could
+start would soon have sessions that cannot grow. The rule: each running session is expected to grow by
+`headroom_tokens` more tokens (capped at its max_length); a new session is admitted only while the free pages,
+less what the running sessions are expected to still take, cover the new session's own expected pages.
+The default headroom, 256 tokens, is about the mean output of the Azure LLM inference 2023 conversation trace
+(211 tokens; median 129, p90 424). A running session that outgrows its expectation still takes any free page; only
+when none is left does it fail (the client fails over), as a vLLM request is preempted.
+
+Pure: counts in, counts out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+DEFAULT_HEADROOM_TOKENS = 256
+
+
+def pages_for_tokens(tokens: int, tokens_per_page: int) -> int:
+    """Gives the pages one sequence's KV for one block takes at `tokens` tokens (at least one)."""
+    return max(1, -(-tokens // tokens_per_page))
+
+
+@dataclass(frozen=True)
+class SessionKV:
+    """A running session's KV on one server: what it holds and what it is expected to grow to."""
+
+    pages_held: int
+    pages_expected: int
+
+    @property
+    def growth_pages(self) -> int:
+        return max(0, self.pages_expected - self.pages_held)
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """The headroom rule for one server: its page geometry and how much each session is expected to grow."""
+
+    tokens_per_page: int
+    headroom_tokens: int = DEFAULT_HEADROOM_TOKENS
+
+    def expected_pages(self, *, tokens: int, max_length: int, sequences: int) -> int:
+        """Gives the pages a session is expected to hold once it grows by the headroom: `sequences` is its blocks
+        on this server times its batch rows, `tokens` what it holds now."""
+        grown = min(max_length, tokens + self.headroom_tokens)
+        return sequences * pages_for_tokens(grown, self.tokens_per_page)
+
+    def growth_reserve(self, running: Iterable[SessionKV]) -> int:
+        """Gives the free pages the running sessions are expected to still take."""
+        return sum(session.growth_pages for session in running)
+
+    def admits(self, *, pages_free: int, reserve: int, new_session_pages: int) -> bool:
+        """Gives whether a new session expected to hold `new_session_pages` fits beside the running ones."""
+        return pages_free - reserve >= new_session_pages
+
+    def sessions_fit(self, *, pages_free: int, reserve: int, pages_per_session: int) -> int:
+        """Gives how many more sessions of `pages_per_session` expected pages the rule would admit now."""
+        return max(0, pages_free - reserve) // max(1, pages_per_session)

@@ -1,0 +1,240 @@
+"""Servers batch the steps of concurrent sessions: every session's greedy tokens stay those of the local model for
+its prompt alone, a long prefill shares batches with decode steps, and bad or dying sessions fail alone."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from client import DistributedModelForCausalLM, SwarmClient
+from swarm.errors import InvalidTensor, ServerBusy, SwarmError
+from swarm.local_swarm import SwarmProcesses
+from swarm.records import ServerRecord
+from swarm.rpc import RpcConnection
+from swarm.wire import encode_tensor
+from tests.test_swarm_generate import start_swarm
+from tests.tiny_models import write_tiny_checkpoint
+
+pytestmark = pytest.mark.slow
+HIDDEN = 64
+TIMEOUT_S = 60.0
+# Sliding windows shorter than the sessions, so that they are exercised end to end.
+FAMILIES = {
+    "llama": {},
+    "mistral": {"sliding_window": 12},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 10, "max_window_layers": 4,
+              "layer_types": ["full_attention"] * 4 + ["sliding_attention"] * 4},
+}
+
+
+def prompts(count: int, seed: int) -> list[torch.Tensor]:
+    """Gives `count` prompts of different lengths (3, 5, 7, ...)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (1, 3 + 2 * index), generator=generator) for index in range(count)]
+
+
+def generate_concurrently(
+    model: DistributedModelForCausalLM, inputs: list[torch.Tensor], *, max_new_tokens: int, stagger_s: float
+) -> tuple[list[list[int]], list[float]]:
+    """Gives each prompt's greedy output, generated in a thread of its own started `stagger_s` after the previous
+    one, and when each thread finished (monotonic seconds)."""
+    outputs: dict[int, list[int]] = {}
+    finished: dict[int, float] = {}
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            time.sleep(index * stagger_s)
+            output = model.generate(inputs[index], max_new_tokens=max_new_tokens, do_sample=False)
+            outputs[index] = output[0].tolist()
+            finished[index] = time.monotonic()
+        except BaseException as error:  # surfaced below; a thread cannot fail the test itself
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=TIMEOUT_S * 3)
+    assert not errors, errors
+    return [outputs[index] for index in range(len(inputs))], [finished[index] for index in range(len(inputs))]
+
+
+def local_greedy(path: Path, inputs: list[torch.Tensor], max_new_tokens: int) -> list[list[int]]:
+    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return [local.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0].tolist() for ids in inputs]
+
+
+def infos(client: SwarmClient) -> dict[int, dict[str, Any]]:
+    """Gives every server's `info` reply, by the first block it hosts."""
+    replies = {}
+    for record in client.run(client.servers()).values():
+        connection = client.run(client.connect(record))
+        try:
+            replies[record.block_start] = client.run(connection.call("info", {}, timeout=TIMEOUT_S))
+        finally:
+            client.run(connection.close())
+    return replies
+
+
+def multi_step_batches(reply: dict[str, Any]) -> int:
+    """Gives how many batches of a server's `info` computed more than one step."""
+    return sum(count for bound, count in reply["batches"]["steps_per_batch"].items() if bound != "<=1")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_eight_sessions_started_at_different_moments_each_match_the_local_model(
+    family: str, tmp_path: Path
+) -> None:
+    path = write_tiny_checkpoint(family, tmp_path / family, **FAMILIES[family])
+    inputs = prompts(8, seed=len(family))
+    (tmp_path / "swarm").mkdir()
+    with SwarmProcesses(tmp_path / "swarm") as swarm:
+        start_swarm(swarm, path, ["0:3", "3:6", "6:8"])
+        model = DistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)
+        try:
+            outputs, _ = generate_concurrently(model, inputs, max_new_tokens=16, stagger_s=0.02)
+            replies = infos(model.swarm)
+        finally:
+            model.shutdown()
+    assert outputs == local_greedy(path, inputs, 16)
+    assert sum(multi_step_batches(reply) for reply in replies.values()) > 0, replies  # the steps shared batches
+    assert all(reply["record"]["pages_kv"] == 0 for reply in replies.values())  # every page went back
+
+
+class RawSession:
+    """A session a test drives by hand on one server, as a misbehaving client would."""
+
+    def __init__(self, client: SwarmClient, record: ServerRecord, *, max_length: int) -> None:
+        self.client = client
+        self.connection: RpcConnection = client.run(client.connect(record))
+        blocks = [record.block_start, record.block_end]
+        self.session_id = self.call("open", {"blocks": blocks, "max_length": max_length})["session_id"]
+
+    def call(self, method: str, payload: dict[str, Any]) -> dict[str, Any]:
+        return self.client.run(self.connection.call(method, payload, timeout=TIMEOUT_S))
+
+    def step(self, tokens: int) -> dict[str, Any]:
+        hidden = encode_tensor(torch.ones(1, tokens, HIDDEN))
+        return self.call("step", {"session_id": self.session_id, "hidden": hidden})
+
+
+@pytest.fixture(scope="module")
+def paged_swarm(swarm_factory: SwarmProcesses, tiny_llama: Path) -> Iterator[DistributedModelForCausalLM]:
+    # 4 KiB pages hold 16 tokens of the tiny model; 1.5 MiB leave the first server 273 KV pages next to its 3
+    # blocks (37 pages each). Batches of at most 16 tokens: a long prompt takes many.
+    flags = ["--page-size", "4KiB", "--memory", "1.5MiB", "--max-length", "2048", "--max-batch-tokens", "16"]
+    start_swarm(swarm_factory, tiny_llama, ["0:3", "3:6", "6:8"], dict.fromkeys(["0:3", "3:6", "6:8"], flags))
+    model = DistributedModelForCausalLM.from_pretrained(str(tiny_llama), initial_peers=swarm_factory.initial_peers)
+    try:
+        yield model
+    finally:
+        model.shutdown()
+
+
+def first_server(model: DistributedModelForCausalLM) -> ServerRecord:
+    return next(r for r in model.swarm.run(model.swarm.servers()).values() if r.block_start == 0)
+
+
+def while_four_sessions_run(
+    model: DistributedModelForCausalLM, tiny_llama: Path, disturb: Callable[[], None], *, max_new_tokens: int = 120
+) -> None:
+    """Runs `disturb` while four sessions generate; checks they finish after it, with the local model's tokens."""
+    inputs = prompts(4, seed=7)
+    outputs: list[list[int]] = []
+    finished: list[float] = []
+    runner = threading.Thread(target=lambda: (lambda r: (outputs.extend(r[0]), finished.extend(r[1])))(
+        generate_concurrently(model, inputs, max_new_tokens=max_new_tokens, stagger_s=0.0)))
+    runner.start()
+    try:
+        time.sleep(0.3)  # the four sessions are decoding
+        disturb()
+        disturbed_at = time.monotonic()
+    finally:
+        runner.join(timeout=TIMEOUT_S * 3)
+    assert len(outputs) == 4, "the four sessions did not finish"
+    assert min(finished) > disturbed_at, "the sessions should still have been running while the test disturbed them"
+    assert outputs == local_greedy(tiny_llama, inputs, max_new_tokens)
+
+
+def assert_pools_back_to_baseline(model: DistributedModelForCausalLM) -> None:
+    for _ in range(50):  # a closed stream frees its session asynchronously
+        replies = infos(model.swarm)
+        if all(reply["record"]["pages_kv"] == 0 and reply["record"]["session_count"] == 0
+               for reply in replies.values()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"pages still held: {[(b, r['record']['pages_kv']) for b, r in replies.items()]}")
+
+
+def test_a_long_prefill_shares_batches_with_decoding_sessions(paged_swarm, tiny_llama: Path) -> None:
+    before = sum(reply["batches"]["mixed"] for reply in infos(paged_swarm.swarm).values())
+    long_prompt = torch.randint(3, 128, (1, 480), generator=torch.Generator().manual_seed(11))
+    generated: list[list[int]] = []
+
+    def long_prefill() -> None:
+        generated.append(paged_swarm.generate(long_prompt, max_new_tokens=4, do_sample=False)[0].tolist())
+
+    while_four_sessions_run(paged_swarm, tiny_llama, long_prefill)
+    assert generated == local_greedy(tiny_llama, [long_prompt], 4)
+    mixed = sum(reply["batches"]["mixed"] for reply in infos(paged_swarm.swarm).values()) - before
+    assert mixed >= 3, "the prompt's chunks (30 per server) should have shared batches with the decode steps"
+    assert_pools_back_to_baseline(paged_swarm)
+
+
+def test_a_bad_step_fails_alone(paged_swarm, tiny_llama: Path) -> None:
+    def bad_steps() -> None:
+        raw = RawSession(paged_swarm.swarm, first_server(paged_swarm), max_length=64)
+        with pytest.raises(InvalidTensor):
+            raw.call("step", {"session_id": raw.session_id, "hidden": encode_tensor(torch.ones(1, 2, HIDDEN + 1))})
+        with pytest.raises(InvalidTensor):
+            raw.call("step", {"session_id": raw.session_id, "hidden": encode_tensor(torch.ones(1, 2, HIDDEN).int())})
+        assert raw.step(3)["position"] == 3  # the session itself is intact too
+        paged_swarm.swarm.run(raw.connection.close())
+
+    while_four_sessions_run(paged_swarm, tiny_llama, bad_steps)
+    assert_pools_back_to_baseline(paged_swarm)
+
+
+def test_a_session_killed_mid_batch_frees_its_pages_and_others_go_on(paged_swarm, tiny_llama: Path) -> None:
+    def failed_steps() -> int:
+        return infos(paged_swarm.swarm)[0]["batches"]["steps_failed"].get("SessionNotFound", 0)
+
+    dropped_before = failed_steps()
+
+    def killed_mid_prefill() -> None:
+        raw = RawSession(paged_swarm.swarm, first_server(paged_swarm), max_length=2048)
+        client = paged_swarm.swarm
+        payload = {"session_id": raw.session_id, "hidden": encode_tensor(torch.ones(1, 1000, HIDDEN))}
+        pending = asyncio.run_coroutine_threadsafe(
+            raw.connection.call("step", payload, timeout=TIMEOUT_S), client.background.loop
+        )
+        time.sleep(0.03)  # its prefill is being computed, 16 tokens per batch
+        client.run(raw.connection.close())  # the client dies: its stream closes
+        with pytest.raises(SwarmError):  # its own call ends with the stream
+            pending.result(timeout=TIMEOUT_S)
+
+    while_four_sessions_run(paged_swarm, tiny_llama, killed_mid_prefill)
+    assert failed_steps() == dropped_before + 1  # its prefill stopped between two chunks when the session closed
+    assert_pools_back_to_baseline(paged_swarm)
+
+
+def test_a_session_that_runs_out_of_pages_fails_alone(paged_swarm, tiny_llama: Path) -> None:
+    def out_of_pages() -> None:
+        raw = RawSession(paged_swarm.swarm, first_server(paged_swarm), max_length=2048)
+        raw.step(200)  # 13 pages per block
+        with pytest.raises(ServerBusy, match="out of KV pages"):
+            raw.step(1800)  # 112 more per block: the pool has fewer, and nobody else's pages are taken
+        assert raw.step(10)["position"] == 210  # the session itself goes on
+        raw.call("close", {"session_id": raw.session_id})
+
+    while_four_sessions_run(paged_swarm, tiny_llama, out_of_pages)
+    assert_pools_back_to_baseline(paged_swarm)

@@ -1,0 +1,215 @@
+"""The step scheduler: ready steps of many sessions compute in one forward pass, long prefills in chunks beside
+decode steps, and a step that cannot run fails alone."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.scheduler import Step, StepScheduler
+from server.sessions import Session, SessionTable, StepResult
+from swarm.errors import InternalServerError, ServerBusy
+from swarm.memory import PagePool
+from swarm.model import BlockRange, resolve_model
+from tests.reference import ReferenceBlocks
+
+HIDDEN = 64
+
+
+class Engine:
+    """A server's hosting core without the network: blocks 0:8 of the tiny Llama, sessions and the scheduler."""
+
+    def __init__(self, model: Path, *, pages: int, max_batch_tokens: int, page_tokens: int = 16,
+                 on_step_done: Callable[[Step], None] = lambda step: None) -> None:
+        self.source = resolve_model(str(model))
+        self.blocks = BlockRange(self.source, 0, 8)
+        page_bytes = page_tokens * self.blocks.kv_bytes_per_token()
+        self.pool = PagePool(pages * page_bytes, page_bytes)
+        kv = self.blocks.paged_kv(self.pool.storage, page_bytes)
+        self.sessions = SessionTable(block_start=0, block_end=8, pool=self.pool, tokens_per_page=kv.tokens_per_page,
+                                     max_length=256, headroom_tokens=0)
+        self.scheduler = StepScheduler(self.blocks, kv, self.sessions, max_batch_tokens=max_batch_tokens,
+                                       inline_step_ms=0, block_compute_ms=1.0, on_step_done=on_step_done)
+        self.references: dict[str, ReferenceBlocks] = {}
+        self.generator = torch.Generator().manual_seed(0)
+
+    def open(self, name: str) -> Session:
+        self.references[name] = ReferenceBlocks(self.source, 0, 8)
+        return self.sessions.open(name, 0, 8, batch=1, max_length=256)
+
+    def submit(self, session: Session, tokens: int) -> tuple[asyncio.Future[StepResult], torch.Tensor]:
+        """Queues a step of `tokens` random hidden states; gives its future result and the output it must have."""
+        hidden = torch.randn(1, tokens, HIDDEN, generator=self.generator)
+        result = asyncio.get_running_loop().create_future()
+        step = Step(session, f"{session.position}", hidden, result)
+        session.running = step
+        self.scheduler.submit(step)
+        return result, self.references[session.session_id](hidden)
+
+
+def check(result: asyncio.Future[StepResult], expected: torch.Tensor) -> None:
+    torch.testing.assert_close(result.result().output, expected, rtol=1e-5, atol=1e-5)
+
+
+def scenario(body: Callable[[], object]) -> None:
+    async def main() -> None:
+        await body()  # type: ignore[misc]
+
+    asyncio.run(main())
+
+
+def test_ready_steps_of_many_sessions_compute_in_one_forward_pass(tiny_llama: Path) -> None:
+    async def body() -> None:
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=64)
+        engine.scheduler.start()
+        sessions = [engine.open(name) for name in "abcd"]
+        prompts = [engine.submit(session, tokens) for session, tokens in zip(sessions, (3, 5, 7, 2), strict=True)]
+        for result, expected in prompts:
+            await result
+            check(result, expected)
+        assert engine.scheduler.stats.batches == 1  # four prompts of different lengths, one pass
+        for _ in range(3):
+            decodes = [engine.submit(session, 1) for session in sessions]
+            for result, expected in decodes:
+                await result
+                check(result, expected)
+        assert engine.scheduler.stats.batches == 4 and engine.scheduler.stats.sizes[4] == 4
+        assert [session.position for session in sessions] == [6, 8, 10, 5]
+        await engine.scheduler.stop()
+
+    scenario(body)
+
+
+def test_a_long_prefill_is_chunked_and_decode_steps_ride_in_every_batch(tiny_llama: Path) -> None:
+    async def body() -> None:
+        decoding: dict[str, int] = {}
+        expected: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
+        results: dict[str, list[asyncio.Future[StepResult]]] = {"a": [], "b": []}
+
+        def next_decode(step: Step) -> None:  # a client whose next token is ready as soon as the last is done
+            name = step.session.session_id
+            if name in decoding and decoding[name] > 0:
+                decoding[name] -= 1
+                result, output = engine.submit(step.session, 1)
+                results[name].append(result)
+                expected[name].append(output)
+
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=10, on_step_done=next_decode)
+        a, b, long = engine.open("a"), engine.open("b"), engine.open("long")
+        engine.scheduler.start()
+        for session in (a, b):  # short prompts first
+            result, output = engine.submit(session, 4)
+            await result
+            check(result, output)
+        decoding.update(a=12, b=12)
+        for session in (a, b):
+            decoding[session.session_id] -= 1
+            result, output = engine.submit(session, 1)
+            results[session.session_id].append(result)
+            expected[session.session_id].append(output)
+        prefill, prefill_expected = engine.submit(long, 40)  # 40 tokens, at most 10 per batch beside 2 decodes
+        await prefill
+        check(prefill, prefill_expected)
+        stats = engine.scheduler.stats
+        assert stats.mixed >= 40 // 8 - 1  # its chunks shared their batches with the decode steps
+        assert stats.tokens[16] >= stats.mixed and max(stats.tokens) <= 16  # never more than the budget (10)
+        for _ in range(1000):  # the decode chains go on after the prefill; each step queues the next
+            if not any(decoding.values()) and all(r.done() for r in (*results["a"], *results["b"])):
+                break
+            await asyncio.sleep(0.01)
+        assert len(results["a"]) == len(results["b"]) == 12
+        for name in "ab":
+            for result, output in zip(results[name], expected[name], strict=True):
+                check(result, output)
+        await engine.scheduler.stop()
+
+    scenario(body)
+
+
+def test_a_session_that_cannot_get_its_next_page_fails_alone(tiny_llama: Path) -> None:
+    async def body() -> None:
+        engine = Engine(tiny_llama, pages=8 * 3, max_batch_tokens=64, page_tokens=4)
+        engine.scheduler.start()
+        grows, stays = engine.open("grows"), engine.open("stays")
+        for session in (grows, stays):
+            result, _ = engine.submit(session, 3)
+            await result
+        engine.open("third")  # the last 8 pages
+        failing, _ = engine.submit(grows, 2)  # 5 tokens need a second page per block: none is free
+        passing, expected = engine.submit(stays, 1)
+        with pytest.raises(ServerBusy, match="out of KV pages"):
+            await failing
+        await passing
+        check(passing, expected)
+        assert grows.position == 3 and grows.running is None  # unchanged, and the client may retry or move it
+        engine.sessions.close("third")
+        retried, _ = engine.submit(grows, 2)
+        await retried
+        assert grows.position == 5
+        await engine.scheduler.stop()
+        engine.sessions.close_all()
+        assert engine.pool.stats().pages_kv == 0
+        engine.pool.check_invariants()
+
+    scenario(body)
+
+
+def test_a_step_that_breaks_the_batch_fails_only_its_own_session(tiny_llama: Path) -> None:
+    async def body() -> None:
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=64)
+        engine.scheduler.start()
+        sessions = {name: engine.open(name) for name in "abc"}
+        for session in sessions.values():
+            result, _ = engine.submit(session, 2)
+            await result
+        sessions["b"].page_tables[3][0][0] = engine.pool.pages_total + 5  # a page table gone wrong: no such page
+        steps = {name: engine.submit(session, 1) for name, session in sessions.items()}
+        with pytest.raises(InternalServerError, match="IndexError"):
+            await steps["b"][0]
+        for name in "ac":
+            await steps[name][0]
+            check(*steps[name])
+        assert sessions["b"].position == 2 and sessions["a"].position == 3
+        await engine.scheduler.stop()
+
+    scenario(body)
+
+
+def test_a_session_closed_while_its_batch_computes_gets_its_pages_back_after_it(tiny_llama: Path) -> None:
+    async def body() -> None:
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=512)
+        started, release = threading.Event(), threading.Event()
+        forward = engine.scheduler._timed_forward
+
+        def held_forward(*args):  # type: ignore[no-untyped-def]  # the batch waits on its thread until released
+            started.set()
+            release.wait(30)
+            return forward(*args)
+
+        engine.scheduler._timed_forward = held_forward  # type: ignore[method-assign]
+        engine.scheduler.start()
+        closing, staying = engine.open("closing"), engine.open("staying")
+        closed_result, _ = engine.submit(closing, 20)
+        staying_result, expected = engine.submit(staying, 20)
+        for _ in range(1000):
+            if started.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert engine.scheduler.computing
+        held = engine.pool.owners()
+        engine.sessions.close("closing")
+        assert engine.pool.owners() == held  # the thread still writes into its pages
+        release.set()
+        await staying_result
+        check(staying_result, expected)
+        await closed_result
+        assert not engine.pool.has_session("closing")
+        engine.pool.check_invariants()
+        await engine.scheduler.stop()
+
+    scenario(body)
