@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -339,9 +339,18 @@ class InferenceSession:
         """Gives per-server timings, in chain order of first use."""
         return list(self.remote.timings.values())
 
-    def step(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Gives the hidden states after the last block for the new tokens' input hidden states."""
-        return self.client.run(self.remote.step(hidden))
+    def step(self, hidden: torch.Tensor, *, on_output: Callable[[], None] | None = None) -> torch.Tensor:
+        """Gives the hidden states after the last block for the new tokens' input hidden states; `on_output` runs
+        on the client's loop the moment they arrive, before this thread wakes up."""
+        if on_output is None:
+            return self.client.run(self.remote.step(hidden))
+
+        async def step_then_notify() -> torch.Tensor:
+            output = await self.remote.step(hidden)
+            on_output()
+            return output
+
+        return self.client.run(step_then_notify())
 
     def close(self) -> None:
         self.client.run(self.remote.close())

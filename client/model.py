@@ -15,6 +15,7 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from client.batched_head import BatchedHead
 from client.inference import InferenceSession
 from client.swarm_client import ClientConfig, SwarmClient
 from swarm.model import DEFAULT_MODEL, ClientHead, ModelSource, resolve_model
@@ -32,6 +33,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         self.source = source
         self.swarm = swarm
         self.head = ClientHead(source, dtype=dtype)
+        self.batched_head = BatchedHead(self.head)  # threads generating at once share its passes
         self._thread_state = threading.local()  # each thread's generate() runs in its own session
         generation_file = Path(source.path) / "generation_config.json"
         if generation_file.is_file():
@@ -100,10 +102,29 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             new_ids = input_ids[:, seen:]
             if new_ids.shape[1] == 0:
                 raise ValueError("forward called without new tokens for the active session")
-            hidden = session.step(self.head.embed(new_ids))
+            hidden = self._step(session, new_ids)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(logits=self.head.logits(hidden))
+        return CausalLMOutputWithPast(logits=self.batched_head.logits(hidden))
+
+    def _step(self, session: InferenceSession, new_ids: torch.Tensor) -> torch.Tensor:
+        """Gives the swarm's output for `new_ids`; a decode step is announced to the batched head, which keeps the
+        threads of this process in step."""
+        if new_ids.shape[1] != 1:
+            return session.step(self.head.embed(new_ids))
+        returned = False
+
+        def on_output() -> None:
+            nonlocal returned
+            returned = True
+            self.batched_head.step_returned()
+
+        self.batched_head.step_sent()
+        try:
+            return session.step(self.head.embed(new_ids), on_output=on_output)
+        except BaseException:
+            self.batched_head.step_failed(returned=returned)
+            raise
 
     def generate(  # type: ignore[override]
         self, inputs: torch.Tensor | None = None, *, session: InferenceSession | None = None, **kwargs: object

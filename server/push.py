@@ -68,79 +68,101 @@ class Pusher:
     def push(self, hops: list[NextHop], step: dict[str, Any], *, block: int) -> None:
         """Starts sending `step` (a `push` payload without session and route) to hops[0], which starts at `block`,
         handing on hops[1:]."""
-        if not hops:
-            return
-        first, rest = hops[0], hops[1:]
-        failed_at = self._failed_at.get(first.peer_id)
+        self.push_all([(hops, step, block)])
+
+    def push_all(self, pushes: list[tuple[list[NextHop], dict[str, Any], int]]) -> None:
+        """Starts sending each (hops, step, block) as `push` does; steps bound for the same peer and block go in
+        one frame (as many as fit in half a frame), so that they arrive, and compute, together."""
+        groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        sizes: dict[tuple[str, int], int] = {}
+        for hops, step, block in pushes:
+            if not hops:
+                continue
+            first, rest = hops[0], hops[1:]
+            payload = {**step, "session_id": first.session_id, "next": [hop.to_wire() for hop in rest]}
+            key = (first.peer_id, block)
+            nbytes = len(step.get("hidden", {}).get("data", b""))
+            group = groups.setdefault(key, [])
+            if group and sizes[key] + nbytes > self.max_frame_bytes // 2:
+                self._push_frame(*key, group)
+                group = groups[key] = []
+                sizes[key] = 0
+            group.append(payload)
+            sizes[key] = sizes.get(key, 0) + nbytes
+        for (peer_id, block), payloads in groups.items():
+            self._push_frame(peer_id, block, payloads)
+
+    def _push_frame(self, peer_id: str, block: int, payloads: list[dict[str, Any]]) -> None:
+        failed_at = self._failed_at.get(peer_id)
         if failed_at is not None and time.monotonic() - failed_at < DIAL_BACKOFF_S:
             return
-        if len(self._tasks) >= MAX_IN_FLIGHT or first.peer_id in self._dialing:
-            log.debug("push to %s dropped (%d in flight)", first.peer_id, len(self._tasks))
+        if len(self._tasks) >= MAX_IN_FLIGHT or peer_id in self._dialing:
+            log.debug("push to %s dropped (%d in flight)", peer_id, len(self._tasks))
             return
-        payload = {**step, "session_id": first.session_id, "next": [hop.to_wire() for hop in rest]}
-        if self._send_now(first, block, payload):
+        frame = payloads[0] if len(payloads) == 1 else {"steps": payloads}
+        if self._send_now(peer_id, block, frame):
             return
-        task = asyncio.create_task(self._send(first, block, payload), name=f"push-{first.peer_id[-8:]}")
+        task = asyncio.create_task(self._send(peer_id, block, frame), name=f"push-{peer_id[-8:]}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _send_now(self, hop: NextHop, block: int, payload: dict[str, Any]) -> bool:
+    def _send_now(self, peer_id: str, block: int, payload: dict[str, Any]) -> bool:
         """Writes the push at once on an open stream to a peer recently confirmed to host `block`, sparing the task
         hop of `_send`; gives whether the push is done with (sent or failed)."""
-        connection = self._connections.get(hop.peer_id)
-        known = self._verified.get((hop.peer_id, block))
+        connection = self._connections.get(peer_id)
+        known = self._verified.get((peer_id, block))
         if connection is None or known is None or time.monotonic() - known[0] >= VERIFIED_TTL_S:
             return False
         try:
             if not connection.notify_now("push", payload):
                 return False
         except SwarmError as error:
-            log.debug("push to %s failed: %s: %s", hop.peer_id, type(error).__name__, error.message)
+            log.debug("push to %s failed: %s: %s", peer_id, type(error).__name__, error.message)
             if connection.is_closed:
-                self._connections.pop(hop.peer_id, None)
+                self._connections.pop(peer_id, None)
             return True
-        self._connections.move_to_end(hop.peer_id)
+        self._connections.move_to_end(peer_id)
         return True
 
-    async def _send(self, hop: NextHop, block: int, payload: dict[str, Any]) -> None:
+    async def _send(self, peer_id: str, block: int, payload: dict[str, Any]) -> None:
         try:
-            connection = await self._connection(hop, block)
+            connection = await self._connection(peer_id, block)
             await connection.notify("push", payload, timeout=self.timeout_s)
         except SwarmError as error:  # e.g. the next server is gone; what it refuses, it logs itself
-            log.debug("push to %s failed: %s: %s", hop.peer_id, type(error).__name__, error.message)
-            dropped = self._connections.get(hop.peer_id)
+            log.debug("push to %s failed: %s: %s", peer_id, type(error).__name__, error.message)
+            dropped = self._connections.get(peer_id)
             if dropped is not None and dropped.is_closed:
-                self._connections.pop(hop.peer_id, None)
+                self._connections.pop(peer_id, None)
 
-    async def _connection(self, hop: NextHop, block: int) -> RpcConnection:
-        """Gives an open stream to `hop`'s server once the DHT confirms it hosts `block`, dialing the addresses it
+    async def _connection(self, peer_id: str, block: int) -> RpcConnection:
+        """Gives an open stream to `peer_id` once the DHT confirms it hosts `block`, dialing the addresses it
         announced there the first time."""
-        addrs = await self._announced(hop.peer_id, block)
-        connection = self._connections.get(hop.peer_id)
+        addrs = await self._announced(peer_id, block)
+        connection = self._connections.get(peer_id)
         if connection is not None and not connection.is_closed:
-            self._connections.move_to_end(hop.peer_id)
+            self._connections.move_to_end(peer_id)
             return connection
-        if hop.peer_id in self._dialing:
-            raise PeerUnreachable(f"a dial to {hop.peer_id} is in progress; this push is dropped")
-        self._dialing.add(hop.peer_id)
+        if peer_id in self._dialing:
+            raise PeerUnreachable(f"a dial to {peer_id} is in progress; this push is dropped")
+        self._dialing.add(peer_id)
         try:
             try:
-                peer = PeerID.from_base58(hop.peer_id)
+                peer = PeerID.from_base58(peer_id)
                 multiaddrs = [Multiaddr(addr.split("/p2p/")[0]) for addr in addrs]
                 await asyncio.wait_for(self.p2p._client.connect(peer, multiaddrs), self.timeout_s)
             except Exception as error:  # an unusable announced address, or a dead peer
-                log.debug("cannot dial %s for a push: %s: %s", hop.peer_id, type(error).__name__, error)
+                log.debug("cannot dial %s for a push: %s: %s", peer_id, type(error).__name__, error)
             try:
                 connection = await RpcConnection.open(
-                    self.p2p, hop.peer_id, timeout=self.timeout_s, max_frame_bytes=self.max_frame_bytes
+                    self.p2p, peer_id, timeout=self.timeout_s, max_frame_bytes=self.max_frame_bytes
                 )
             except SwarmError:
-                self._note_failure(hop.peer_id)
+                self._note_failure(peer_id)
                 raise
         finally:
-            self._dialing.discard(hop.peer_id)
-        self._failed_at.pop(hop.peer_id, None)
-        self._connections[hop.peer_id] = connection
+            self._dialing.discard(peer_id)
+        self._failed_at.pop(peer_id, None)
+        self._connections[peer_id] = connection
         while len(self._connections) > MAX_PEERS:
             _, evicted = self._connections.popitem(last=False)
             self._close_later(evicted)

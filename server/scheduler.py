@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -23,11 +24,14 @@ import torch
 from server.sessions import Session, SessionTable, StepResult
 from swarm.errors import InternalServerError, ServerDraining, SessionNotFound, SwarmError
 from swarm.model import BlockRange
+from swarm.model.blocks import ForwardPass
 from swarm.model.paged_kv import PagedBatch, PagedKV, SequenceChunk
 from swarm.records import NextHop
 
 log = logging.getLogger(__name__)
 
+MAX_JOIN_PROGRESS = 0.5  # a computing batch takes in new steps until it has passed this share of its blocks
+MAX_ADMIT_PASSES = 8  # event loop passes that may hand over already-received steps before a batch forms
 RECENT_WINDOW_S = 1.0  # open sessions that stepped this recently count as active
 
 
@@ -59,18 +63,37 @@ class Step:
 
 
 @dataclass
+class _Pass:
+    """The batch on the compute thread now, and the steps that join it between two blocks.
+
+    The event loop appends to `joining`; the compute thread takes them in at the next block boundary, appends them
+    to `items` and, once the pass is done, sets `closed` (all under `lock`), after which nothing joins."""
+
+    items: list[tuple[Step, int]]
+    tokens: int
+    blocks: int = 0
+    blocks_done: int = 0  # written by the compute thread, read by the loop
+    closed: bool = False
+    joining: list[tuple[Step, int, torch.Tensor, PagedBatch]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
 class BatchStats:
     """What the scheduler has computed: batches by size (steps) and by tokens, and where they ran."""
 
     batches: int = 0
+    compute_ms: float = 0.0  # summed over batches
     mixed: int = 0  # batches where a prefill chunk and decode steps computed together
+    joined: int = 0  # steps that joined a batch already computing
     steps_by_place: Counter[str] = field(default_factory=Counter)  # "loop" or "pool": steps computed there
     sizes: Counter[int] = field(default_factory=Counter)  # power-of-two bucket of steps per batch -> batches
     tokens: Counter[int] = field(default_factory=Counter)  # power-of-two bucket of tokens per batch -> batches
     failed: Counter[str] = field(default_factory=Counter)  # error code -> steps that failed with it
 
-    def note(self, steps: int, tokens: int, *, mixed: bool, place: str) -> None:
+    def note(self, steps: int, tokens: int, *, compute_ms: float, mixed: bool, place: str) -> None:
         self.batches += 1
+        self.compute_ms += compute_ms
         self.mixed += mixed
         self.steps_by_place[place] += steps
         self.sizes[_bucket(steps)] += 1
@@ -80,7 +103,9 @@ class BatchStats:
         """Gives the histograms as `{"<= bound": batches}` maps, bounds in ascending order."""
         return {
             "batches": self.batches,
+            "compute_ms": round(self.compute_ms, 3),
             "mixed": self.mixed,
+            "joined": self.joined,
             "steps_per_batch": {f"<={bound}": count for bound, count in sorted(self.sizes.items())},
             "tokens_per_batch": {f"<={bound}": count for bound, count in sorted(self.tokens.items())},
             "steps_failed": dict(self.failed),
@@ -103,16 +128,17 @@ class StepScheduler:
         max_batch_tokens: int,
         inline_step_ms: float,
         block_compute_ms: float,
-        on_step_done: Callable[[Step], None],
+        on_steps_done: Callable[[list[Step]], None],
     ) -> None:
-        """`on_step_done(step)` runs once a step is committed, before its result is set (the server pushes it on)."""
+        """`on_steps_done(steps)` runs once the steps a batch completed are committed, before their results are set
+        (the server pushes them on, those bound for one next server together)."""
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
         self.blocks, self.kv, self.sessions = blocks, kv, sessions
         self.max_batch_tokens = max_batch_tokens
         self.inline_step_ms = inline_step_ms
         self.block_compute_ms = block_compute_ms  # one token through one block; refined by lone decode steps
-        self.on_step_done = on_step_done
+        self.on_steps_done = on_steps_done
         self.stats = BatchStats()
         self.computing = False
         self._queue: list[Step] = []
@@ -121,6 +147,7 @@ class StepScheduler:
         self._idle.set()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._task: asyncio.Task[None] | None = None
+        self._pass: _Pass | None = None  # the batch on the compute thread now, which steps may join
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="step-scheduler")
@@ -131,10 +158,33 @@ class StepScheduler:
         return len(self._queue)
 
     def submit(self, step: Step) -> None:
-        """Queues `step`; it joins the next batch that has room for it."""
+        """Queues `step`: it joins the batch computing now, between two of its blocks, if that batch has room and
+        has not gone far, and otherwise the next batch that has room for it."""
         self._queue.append(step)
         self._idle.clear()
+        if self._pass is not None:
+            self._join(self._pass, step)
         self._ready.set()
+
+    def _join(self, running: _Pass, step: Step) -> None:
+        """Hands `step` (or a chunk of it) to the batch computing now, if it fits its budget and progress."""
+        if step.session.closed or running.blocks_done > MAX_JOIN_PROGRESS * running.blocks:
+            return
+        take = min(step.remaining, (self.max_batch_tokens - running.tokens) // step.rows)
+        if take < 1:
+            return
+        try:
+            self.sessions.grow(step.session, step.session.position + step.done + take)
+        except SwarmError as error:
+            self._drop(step, error)
+            return
+        hidden, paged = self._assemble([(step, take)])
+        with running.lock:
+            if running.closed:
+                return  # the batch has just ended: the step waits in the queue for the next one
+            running.joining.append((step, take, hidden, paged))
+            running.tokens += take * step.rows
+        self.sessions.enter_batch(step.session)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Gives whether every queued step finished within `timeout_s`."""
@@ -159,10 +209,21 @@ class StepScheduler:
             await self._ready.wait()
             self._ready.clear()
             while self._queue:
+                await self._admit_what_arrived()
                 batch = self._next_batch()
                 if batch:
                     await self._compute(batch)
             self._idle.set()
+
+    async def _admit_what_arrived(self) -> None:
+        """Lets the event loop hand over the steps whose frames this process has already received (several pushes
+        read at once, say), so that they join the coming batch instead of waiting for the next one. This waits for
+        no network: each pass runs only callbacks that are ready now."""
+        for _ in range(MAX_ADMIT_PASSES):
+            queued = len(self._queue)
+            await asyncio.sleep(0)
+            if len(self._queue) == queued:
+                return
 
     def _next_batch(self) -> list[tuple[Step, int]]:
         """Gives the steps of the next batch and how many tokens of each compute in it: decode steps first, then
@@ -192,24 +253,27 @@ class StepScheduler:
 
     async def _compute(self, batch: list[tuple[Step, int]]) -> None:
         """Computes one batch, hands each step its chunk's output and finishes the steps that are complete."""
-        sessions = [step.session for step, _ in batch]
-        for session in sessions:
-            self.sessions.enter_batch(session)
+        for step, _ in batch:
+            self.sessions.enter_batch(step.session)
         self.computing = True
         inline = self._computes_inline(batch)
+        computed = batch
         try:
-            outputs, compute_ms = await self._forward_isolated(batch, inline)
+            outputs, compute_ms, computed = await self._forward_isolated(batch, inline=inline, joinable=not inline)
         finally:
             self.computing = False
-            for session in sessions:
-                self.sessions.leave_batch(session)
+            for step, _ in computed:  # the steps that joined it too
+                self.sessions.leave_batch(step.session)
+        self.stats.joined += len(computed) - len(batch)
+        batch = computed
         decode = any(step.tokens == 1 for step, _ in batch)
         prefill = any(step.tokens > 1 for step, _ in batch)
-        self.stats.note(len(batch), sum(take * step.rows for step, take in batch), mixed=decode and prefill,
-                        place="loop" if inline else "pool")
+        self.stats.note(len(batch), sum(take * step.rows for step, take in batch), compute_ms=compute_ms,
+                        mixed=decode and prefill, place="loop" if inline else "pool")
         if len(batch) == 1 and batch[0][0].rows * batch[0][1] == 1 and compute_ms > 0:
             sample_ms = compute_ms / batch[0][0].session.blocks  # a lone decode step refines the start-up figure
             self.block_compute_ms = 0.9 * self.block_compute_ms + 0.1 * sample_ms
+        finished = []
         for (step, take), output in zip(batch, outputs, strict=True):
             if isinstance(output, SwarmError):
                 self._drop(step, output)
@@ -219,33 +283,39 @@ class StepScheduler:
             step.compute_ms += compute_ms
             if step.remaining == 0:
                 self._queue.remove(step)
-                self._finish(step)
+                self._commit(step)
+                finished.append(step)
+        self._finish(finished)
 
     async def _forward_isolated(
-        self, batch: list[tuple[Step, int]], inline: bool
-    ) -> tuple[list[torch.Tensor | SwarmError], float]:
-        """Gives each step's output rows for its chunk (or its error) and the batch's compute time in ms. A batch
-        that fails is computed again one step at a time, so that only the steps that fail alone fail."""
+        self, batch: list[tuple[Step, int]], *, inline: bool, joinable: bool
+    ) -> tuple[list[torch.Tensor | SwarmError], float, list[tuple[Step, int]]]:
+        """Gives each step's output rows for its chunk (or its error), the batch's compute time in ms, and the
+        steps computed (`batch`, then those that joined it). A batch that fails is computed again one step at a
+        time, so that only the steps that fail alone fail."""
+        running = _Pass(items=list(batch), tokens=sum(take * step.rows for step, take in batch))
         try:
-            output, compute_ms = await self._forward(batch, inline)
+            output, compute_ms = await self._forward(running, inline=inline, joinable=joinable)
         except asyncio.CancelledError:
             raise
         except Exception as error:
-            if len(batch) == 1:
-                return [_typed(error, batch[0][0])], 0.0
-            log.warning("a batch of %d steps failed (%s: %s); computing them one by one", len(batch),
+            computed = running.items  # the batch, and whatever joined it before it failed
+            if len(computed) == 1:
+                return [_typed(error, computed[0][0])], 0.0, computed
+            log.warning("a batch of %d steps failed (%s: %s); computing them one by one", len(computed),
                         type(error).__name__, error)
             results: list[torch.Tensor | SwarmError] = []
             total_ms = 0.0
-            for item in batch:
-                alone, alone_ms = await self._forward_isolated([item], inline=False)
+            for item in computed:
+                alone, alone_ms, _ = await self._forward_isolated([item], inline=False, joinable=False)
                 results.extend(alone)
                 total_ms += alone_ms
-            return results, total_ms
-        sizes = [take * step.rows for step, take in batch]
-        return list(output.split(sizes)), compute_ms
+            return results, total_ms, computed
+        sizes = [take * step.rows for step, take in running.items]
+        return list(output.split(sizes)), compute_ms, running.items
 
-    async def _forward(self, batch: list[tuple[Step, int]], inline: bool) -> tuple[torch.Tensor, float]:
+    def _assemble(self, batch: list[tuple[Step, int]]) -> tuple[torch.Tensor, PagedBatch]:
+        """Gives the rows and the chunks of `batch`'s tokens, in order."""
         chunks: list[SequenceChunk] = []
         parts = []
         row = 0
@@ -253,20 +323,55 @@ class StepScheduler:
             chunks += step.session.chunks(row, step.done, take)
             parts.append(step.hidden[:, step.done : step.done + take].reshape(-1, step.hidden.shape[-1]))
             row += take * step.rows
-        hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
-        paged = PagedBatch(tuple(chunks))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), PagedBatch(tuple(chunks))
+
+    async def _forward(self, running: _Pass, *, inline: bool, joinable: bool) -> tuple[torch.Tensor, float]:
+        """Gives the output rows of `running`'s steps (and of those that join it) and the compute time in ms."""
+        hidden, paged = self._assemble(running.items)
+        running.blocks = max(c.block_end for c in paged.chunks) - min(c.block_start for c in paged.chunks)
         if inline:
-            return self._timed_forward(hidden, paged)
-        future: Future[tuple[torch.Tensor, float]] = self._executor.submit(self._timed_forward, hidden, paged)
+            return self._timed_forward(hidden, paged, None)
+        if joinable:
+            self._pass = running
+        future: Future[tuple[torch.Tensor, float]] = self._executor.submit(self._timed_forward, hidden, paged, running)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             future.result()  # the thread still writes into the batch's pages: they stay held until it is done
             raise
+        finally:
+            self._pass = None
+            with running.lock:
+                running.closed = True
+                late, running.joining = running.joining, []
+            for step, _, _, _ in late:  # came too late to join: they wait in the queue for the next batch
+                self.sessions.leave_batch(step.session)
 
-    def _timed_forward(self, hidden: torch.Tensor, batch: PagedBatch) -> tuple[torch.Tensor, float]:
+    def _timed_forward(
+        self, hidden: torch.Tensor, batch: PagedBatch, running: _Pass | None
+    ) -> tuple[torch.Tensor, float]:
+        """Gives the pass's output rows (the batch's, then each joined step's) and its compute time in ms. Between
+        two blocks it takes in the steps that `running` collected meanwhile."""
         started = time.perf_counter()
-        output = self.blocks(hidden, batch, self.kv)
+        forward_pass = ForwardPass(self.blocks, self.kv, hidden, batch)
+        while True:
+            if running is not None:
+                with running.lock:
+                    joining, running.joining = running.joining, []
+                    if forward_pass.done:
+                        running.closed = True
+                for step, take, rows, chunks in joining:
+                    if forward_pass.done:  # too late: returned to the queue below
+                        with running.lock:
+                            running.joining.append((step, take, rows, chunks))
+                        continue
+                    forward_pass.join(rows, chunks)
+                    running.items.append((step, take))
+                running.blocks_done = forward_pass.next_block - forward_pass.first_block
+            if forward_pass.done:
+                break
+            forward_pass.advance()
+        output = forward_pass.hidden
         if output.device.type == "cuda":
             torch.cuda.synchronize(output.device)
         return output, (time.perf_counter() - started) * 1000
@@ -286,20 +391,28 @@ class StepScheduler:
         expected_ms = step.rows * take * step.session.blocks * self.block_compute_ms
         return expected_ms <= self.inline_step_ms
 
-    def _finish(self, step: Step) -> None:
-        """Commits a complete step to its session, lets the server push it on and resolves its result."""
+    @staticmethod
+    def _commit(step: Step) -> None:
+        """Makes a complete step's tokens part of its session's history."""
         session = step.session
         output = step.outputs[0] if len(step.outputs) == 1 else torch.cat(step.outputs, dim=1)
         session.position += step.tokens
         session.last_step_id, session.last_result = step.step_id, StepResult(output, step.compute_ms)
         session.last_active_s = time.monotonic()
         session.running = None
+
+    def _finish(self, steps: list[Step]) -> None:
+        """Lets the server push committed steps on, then resolves their results."""
+        if not steps:
+            return
         try:
-            self.on_step_done(step)
-        except Exception:  # a failing push must not keep the step's reply from the client
-            log.exception("after-step hook failed for session %s", session.session_id)
+            self.on_steps_done(steps)
+        except Exception:  # a failing push must not keep the steps' replies from their clients
+            log.exception("after-batch hook failed")
         finally:
-            step.result.set_result(session.last_result)
+            for step in steps:
+                assert step.session.last_result is not None
+                step.result.set_result(step.session.last_result)
 
     def _drop(self, step: Step, error: SwarmError) -> None:
         if step in self._queue:

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 _THROUGHPUT_MIN_BYTES = 64 << 10  # smaller frames measure latency, not bandwidth
 MAX_PUSH_WAIT_MS = 600_000
+MAX_PUSHED_STEPS = 256
 
 
 def field(payload: dict[str, Any], name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
@@ -83,7 +84,7 @@ class SwarmServer:
         self.scheduler = StepScheduler(
             self.blocks, self.kv, self.sessions, max_batch_tokens=config.max_batch_tokens,
             inline_step_ms=config.inline_step_ms, block_compute_ms=self.block_decode_ms[1],
-            on_step_done=self._push_on,
+            on_steps_done=self._push_on,
         )
         self.state = ServerState.joining
         self.network_mbps: float | None = None
@@ -241,10 +242,23 @@ class SwarmServer:
                 "compute_ms": result.compute_ms}
 
     async def _push(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
-        """Accepts a step pushed by the previous server of a chain (a notification: its reply is not sent) and
-        computes it in the background."""
-        validate_compression(field(payload, "compression", str, optional=True))
-        self._admit_step(payload, ctx)
+        """Accepts steps pushed by the previous server of a chain (a notification: its reply is not sent) and
+        computes them in the background: one step, or `steps`, a list of them that a batch there finished."""
+        if "steps" not in payload:
+            validate_compression(field(payload, "compression", str, optional=True))
+            self._admit_step(payload, ctx)
+            return {}
+        steps = field(payload, "steps", list)
+        if not 0 < len(steps) <= MAX_PUSHED_STEPS:
+            raise MalformedFrame(f"a push carries 1..{MAX_PUSHED_STEPS} steps, got {len(steps)}")
+        for step in steps:  # each on its own: one that cannot run does not keep the others from running
+            try:
+                if not isinstance(step, dict):
+                    raise MalformedFrame(f"a pushed step is not a map: {step!r:.100}")
+                validate_compression(field(step, "compression", str, optional=True))
+                self._admit_step(step, ctx)
+            except SwarmError as error:
+                log.debug("pushed step refused: %s: %s", type(error).__name__, error.message)
         return {}
 
     def _known_step(self, session: Session, step_id: str | None) -> asyncio.Future[StepResult] | None:
@@ -319,18 +333,23 @@ class SwarmServer:
         self.scheduler.submit(step)
         return session, result
 
-    def _push_on(self, step: Step) -> None:
-        """Sends a finished step's output to the next server of its chain. A step without an id cannot be matched
-        with the client's own copy of it, so it is never pushed."""
-        session, result = step.session, step.session.last_result
-        if not step.next_hops or step.step_id is None or self.pusher is None or result is None:
+    def _push_on(self, steps: list[Step]) -> None:
+        """Sends finished steps' outputs to the next servers of their chains; the steps of one batch bound for one
+        server go in one frame, so that they reach it together and compute together there too. A step without an
+        id cannot be matched with the client's own copy of it, so it is never pushed."""
+        if self.pusher is None:
             return
-        if self.sessions.is_open(session):
+        pushes = []
+        for step in steps:
+            session, result = step.session, step.session.last_result
+            if not step.next_hops or step.step_id is None or result is None or not self.sessions.is_open(session):
+                continue
             push = {"step_id": step.step_id, "position": session.position - step.tokens,
                     "hidden": encode_tensor(result.output, step.compression)}
             if step.compression is not None:
                 push["compression"] = step.compression
-            self.pusher.push(step.next_hops, push, block=session.end)
+            pushes.append((step.next_hops, push, session.end))
+        self.pusher.push_all(pushes)
 
     async def _announced_addrs(self, peer_id: str, block: int) -> list[str] | None:
         """Gives the addresses `peer_id` announced in the DHT for `block` of this model, None if it did not."""

@@ -55,6 +55,7 @@ class SwarmProcesses:
         self, workdir: Path, *, announce_period_s: float = 1.0, record_ttl_s: float = 4.0, torch_threads: int = 0
     ) -> None:
         self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
         self.announce_period_s, self.record_ttl_s = announce_period_s, record_ttl_s
         self.torch_threads = torch_threads
         self.procs: list[Proc] = []

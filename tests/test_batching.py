@@ -96,7 +96,6 @@ def test_eight_sessions_started_at_different_moments_each_match_the_local_model(
 ) -> None:
     path = write_tiny_checkpoint(family, tmp_path / family, **FAMILIES[family])
     inputs = prompts(8, seed=len(family))
-    (tmp_path / "swarm").mkdir()
     with SwarmProcesses(tmp_path / "swarm") as swarm:
         start_swarm(swarm, path, ["0:3", "3:6", "6:8"])
         model = DistributedModelForCausalLM.from_pretrained(str(path), initial_peers=swarm.initial_peers)

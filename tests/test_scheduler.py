@@ -16,6 +16,7 @@ from server.sessions import Session, SessionTable, StepResult
 from swarm.errors import InternalServerError, ServerBusy
 from swarm.memory import PagePool
 from swarm.model import BlockRange, resolve_model
+from swarm.model.blocks import ForwardPass
 from tests.reference import ReferenceBlocks
 
 HIDDEN = 64
@@ -25,7 +26,7 @@ class Engine:
     """A server's hosting core without the network: blocks 0:8 of the tiny Llama, sessions and the scheduler."""
 
     def __init__(self, model: Path, *, pages: int, max_batch_tokens: int, page_tokens: int = 16,
-                 on_step_done: Callable[[Step], None] = lambda step: None) -> None:
+                 on_steps_done: Callable[[list[Step]], None] = lambda steps: None) -> None:
         self.source = resolve_model(str(model))
         self.blocks = BlockRange(self.source, 0, 8)
         page_bytes = page_tokens * self.blocks.kv_bytes_per_token()
@@ -34,7 +35,7 @@ class Engine:
         self.sessions = SessionTable(block_start=0, block_end=8, pool=self.pool, tokens_per_page=kv.tokens_per_page,
                                      max_length=256, headroom_tokens=0)
         self.scheduler = StepScheduler(self.blocks, kv, self.sessions, max_batch_tokens=max_batch_tokens,
-                                       inline_step_ms=0, block_compute_ms=1.0, on_step_done=on_step_done)
+                                       inline_step_ms=0, block_compute_ms=1.0, on_steps_done=on_steps_done)
         self.references: dict[str, ReferenceBlocks] = {}
         self.generator = torch.Generator().manual_seed(0)
 
@@ -91,15 +92,16 @@ def test_a_long_prefill_is_chunked_and_decode_steps_ride_in_every_batch(tiny_lla
         expected: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
         results: dict[str, list[asyncio.Future[StepResult]]] = {"a": [], "b": []}
 
-        def next_decode(step: Step) -> None:  # a client whose next token is ready as soon as the last is done
-            name = step.session.session_id
-            if name in decoding and decoding[name] > 0:
-                decoding[name] -= 1
-                result, output = engine.submit(step.session, 1)
-                results[name].append(result)
-                expected[name].append(output)
+        def next_decode(steps: list[Step]) -> None:  # clients whose next token is ready as soon as the last is done
+            for step in steps:
+                name = step.session.session_id
+                if name in decoding and decoding[name] > 0:
+                    decoding[name] -= 1
+                    result, output = engine.submit(step.session, 1)
+                    results[name].append(result)
+                    expected[name].append(output)
 
-        engine = Engine(tiny_llama, pages=64, max_batch_tokens=10, on_step_done=next_decode)
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=10, on_steps_done=next_decode)
         a, b, long = engine.open("a"), engine.open("b"), engine.open("long")
         engine.scheduler.start()
         for session in (a, b):  # short prompts first
@@ -210,6 +212,42 @@ def test_a_session_closed_while_its_batch_computes_gets_its_pages_back_after_it(
         await closed_result
         assert not engine.pool.has_session("closing")
         engine.pool.check_invariants()
+        await engine.scheduler.stop()
+
+    scenario(body)
+
+
+def test_a_step_that_arrives_while_a_batch_computes_joins_it_between_two_blocks(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def body() -> None:
+        started, release = threading.Event(), threading.Event()
+        advance = ForwardPass.advance
+
+        def held_advance(self: ForwardPass) -> None:  # the first block waits until the test has sent more steps
+            started.set()
+            release.wait(30)
+            advance(self)
+
+        monkeypatch.setattr(ForwardPass, "advance", held_advance)
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=64)
+        engine.scheduler.start()
+        first, late, too_big = engine.open("first"), engine.open("late"), engine.open("too-big")
+        computing, computing_expected = engine.submit(first, 3)
+        for _ in range(1000):
+            if started.is_set():
+                break
+            await asyncio.sleep(0.01)
+        joining, joining_expected = engine.submit(late, 2)  # fits the budget: joins at the next block boundary
+        waiting, waiting_expected = engine.submit(too_big, 70)  # does not: a chunk of it joins, the rest waits
+        release.set()
+        for result, expected in ((computing, computing_expected), (joining, joining_expected),
+                                 (waiting, waiting_expected)):
+            await result
+            check(result, expected)
+        stats = engine.scheduler.stats
+        assert stats.joined == 2  # the late step and the first chunk of the big one
+        assert stats.batches == 2 and stats.sizes[4] == 1  # 3 + 2 + 59 tokens at once, then the big one's last 11
         await engine.scheduler.stop()
 
     scenario(body)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -119,17 +120,53 @@ class BlockRange(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: PagedBatch, kv: PagedKV) -> torch.Tensor:
         """Gives the hidden states ([rows, hidden]) after each chunk's blocks, for `hidden` ([rows, hidden]) of
         `batch`; every chunk's keys and values are written into its pages."""
-        hidden = hidden.to(self.device, self.dtype)
-        cos, sin = self.rotary.lookup(batch.positions())
-        first = min(chunk.block_start for chunk in batch.chunks)
-        last = max(chunk.block_end for chunk in batch.chunks)
-        for index in range(first, last):
-            block = self.blocks[index - self.start]
-            through = batch.through(index)
-            if through is batch:
-                hidden = block(hidden, batch, kv, index, cos, sin)
-                continue
-            rows = batch.row_index(index).to(self.device)
-            part = block(hidden[rows], through, kv, index, cos[rows], sin[rows])
-            hidden = hidden.index_copy(0, rows, part)
-        return hidden
+        forward_pass = ForwardPass(self, kv, hidden, batch)
+        forward_pass.run_to(forward_pass.end_block)
+        return forward_pass.hidden
+
+
+class ForwardPass:
+    """A forward pass through a BlockRange in progress, one block at a time. Chunks may join it between two blocks:
+    they first run alone through the blocks it has passed, then go on in it (continuous batching, per block)."""
+
+    def __init__(self, blocks: BlockRange, kv: PagedKV, hidden: torch.Tensor, batch: PagedBatch) -> None:
+        self.blocks, self.kv = blocks, kv
+        self.hidden = hidden.to(blocks.device, blocks.dtype)
+        self.batch = batch
+        self.cos, self.sin = blocks.rotary.lookup(batch.positions())
+        self.first_block = self.next_block = min(chunk.block_start for chunk in batch.chunks)
+        self.end_block = max(chunk.block_end for chunk in batch.chunks)
+
+    @property
+    def done(self) -> bool:
+        return self.next_block >= self.end_block
+
+    @torch.inference_mode()
+    def advance(self) -> None:
+        """Computes the next block for the chunks that pass through it."""
+        index, batch = self.next_block, self.batch
+        block = self.blocks.blocks[index - self.blocks.start]
+        through = batch.through(index)
+        if through is batch:
+            self.hidden = block(self.hidden, batch, self.kv, index, self.cos, self.sin)
+        elif through.chunks:
+            rows = batch.row_index(index).to(self.blocks.device)
+            part = block(self.hidden[rows], through, self.kv, index, self.cos[rows], self.sin[rows])
+            self.hidden = self.hidden.index_copy(0, rows, part)
+        self.next_block += 1
+
+    def run_to(self, block: int) -> None:
+        """Computes blocks until the next one is `block` (or the pass is done)."""
+        while self.next_block < min(block, self.end_block):
+            self.advance()
+
+    def join(self, hidden: torch.Tensor, batch: PagedBatch) -> None:
+        """Adds `batch`'s chunks (rows `hidden`) to this pass, their rows after its own."""
+        joining = ForwardPass(self.blocks, self.kv, hidden, batch)
+        joining.run_to(self.next_block)  # catch up through the blocks this pass has computed
+        offset = self.hidden.shape[0]
+        renumbered = tuple(replace(chunk, row=chunk.row + offset) for chunk in batch.chunks)
+        self.batch = PagedBatch(self.batch.chunks + renumbered)
+        self.hidden = torch.cat([self.hidden, joining.hidden])
+        self.cos, self.sin = torch.cat([self.cos, joining.cos]), torch.cat([self.sin, joining.sin])
+        self.end_block = max(self.end_block, joining.end_block)

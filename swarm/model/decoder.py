@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from swarm.errors import UnsupportedArchitecture
-from swarm.model.paged_kv import PagedBatch, PagedKV
+from swarm.model.paged_kv import DecodeGroup, PagedBatch, PagedKV, SequenceChunk
 
 
 class RMSNorm(nn.Module):
@@ -133,30 +133,56 @@ class DecoderBlock(nn.Module):
         block: int,
     ) -> torch.Tensor:
         """Gives each row's attention output ([rows, heads * head_dim]): every sequence attends over its own pages."""
-        outputs = []
-        groups = self.heads // self.kv_heads
+        output = queries.new_empty(queries.shape[0], self.heads * self.head_dim)
+        group = batch.decode_group(kv.tokens_per_page)
+        if group is not None:
+            output[group.rows] = self._attend_decodes(queries, keys, values, group, kv, block)
         for chunk in batch.chunks:
-            rows, position, tokens = chunk.rows, chunk.position, chunk.tokens
-            pages = chunk.pages[block]
-            kv.write(pages, position, keys[rows], values[rows])
-            end = position + tokens
-            window = self.sliding_window
-            if tokens == 1:
-                start = max(0, end - window) if window is not None else 0
-                past_keys, past_values = kv.read(pages, start, end)
-                # One query per head: the heads sharing a KV head become that head's queries, so no KV is repeated.
-                query = queries[rows].view(self.kv_heads, groups, self.head_dim)
-                output = F.scaled_dot_product_attention(query[None], past_keys[None], past_values[None])
-                outputs.append(output.view(1, -1))
-                continue
-            past_keys, past_values = kv.read(pages, 0, end)
-            query = queries[rows].transpose(0, 1)[None]
-            mask = chunk_mask(tokens, position, window, device=queries.device)
-            output = F.scaled_dot_product_attention(
-                query, past_keys[None], past_values[None], attn_mask=mask, is_causal=mask is None, enable_gqa=True
-            )
-            outputs.append(output[0].transpose(0, 1).reshape(tokens, -1))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+            if group is not None and chunk.tokens == 1 and chunk.position < kv.tokens_per_page:
+                continue  # in the group
+            output[chunk.rows] = self._attend_one(queries[chunk.rows], keys[chunk.rows], values[chunk.rows], chunk,
+                                                  kv, block)
+        return output
+
+    def _attend_one(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chunk: SequenceChunk, kv: PagedKV,
+        block: int,
+    ) -> torch.Tensor:
+        """Gives one sequence's attention output for its chunk's tokens, reading its history page by page."""
+        position, tokens, window = chunk.position, chunk.tokens, self.sliding_window
+        pages = chunk.pages[block]
+        kv.write(pages, position, keys, values)
+        end = position + tokens
+        if tokens == 1:
+            start = max(0, end - window) if window is not None else 0
+            past_keys, past_values = kv.read(pages, start, end)
+            # One query per head: the heads sharing a KV head become that head's queries, so no KV is repeated.
+            query = queries.view(self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+            output = F.scaled_dot_product_attention(query[None], past_keys[None], past_values[None])
+            return output.view(1, -1)
+        past_keys, past_values = kv.read(pages, 0, end)
+        mask = chunk_mask(tokens, position, window, device=queries.device)
+        output = F.scaled_dot_product_attention(
+            queries.transpose(0, 1)[None], past_keys[None], past_values[None], attn_mask=mask,
+            is_causal=mask is None, enable_gqa=True,
+        )
+        return output[0].transpose(0, 1).reshape(tokens, -1)
+
+    def _attend_decodes(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: DecodeGroup, kv: PagedKV,
+        block: int,
+    ) -> torch.Tensor:
+        """Gives the attention output of a group of decode steps, one padded attention call for all of them."""
+        device = queries.device
+        first_pages = torch.tensor([chunk.pages[block][0] for chunk in group.chunks], device=device)
+        rows, offsets = group.rows.to(device), group.offsets.to(device)
+        kv.pages[first_pages, 0, :, offsets] = keys[rows]
+        kv.pages[first_pages, 1, :, offsets] = values[rows]
+        history = kv.pages[first_pages, :, :, : group.length]  # [sequences, 2, kv_heads, length, head_dim]
+        query = queries[rows].view(len(group.chunks), self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+        mask = group.mask(self.sliding_window).to(device)
+        output = F.scaled_dot_product_attention(query, history[:, 0], history[:, 1], attn_mask=mask)
+        return output.reshape(len(group.chunks), -1)
 
 
 def chunk_mask(tokens: int, position: int, window: int | None, *, device: torch.device) -> torch.Tensor | None:

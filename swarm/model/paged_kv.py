@@ -8,7 +8,8 @@ token order (its page table), so nothing needs a contiguous run and a session ta
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -88,10 +89,50 @@ class SequenceChunk:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """The decode steps of a batch whose whole history lies in their first page: their attention runs as one
+    padded batch, since gathering their short histories costs less than one attention call per sequence."""
+
+    chunks: tuple[SequenceChunk, ...]
+    rows: torch.Tensor  # their rows in the batch (int64, [sequences])
+    offsets: torch.Tensor  # where each new token goes in its page
+    length: int  # the longest history, new token included
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # sliding window -> [sequences, 1, 1, length]
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Gives which keys each sequence's query sees: its own history (within `window`), not the padding."""
+        if window not in self.masks:
+            keys = torch.arange(self.length)[None, :]
+            positions = self.offsets[:, None]
+            allowed = keys <= positions
+            if window is not None:
+                allowed &= keys > positions - window
+            self.masks[window] = allowed[:, None, None, :]
+        return self.masks[window]
+
+
+MAX_GROUPED_KEYS = 2048  # sequences x longest history above which decode attention runs sequence by sequence
+
+
+@dataclass(frozen=True)
 class PagedBatch:
     """Every sequence chunk of one forward pass, their rows in order and contiguous."""
 
     chunks: tuple[SequenceChunk, ...]
+
+    def decode_group(self, tokens_per_page: int) -> DecodeGroup | None:
+        """Gives the decode steps whose attention can run as one padded batch (None if fewer than two)."""
+        cached = self.__dict__.get("_decode_group", False)
+        if cached is not False:
+            return cached
+        chunks = tuple(chunk for chunk in self.chunks if chunk.tokens == 1 and chunk.position < tokens_per_page)
+        length = max((chunk.position + 1 for chunk in chunks), default=0)
+        group = None
+        if len(chunks) >= 2 and len(chunks) * length <= MAX_GROUPED_KEYS:
+            group = DecodeGroup(chunks, torch.tensor([chunk.row for chunk in chunks]),
+                                torch.tensor([chunk.position for chunk in chunks]), length)
+        self.__dict__["_decode_group"] = group  # computed once, used by every block of the pass
+        return group
 
     @property
     def rows(self) -> int:
@@ -112,6 +153,10 @@ class PagedBatch:
                                             chunk.pages))
             row += chunk.tokens
         return PagedBatch(tuple(renumbered))
+
+    @cached_property
+    def _positions(self) -> torch.Tensor:
+        return torch.cat([torch.arange(c.position, c.position + c.tokens) for c in self.chunks])
 
     def row_index(self, block: int) -> torch.Tensor:
         """Gives the rows (of this batch) of the chunks that pass through `block`."""
