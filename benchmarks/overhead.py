@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -279,9 +280,9 @@ def run_swarm(
     step_ms: list[float] = []
     session_step = session.step
 
-    def timed_step(hidden: torch.Tensor) -> torch.Tensor:
+    def timed_step(hidden: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         started_s = time.perf_counter()
-        output = session_step(hidden)
+        output = session_step(hidden, **kwargs)
         step_ms.append((time.perf_counter() - started_s) * 1000)
         return output
 

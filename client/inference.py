@@ -62,6 +62,7 @@ class SpanTimings:
     steps: int = 0
     round_trip_ms: float = 0.0
     compute_ms: float = 0.0
+    batches: int = 0  # batches the server computed this session's steps in (a long prompt takes several)
     output_at_ms: float = 0.0
 
 
@@ -266,6 +267,7 @@ class RemoteInferenceSession:
         timings.round_trip_ms += (received - started) * 1000
         timings.output_at_ms += (received - self._step_started_s) * 1000
         timings.compute_ms += float(reply.get("compute_ms", 0.0))
+        timings.batches += int(reply.get("batches", 1))
         return decode_tensor(reply["hidden"], dtype=dtype or (hidden.dtype if hidden is not None else None))
 
     async def _replace(self, index: int) -> None:

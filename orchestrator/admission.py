@@ -16,12 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from swarm.memory import kv_pages_for
+
 DEFAULT_HEADROOM_TOKENS = 256
-
-
-def pages_for_tokens(tokens: int, tokens_per_page: int) -> int:
-    """Gives the pages one sequence's KV for one block takes at `tokens` tokens (at least one)."""
-    return max(1, -(-tokens // tokens_per_page))
 
 
 @dataclass(frozen=True)
@@ -47,7 +44,7 @@ class KVPolicy:
         """Gives the pages a session is expected to hold once it grows by the headroom: `sequences` is its blocks
         on this server times its batch rows, `tokens` what it holds now."""
         grown = min(max_length, tokens + self.headroom_tokens)
-        return sequences * pages_for_tokens(grown, self.tokens_per_page)
+        return sequences * kv_pages_for(grown, self.tokens_per_page)
 
     def growth_reserve(self, running: Iterable[SessionKV]) -> int:
         """Gives the free pages the running sessions are expected to still take."""

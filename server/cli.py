@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds a DHT record lives unless refreshed")
     parser.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to let steps finish on shutdown")
     parser.add_argument(
-        "--max-batch-tokens", type=_positive, default=256,
-        help="tokens one forward pass computes at most: every waiting decode step, then chunks of prefills",
+        "--max-batch-tokens", type=_positive, default=None,
+        help="tokens one forward pass computes at most: every waiting decode step, then chunks of prefills "
+        "(default 128 on CPU, 2048 on CUDA)",
     )
     parser.add_argument(
         "--kv-headroom-tokens", type=_non_negative, default=DEFAULT_HEADROOM_TOKENS,

@@ -32,7 +32,8 @@ class ServerConfig:
     record_ttl_s: float = 30.0
     drain_timeout_s: float = 10.0
     push_timeout_s: float = 10.0
-    max_batch_tokens: int = 256  # tokens one batch computes at most: every decode step, then prefill chunks
+    max_batch_tokens: int | None = None  # tokens one batch computes at most (decode steps, then prefill chunks);
+    # None: the device's default (server.scheduler.DEFAULT_MAX_BATCH_TOKENS)
     kv_headroom_tokens: int = DEFAULT_HEADROOM_TOKENS  # growth expected of each running session, for admission
     inline_step_ms: float = 50.0  # a step expected within this computes on the event loop when it is the only one
     torch_threads: int = 0  # intra-op threads of a step; 0 keeps torch's default

@@ -15,7 +15,7 @@ import torch
 from server.compute import cached_block_decode_ms
 from server.config import ServerConfig
 from server.push import Pusher
-from server.scheduler import Step, StepScheduler
+from server.scheduler import DEFAULT_MAX_BATCH_TOKENS, Step, StepScheduler
 from server.sessions import Session, SessionTable, StepResult
 from swarm.dht import Announcer, lookup_block_async
 from swarm.errors import (
@@ -81,8 +81,9 @@ class SwarmServer:
             max_length=config.max_length, headroom_tokens=config.kv_headroom_tokens,
         )
         self.block_decode_ms = cached_block_decode_ms(self.blocks, self.source.model_id)
+        self.max_batch_tokens = config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(self.device.type, 128)
         self.scheduler = StepScheduler(
-            self.blocks, self.kv, self.sessions, max_batch_tokens=config.max_batch_tokens,
+            self.blocks, self.kv, self.sessions, max_batch_tokens=self.max_batch_tokens,
             inline_step_ms=config.inline_step_ms, block_compute_ms=self.block_decode_ms[1],
             on_steps_done=self._push_on,
         )
@@ -159,7 +160,7 @@ class SwarmServer:
         log.info(
             "Serving %s blocks %d:%d as %s on %d torch thread(s); %s; %d tokens per KV page; batches of up to %d "
             "tokens", self.source.model_id, self.blocks.start, self.blocks.end, self.peer_id, torch.get_num_threads(),
-            self.pool.stats(), self.kv.tokens_per_page, self.config.max_batch_tokens,
+            self.pool.stats(), self.kv.tokens_per_page, self.max_batch_tokens,
         )
 
     async def shutdown(self) -> None:
@@ -239,7 +240,7 @@ class SwarmServer:
             session, result = self._admit_step(payload, ctx)
         result = await asyncio.shield(result)  # a client that goes away does not cancel a step others await
         return {"hidden": encode_tensor(result.output, compression), "position": session.position,
-                "compute_ms": result.compute_ms}
+                "compute_ms": result.compute_ms, "batches": result.batches}
 
     async def _push(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         """Accepts steps pushed by the previous server of a chain (a notification: its reply is not sent) and

@@ -28,10 +28,12 @@ MAX_BATCH_ROWS = 64
 
 @dataclass(frozen=True)
 class StepResult:
-    """A computed step: the hidden states after the session's last block and the compute time it took."""
+    """A computed step: the hidden states after the session's last block, the compute time of the batches it went
+    through, and how many they were (a long prompt computes chunk by chunk)."""
 
     output: torch.Tensor
     compute_ms: float
+    batches: int = 1
 
 
 @dataclass
@@ -62,10 +64,6 @@ class Session:
     @property
     def pages_held(self) -> int:
         return sum(len(pages) for rows in self.page_tables.values() for pages in rows)
-
-    def tokens_held(self, tokens_per_page: int) -> int:
-        """Gives how many tokens per row its pages hold room for."""
-        return min(len(pages) for pages in self.page_tables[self.start]) * tokens_per_page
 
     def chunks(self, first_row: int, offset: int, tokens: int) -> list[SequenceChunk]:
         """Gives one chunk per batch row for `tokens` tokens starting `offset` tokens after the committed position,

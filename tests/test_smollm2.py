@@ -9,25 +9,40 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 from client import DistributedModelForCausalLM
 from swarm.local_swarm import SwarmProcesses, threads_per_server
 from swarm.model import DEFAULT_MODEL, resolve_model
+from tests.test_batching import generate_concurrently, infos, multi_step_batches
 from tests.test_swarm_generate import start_swarm
 
 pytestmark = pytest.mark.slow
 
 
-def test_smollm2_chat_through_three_servers_matches_local_generate(
-    swarm_factory: SwarmProcesses, capsys: pytest.CaptureFixture[str]
-) -> None:
+@pytest.fixture(scope="module")
+def smollm2_swarm(swarm_factory: SwarmProcesses) -> SwarmProcesses:
     source = resolve_model(DEFAULT_MODEL)  # converts the bundled GGUF once into the cache
     swarm_factory.torch_threads = threads_per_server(3)  # as the demo starts them
     start_swarm(swarm_factory, source.path, ["0:10", "10:20", "20:30"])
     for server in (proc for proc in swarm_factory.procs if proc.name != "dht"):
         assert f"on {threads_per_server(3)} torch thread(s)" in server.output(), server.output()[-2000:]
+    return swarm_factory
+
+
+@pytest.fixture(scope="module")
+def local_smollm2() -> AutoModelForCausalLM:
+    return AutoModelForCausalLM.from_pretrained(resolve_model(DEFAULT_MODEL).path, dtype=torch.float32).eval()
+
+
+def chat(tokenizer: AutoTokenizer, question: str) -> torch.Tensor:
+    messages = [{"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+
+
+def test_smollm2_chat_through_three_servers_matches_local_generate(
+    smollm2_swarm: SwarmProcesses, local_smollm2: AutoModelForCausalLM, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = resolve_model(DEFAULT_MODEL)
     tokenizer = AutoTokenizer.from_pretrained(source.path)
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
-    local = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
-    expected = local.generate(input_ids, max_new_tokens=24, do_sample=False)
-    remote = DistributedModelForCausalLM.from_pretrained(DEFAULT_MODEL, initial_peers=swarm_factory.initial_peers)
+    input_ids = chat(tokenizer, "What is the capital of France?")
+    expected = local_smollm2.generate(input_ids, max_new_tokens=24, do_sample=False)
+    remote = DistributedModelForCausalLM.from_pretrained(DEFAULT_MODEL, initial_peers=smollm2_swarm.initial_peers)
     try:
         with remote.inference_session(max_length=input_ids.shape[1] + 24) as session:
             streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -39,3 +54,33 @@ def test_smollm2_chat_through_three_servers_matches_local_generate(
     reply = tokenizer.decode(actual[0, input_ids.shape[1]:], skip_special_tokens=True)
     assert "Paris" in reply
     assert reply.strip() in capsys.readouterr().out
+
+
+QUESTIONS = [
+    "Hi!",
+    "What is the capital of France?",
+    "Name three colours.",
+    "Why is the sky blue? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+    "Give me a synonym for happy, and explain why it fits.",
+    "Explain in two sentences what a transformer model is and why it is used for language.",
+]
+
+
+def test_eight_concurrent_smollm2_sessions_each_match_the_local_model(
+    smollm2_swarm: SwarmProcesses, local_smollm2: AutoModelForCausalLM
+) -> None:
+    source = resolve_model(DEFAULT_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(source.path)
+    prompts = [chat(tokenizer, question) for question in QUESTIONS]
+    assert len({ids.shape[1] for ids in prompts}) == len(prompts)  # every prompt has its own length
+    expected = [local_smollm2.generate(ids, max_new_tokens=12, do_sample=False)[0].tolist() for ids in prompts]
+    remote = DistributedModelForCausalLM.from_pretrained(DEFAULT_MODEL, initial_peers=smollm2_swarm.initial_peers)
+    try:
+        outputs, _ = generate_concurrently(remote, prompts, max_new_tokens=12, stagger_s=0.05)
+        replies = infos(remote.swarm)
+    finally:
+        remote.shutdown()
+    assert outputs == expected
+    assert all(multi_step_batches(reply) > 0 for reply in replies.values())  # every server batched their steps

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -14,10 +13,12 @@ from swarm.errors import UnsupportedArchitecture
 
 @dataclass(frozen=True)
 class DecoderFamily:
-    """How to build and run one decoder-only family whose checkpoints use the `model.layers.{i}` layout.
+    """What distinguishes one decoder-only family whose checkpoints use the `model.layers.{i}` layout.
 
-    Llama, Mistral and Qwen2 share this layout in transformers; what differs is the classes that build a block,
-    the rotary embedding and the final norm, and whether a block attends over a sliding window.
+    Llama, Mistral and Qwen2 share this layout, and the server runs all of them with one block implementation
+    (`swarm.model.decoder`); what differs is data: the rotary embedding (its scaling), whether a block attends over
+    a sliding window, and the biases a checkpoint carries. `decoder_layer` names transformers' block class, the
+    reference the server's block is tested against.
     """
 
     name: str
@@ -30,11 +31,6 @@ class DecoderFamily:
     embed_key: str = "model.embed_tokens.weight"
     norm_key: str = "model.norm.weight"
     lm_head_key: str = "lm_head.weight"
-
-    def build_block(self, config: PretrainedConfig, index: int) -> nn.Module:
-        """Gives an uninitialised block `index` on the meta device, ready for `load_state_dict(assign=True)`."""
-        with torch.device("meta"):
-            return self.decoder_layer(config, layer_idx=index)
 
     def block_prefix(self, index: int) -> str:
         """Gives the checkpoint key prefix of block `index`."""

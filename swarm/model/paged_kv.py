@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 
-from swarm.memory import kv_tokens_per_page
+from swarm.memory import kv_bytes_per_token, kv_tokens_per_page
 
 
 class PagedKV:
@@ -27,18 +26,19 @@ class PagedKV:
         self, storage: torch.Tensor, page_bytes: int, *, kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> None:
         element_bytes = torch.finfo(dtype).bits // 8
-        self.tokens_per_page = kv_tokens_per_page(page_bytes, 2 * kv_heads * head_dim * element_bytes)
+        bytes_per_token = kv_bytes_per_token(kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+        self.tokens_per_page = kv_tokens_per_page(page_bytes, bytes_per_token)
         if self.tokens_per_page < 1:
             raise ValueError(
-                f"a page of {page_bytes} bytes cannot hold one token's KV for one block "
-                f"({2 * kv_heads * head_dim * element_bytes} bytes); use a larger page size"
+                f"a page of {page_bytes} bytes cannot hold one token's KV for one block ({bytes_per_token} bytes); "
+                f"use a larger page size"
             )
         if page_bytes % element_bytes:
             raise ValueError(f"the page size {page_bytes} is not a multiple of {element_bytes} ({dtype})")
         if storage.dtype != torch.uint8 or storage.numel() % page_bytes:
             raise ValueError(f"storage must be pages of {page_bytes} bytes, got {storage.dtype}[{storage.numel()}]")
         pages_total = storage.numel() // page_bytes
-        used_bytes = 2 * kv_heads * self.tokens_per_page * head_dim * element_bytes
+        used_bytes = self.tokens_per_page * bytes_per_token
         by_page = storage.view(pages_total, page_bytes)[:, :used_bytes]
         self.pages = by_page.view(dtype).view(pages_total, 2, kv_heads, self.tokens_per_page, head_dim)
         self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
@@ -153,10 +153,6 @@ class PagedBatch:
                                             chunk.pages))
             row += chunk.tokens
         return PagedBatch(tuple(renumbered))
-
-    @cached_property
-    def _positions(self) -> torch.Tensor:
-        return torch.cat([torch.arange(c.position, c.position + c.tokens) for c in self.chunks])
 
     def row_index(self, block: int) -> torch.Tensor:
         """Gives the rows (of this batch) of the chunks that pass through `block`."""
