@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -385,13 +385,12 @@ class StepScheduler:
                     joining, running.joining = running.joining, []
                     if forward_pass.done:
                         running.closed = True
-                for step, take, rows, chunks in joining:
-                    if forward_pass.done:  # too late: returned to the queue below
-                        with running.lock:
-                            running.joining.append((step, take, rows, chunks))
-                        continue
-                    forward_pass.join(rows, chunks)
-                    running.items.append((step, take))
+                if joining and forward_pass.done:  # too late: returned to the queue
+                    with running.lock:
+                        running.joining.extend(joining)
+                elif joining:  # every step that came since the last block catches up in one pass, then joins
+                    forward_pass.join(*_merged([(rows, chunks) for _, _, rows, chunks in joining]))
+                    running.items.extend((step, take) for step, take, _, _ in joining)
                 running.blocks_done = forward_pass.next_block - forward_pass.first_block
             if forward_pass.done:
                 break
@@ -451,6 +450,18 @@ class StepScheduler:
         if not step.result.done():
             step.result.set_exception(error)
             step.result.exception()  # retrieved here, so that a step nobody awaits (a push) logs no warning
+
+
+def _merged(parts: list[tuple[torch.Tensor, PagedBatch]]) -> tuple[torch.Tensor, PagedBatch]:
+    """Gives one batch of several batches' rows, in order, their chunks' rows renumbered to follow each other."""
+    if len(parts) == 1:
+        return parts[0]
+    chunks: list[SequenceChunk] = []
+    offset = 0
+    for rows, batch in parts:
+        chunks += [replace(chunk, row=chunk.row + offset) for chunk in batch.chunks]
+        offset += rows.shape[0]
+    return torch.cat([rows for rows, _ in parts]), PagedBatch(tuple(chunks))
 
 
 def _typed(error: Exception, step: Step) -> SwarmError:
