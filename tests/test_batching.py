@@ -155,12 +155,12 @@ def while_four_sessions_run(
     runner.start()
     try:
         time.sleep(0.3)  # the four sessions are decoding
-        disturb()
         disturbed_at = time.monotonic()
+        disturb()
     finally:
         runner.join(timeout=TIMEOUT_S * 3)
     assert len(outputs) == 4, "the four sessions did not finish"
-    assert min(finished) > disturbed_at, "the sessions should still have been running while the test disturbed them"
+    assert min(finished) > disturbed_at, "the sessions should still have been running when the test disturbed them"
     assert outputs == local_greedy(tiny_llama, inputs, max_new_tokens)
 
 
