@@ -6,16 +6,19 @@ Three parts, on the embedded SmolLM2-135M-Instruct (float32, CPU):
 1. **Throughput.** A 3-server loopback swarm (blocks 0:10, 10:20, 20:30; each server on `cores // 3` torch threads,
    as the demo starts them). For each session count N (1, 4, 8, 16), rounds alternate: the local Hugging Face model
    generates N prompts of equal length as one batch (no padding), then N threads of one swarm client generate the
-   same prompts, one session each. Both are timed from the first request to the last token; tokens/s is N x new
-   tokens over that time. The ratio is of the medians. Greedy tokens are compared with the local batch.
+   same prompts, one session each. Two rates: all new tokens over the time from the first request to the last
+   token, and aggregate decode tokens/s, the tokens after each sequence's first over the time from the first
+   sequence's first token to the last sequence's last (prefill excluded). Ratios are of the medians; the verdict
+   is on the decode rate. Greedy tokens are compared with the local batch.
 2. **Admission.** One server hosting 0:30 with `--memory 1GB`; clients open sessions of max_length 2048 and prefill
    32 tokens each until the server answers `ServerBusy`. Measured twice: with `--kv-headroom-tokens 2048`, which
    admits exactly as the server did before paged KV (every session holds pages for max_length), and with the
    default headroom.
 3. **A long prompt among decoding sessions.** On a fresh 3-server swarm per `--max-batch-tokens` value: 8 sessions
-   decode; a 512-token prompt arrives; its time to first token, and how much longer the others' tokens took while it
-   prefilled (the largest gap between two of their tokens, less their median gap), next to the compute time of
-   one batch of the prompt's prefill as the servers measured it in that run (and of one chunk on an idle machine).
+   decode; a 512-token prompt arrives; its time to first token and, per server, how much longer the others' decode
+   steps took there while they shared batches with the prompt's chunks (the slowest such step less the server's
+   mean decode step without a prefill beside it), next to the time of one of the prompt's batches on that server.
+   The largest extra gap between two tokens a decoding client saw is printed too (it adds up all servers).
 
     .venv/bin/python benchmarks/throughput.py [--sessions 1,4,8,16] [--rounds 3] [--new-tokens 32]
         [--chunks 256] [--skip-admission] [--skip-prefill]
@@ -66,6 +69,20 @@ class TokenClock(BaseStreamer):
 
     def put(self, value: torch.Tensor) -> None:
         self.stamps_s.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class BatchClock(BaseStreamer):
+    """Stamps every step of a batched generate(): each sequence of the batch gets its tokens at the same moments."""
+
+    def __init__(self, sequences: int) -> None:
+        self.clocks = [TokenClock() for _ in range(sequences)]
+
+    def put(self, value: torch.Tensor) -> None:
+        for clock in self.clocks:
+            clock.put(value)
 
     def end(self) -> None:
         pass
@@ -122,14 +139,29 @@ def generate_in_threads(
 @dataclass
 class ThroughputRow:
     sessions: int
-    local_tok_s: list[float] = field(default_factory=list)
+    local_tok_s: list[float] = field(default_factory=list)  # all new tokens over the whole run
     swarm_tok_s: list[float] = field(default_factory=list)
+    local_decode_tok_s: list[float] = field(default_factory=list)  # tokens after each first one, after prefill
+    swarm_decode_tok_s: list[float] = field(default_factory=list)
     match: bool = True
     mean_steps_per_batch: float = 0.0
 
     @property
     def ratio(self) -> float:
         return statistics.median(self.swarm_tok_s) / statistics.median(self.local_tok_s)
+
+    @property
+    def decode_ratio(self) -> float:
+        return statistics.median(self.swarm_decode_tok_s) / statistics.median(self.local_decode_tok_s)
+
+
+def decode_tok_s(clocks: list[TokenClock]) -> float:
+    """Gives aggregate decode tokens/s: the tokens after each sequence's first, from the moment the first sequence
+    had its first token to the moment the last one had its last (prefill and time to first token excluded)."""
+    tokens = sum(len(clock.stamps_s) - 2 for clock in clocks)  # stamps: the prompt, then each generated token
+    started = min(clock.stamps_s[1] for clock in clocks)
+    ended = max(clock.stamps_s[-1] for clock in clocks)
+    return tokens / (ended - started)
 
 
 def server_infos(client: SwarmClient) -> dict[int, dict]:
@@ -162,20 +194,25 @@ def measure_throughput(args: argparse.Namespace, source: ModelSource, workdir: P
                 inputs = prompts(count, args.prompt_tokens, seed=count)
                 batch = torch.cat(inputs)
                 for round_index in range(args.rounds):
+                    local_clock = BatchClock(count)
                     started = time.perf_counter()
                     with torch.inference_mode():
                         expected = local.generate(batch, attention_mask=torch.ones_like(batch),
                                                   max_new_tokens=args.new_tokens, eos_token_id=None,
-                                                  do_sample=False)
+                                                  do_sample=False, streamer=local_clock)
                     row.local_tok_s.append(count * args.new_tokens / (time.perf_counter() - started))
+                    row.local_decode_tok_s.append(decode_tok_s(local_clock.clocks))
                     steps_before, batches_before = steps_and_batches(model.swarm)
-                    outputs, elapsed = generate_in_threads(model, inputs, args.new_tokens)
+                    clocks = [TokenClock() for _ in inputs]
+                    outputs, elapsed = generate_in_threads(model, inputs, args.new_tokens, clocks)
                     steps_after, batches_after = steps_and_batches(model.swarm)
                     row.swarm_tok_s.append(count * args.new_tokens / elapsed)
+                    row.swarm_decode_tok_s.append(decode_tok_s(clocks))
                     row.match &= outputs == expected.tolist()
                     row.mean_steps_per_batch = (steps_after - steps_before) / max(1, batches_after - batches_before)
                     print(f"  {count} session(s), round {round_index + 1}/{args.rounds}: local "
-                          f"{row.local_tok_s[-1]:.1f} tok/s, swarm {row.swarm_tok_s[-1]:.1f} tok/s, "
+                          f"{row.local_tok_s[-1]:.1f} tok/s (decode {row.local_decode_tok_s[-1]:.1f}), swarm "
+                          f"{row.swarm_tok_s[-1]:.1f} tok/s (decode {row.swarm_decode_tok_s[-1]:.1f}), "
                           f"{row.mean_steps_per_batch:.1f} steps per batch", flush=True)
                 rows.append(row)
         finally:
@@ -214,10 +251,16 @@ def count_admitted(source: ModelSource, workdir: Path, *extra: str) -> tuple[int
 class PrefillRow:
     max_batch_tokens: int
     ttft_ms: float
-    extra_gap_ms: float
-    chunk_ms: float  # one batch of the prompt's prefill, as the servers computed it in this run
+    extra_gap_ms: float  # the largest extra gap between two tokens of a decoding session, seen by its client
+    step_delays: dict[int, tuple[float, float]]  # server -> (its worst extra decode step time, one prompt batch)
     chunk_alone_ms: float  # one chunk through 10 blocks on an idle machine
     match: bool
+
+    @property
+    def worst(self) -> tuple[int, float, float]:
+        """Gives the server whose decode steps the prompt delayed most, relative to one of its chunks there."""
+        start, (delay, chunk) = max(self.step_delays.items(), key=lambda item: item[1][0] - item[1][1])
+        return start, delay, chunk
 
 
 def chunk_compute_ms(source: ModelSource, tokens: int) -> float:
@@ -262,8 +305,9 @@ def measure_long_prompt(args: argparse.Namespace, source: ModelSource, workdir: 
                     arrival["at"] = time.perf_counter()
                     output = model.generate(long_prompt, session=session, max_new_tokens=1, do_sample=False,
                                             streamer=clock)
-                    # Each server computed the prompt chunk by chunk; the slowest one's time per batch:
-                    arrival["chunk_ms"] = max(span.compute_ms / span.batches for span in session.timings())
+                    # Each server computed the prompt chunk by chunk: its time per batch, by first block
+                    arrival.update({f"chunk_ms@{span.blocks[0]}": span.compute_ms / span.batches
+                                    for span in session.timings()})
                 arrival["first_token"] = clock.stamps_s[1]
                 long_output.append(output[0].tolist())
 
@@ -271,6 +315,8 @@ def measure_long_prompt(args: argparse.Namespace, source: ModelSource, workdir: 
             arriving.start()
             outputs, _ = generate_in_threads(model, decoding, decode_tokens, clocks)
             arriving.join(timeout=TIMEOUT_S)
+            infos = server_infos(model.swarm)
+            decode_step_ms = {start: info["batches"]["decode_step_ms"] for start, info in infos.items()}
         finally:
             model.shutdown()
     expected = [local.generate(ids, max_new_tokens=decode_tokens, eos_token_id=None,
@@ -284,9 +330,15 @@ def measure_long_prompt(args: argparse.Namespace, source: ModelSource, workdir: 
         during = [(later - earlier) * 1000 for earlier, later in pairs if later >= window[0] and earlier <= window[1]]
         if during:
             extra.append(max(during) - statistics.median(gaps))
+    # Per server: its slowest decode step that shared a batch with the prompt's chunks, less its mean decode step
+    # without a prefill beside it, next to the time of one of the prompt's batches there.
+    step_delays = {
+        start: (ms["beside_prefill"]["max_ms"] - ms["alone"]["mean_ms"], arrival[f"chunk_ms@{start}"])
+        for start, ms in decode_step_ms.items() if ms["beside_prefill"]["count"]
+    }
     return PrefillRow(
         max_batch_tokens=chunk, ttft_ms=(window[1] - window[0]) * 1000,
-        extra_gap_ms=max(extra) if extra else float("nan"), chunk_ms=arrival["chunk_ms"],
+        extra_gap_ms=max(extra) if extra else float("nan"), step_delays=step_delays,
         chunk_alone_ms=chunk_compute_ms(source, chunk),
         match=outputs == expected and long_output == [expected_long],
     )
@@ -319,18 +371,21 @@ def main() -> None:
             print(f"\n## Throughput: {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens each, greedy, "
                   f"median of {args.rounds} interleaved rounds")
             rows = measure_throughput(args, source, workdir)
-            print("| sessions | local batch tok/s | swarm tok/s | ratio | steps per batch (last round) | tokens match "
-                  "|")
-            print("|---|---|---|---|---|---|")
+            print("| sessions | local batch tok/s | swarm tok/s | ratio | local decode tok/s | swarm decode tok/s | "
+                  "decode ratio | steps per batch (last round) | tokens match |")
+            print("|---|---|---|---|---|---|---|---|---|")
             for row in rows:
                 print(f"| {row.sessions} | {statistics.median(row.local_tok_s):.1f} | "
-                      f"{statistics.median(row.swarm_tok_s):.1f} | {row.ratio:.2f} | {row.mean_steps_per_batch:.1f} | "
-                      f"{'yes' if row.match else 'NO'} |")
+                      f"{statistics.median(row.swarm_tok_s):.1f} | {row.ratio:.2f} | "
+                      f"{statistics.median(row.local_decode_tok_s):.1f} | "
+                      f"{statistics.median(row.swarm_decode_tok_s):.1f} | {row.decode_ratio:.2f} | "
+                      f"{row.mean_steps_per_batch:.1f} | {'yes' if row.match else 'NO'} |")
             target = next((row for row in rows if row.sessions == TARGET_SESSIONS), None)
             if target is not None:
-                verdict = "PASS" if target.ratio >= TARGET_RATIO else "FAIL"
-                verdicts.append(f"{verdict}: {TARGET_SESSIONS} sessions reach >= {TARGET_RATIO}x the local batch: "
-                                f"measured {target.ratio:.2f}x")
+                verdict = "PASS" if target.decode_ratio >= TARGET_RATIO else "FAIL"
+                verdicts.append(f"{verdict}: {TARGET_SESSIONS} sessions reach >= {TARGET_RATIO}x the local batch's "
+                                f"aggregate decode tokens/s: measured {target.decode_ratio:.2f}x (with prefill "
+                                f"and time to first token: {target.ratio:.2f}x)")
         if not args.skip_admission:
             print("\n## Admission: sessions of max_length 2048 (32-token prompts) one 0:30 server with 1 GB admits")
             before, pages = count_admitted(source, workdir / "admit-before", "--kv-headroom-tokens", "2048")
@@ -344,16 +399,20 @@ def main() -> None:
         if not args.skip_prefill:
             print(f"\n## A {LONG_PROMPT_TOKENS}-token prompt arrives while {TARGET_SESSIONS} sessions decode")
             prefill_rows = [measure_long_prompt(args, source, workdir, chunk) for chunk in args.chunks]
-            print("| --max-batch-tokens | time to first token ms | others' largest extra gap ms | one chunk in this "
-                  "run ms | one chunk alone ms | tokens match |\n|---|---|---|---|---|---|")
+            print("| --max-batch-tokens | time to first token ms | per server: worst extra decode step ms / one "
+                  "batch of the prompt ms | others' largest extra gap between tokens ms | one chunk alone ms | "
+                  "tokens match |\n|---|---|---|---|---|---|")
             for row in prefill_rows:
-                print(f"| {row.max_batch_tokens} | {row.ttft_ms:.0f} | {row.extra_gap_ms:.0f} | {row.chunk_ms:.0f} | "
+                per_server = ", ".join(f"{start}: {delay:.0f} / {chunk:.0f}"
+                                       for start, (delay, chunk) in sorted(row.step_delays.items()))
+                print(f"| {row.max_batch_tokens} | {row.ttft_ms:.0f} | {per_server} | {row.extra_gap_ms:.0f} | "
                       f"{row.chunk_alone_ms:.0f} | {'yes' if row.match else 'NO'} |")
             for row in prefill_rows:
-                verdict = "PASS" if row.extra_gap_ms <= row.chunk_ms else "FAIL"
+                start, delay, chunk = row.worst
+                verdict = "PASS" if delay <= chunk else "FAIL"
                 verdicts.append(f"{verdict}: with --max-batch-tokens {row.max_batch_tokens} the arrival delays the "
-                                f"others' steps by at most one chunk: {row.extra_gap_ms:.0f} ms vs "
-                                f"{row.chunk_ms:.0f} ms")
+                                f"others' decode steps by at most one chunk: worst {delay:.0f} ms vs a chunk's "
+                                f"{chunk:.0f} ms (server of blocks from {start})")
         print()
         for line in verdicts:
             print(f"verdict: {line}")

@@ -14,13 +14,13 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from server.batch_stats import BatchStats
 from server.sessions import Session, SessionTable, StepResult
 from swarm.errors import InternalServerError, ServerDraining, SessionNotFound, SwarmError
 from swarm.model import BlockRange
@@ -52,6 +52,8 @@ class Step:
     done: int = 0  # tokens per row computed so far
     outputs: list[torch.Tensor] = field(default_factory=list)
     compute_ms: float = 0.0
+    admitted_s: float = field(default_factory=time.perf_counter)
+    beside_prefill: bool = False  # whether a batch it computed in also computed a prefill chunk
 
     @property
     def tokens(self) -> int:
@@ -81,44 +83,6 @@ class _Pass:
     closed: bool = False
     joining: list[tuple[Step, int, torch.Tensor, PagedBatch]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-@dataclass
-class BatchStats:
-    """What the scheduler has computed: batches by size (steps) and by tokens, and where they ran."""
-
-    batches: int = 0
-    compute_ms: float = 0.0  # summed over batches
-    mixed: int = 0  # batches where a prefill chunk and decode steps computed together
-    joined: int = 0  # steps that joined a batch already computing
-    steps_by_place: Counter[str] = field(default_factory=Counter)  # "loop" or "pool": steps computed there
-    sizes: Counter[int] = field(default_factory=Counter)  # power-of-two bucket of steps per batch -> batches
-    tokens: Counter[int] = field(default_factory=Counter)  # power-of-two bucket of tokens per batch -> batches
-    failed: Counter[str] = field(default_factory=Counter)  # error code -> steps that failed with it
-
-    def note(self, steps: int, tokens: int, *, compute_ms: float, mixed: bool, place: str) -> None:
-        self.batches += 1
-        self.compute_ms += compute_ms
-        self.mixed += mixed
-        self.steps_by_place[place] += steps
-        self.sizes[_bucket(steps)] += 1
-        self.tokens[_bucket(tokens)] += 1
-
-    def to_wire(self) -> dict[str, object]:
-        """Gives the histograms as `{"<= bound": batches}` maps, bounds in ascending order."""
-        return {
-            "batches": self.batches,
-            "compute_ms": round(self.compute_ms, 3),
-            "mixed": self.mixed,
-            "joined": self.joined,
-            "steps_per_batch": {f"<={bound}": count for bound, count in sorted(self.sizes.items())},
-            "tokens_per_batch": {f"<={bound}": count for bound, count in sorted(self.tokens.items())},
-            "steps_failed": dict(self.failed),
-        }
-
-
-def _bucket(value: int) -> int:
-    return 1 << max(0, value - 1).bit_length()
 
 
 class StepScheduler:
@@ -298,6 +262,8 @@ class StepScheduler:
             sample_ms = compute_ms / batch[0][0].session.blocks  # a lone decode step refines the start-up figure
             self.block_compute_ms = 0.9 * self.block_compute_ms + 0.1 * sample_ms
         finished = []
+        for step, _ in batch:
+            step.beside_prefill |= prefill
         for (step, take), output in zip(batch, outputs, strict=True):
             if isinstance(output, SwarmError):
                 self._drop(step, output)
@@ -309,6 +275,9 @@ class StepScheduler:
                 self._queue.remove(step)
                 self._commit(step)
                 finished.append(step)
+                if step.tokens == 1:
+                    latency = self.stats.decode_beside_prefill if step.beside_prefill else self.stats.decode_alone
+                    latency.note((time.perf_counter() - step.admitted_s) * 1000)
         self._finish(finished)
 
     async def _forward_isolated(
