@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,12 +43,12 @@ from typing import Any
 import psutil
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.generation.streamers import BaseStreamer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from client import ClientConfig, DistributedModelForCausalLM
 from client.inference import InferenceSession
+from client.timing import StepClock
 from swarm.local_swarm import SwarmProcesses, threads_per_server
 from swarm.model import DEFAULT_MODEL, ModelSource, resolve_model
 
@@ -94,22 +94,6 @@ class OthersCpu:
         elapsed_s = total_s - self._start[0]
         others_s = (busy_s - self._start[1]) - (own_s - self._start[2])
         return max(0.0, 100 * others_s / elapsed_s) if elapsed_s > 0 else float("nan")
-
-
-class StepClock(BaseStreamer):
-    """Stamps the time of every put: the first put is the prompt, each later one a generated token."""
-
-    def __init__(self, on_first_token: Callable[[], None] | None = None) -> None:
-        self.stamps_s: list[float] = []
-        self.on_first_token = on_first_token
-
-    def put(self, value: torch.Tensor) -> None:
-        self.stamps_s.append(time.perf_counter())
-        if len(self.stamps_s) == 2 and self.on_first_token is not None:
-            self.on_first_token()
-
-    def end(self) -> None:
-        pass
 
 
 @dataclass

@@ -21,22 +21,9 @@ import time
 from typing import Any
 
 import torch
-from transformers.generation.streamers import BaseStreamer
 
 from client import ClientConfig, DistributedModelForCausalLM
-
-
-class StepClock(BaseStreamer):
-    """Stamps every put: the first is the prompt, each later one a generated token."""
-
-    def __init__(self) -> None:
-        self.stamps_s: list[float] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.stamps_s.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
+from client.timing import StepClock
 
 
 def generate(model: DistributedModelForCausalLM, request: dict[str, Any]) -> dict[str, Any]:
