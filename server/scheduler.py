@@ -3,9 +3,12 @@
 As vLLM's scheduler does, each batch is formed when the previous one ends, under one token budget
 (`--max-batch-tokens`): first every waiting decode step (one token per row), then chunks of prefills in arrival
 order. A long prompt thus prefills chunk by chunk while the other sessions' decode steps ride along in every batch.
-A step that arrives on an idle server starts at once: there is no batching window. Before a chunk computes, its
-session takes the pages it will write; a session that cannot get them fails alone (`ServerBusy`). A batch that
-raises is computed again step by step, so one bad step fails only its own session.
+A step that arrives on an idle server starts at once: there is no batching window. A step that arrives while a
+batch computes joins it at the next block boundary, after catching up through the blocks the batch has passed
+(`ForwardPass.join`), as long as the batch is in its first half or computes a prefill chunk; otherwise it waits for
+the next batch. Before a chunk computes, its session takes the pages it will write; a session that cannot get them
+fails alone (`ServerBusy`). A batch that raises is computed again step by step, so one bad step fails only its own
+session.
 """
 
 from __future__ import annotations
@@ -21,12 +24,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from server.batch_stats import BatchStats
-from server.sessions import Session, SessionTable, StepResult
+from server.sessions import SessionTable, Step, StepResult
 from swarm.errors import InternalServerError, ServerDraining, SessionNotFound, SwarmError
 from swarm.model import BlockRange
 from swarm.model.blocks import ForwardPass
 from swarm.model.paged_kv import PagedBatch, PagedKV, SequenceChunk
-from swarm.records import NextHop
 
 log = logging.getLogger(__name__)
 
@@ -37,35 +39,6 @@ DEFAULT_MAX_BATCH_TOKENS = {"cpu": 128, "cuda": 2048}
 MAX_JOIN_PROGRESS = 0.5  # a computing batch takes in new steps until it has passed this share of its blocks
 MAX_ADMIT_PASSES = 8  # event loop passes that may hand over already-received steps before a batch forms
 RECENT_WINDOW_S = 1.0  # open sessions that stepped this recently count as active
-
-
-@dataclass
-class Step:
-    """A step admitted for computing: one session's new tokens, how far they got, and who awaits the result."""
-
-    session: Session
-    step_id: str | None
-    hidden: torch.Tensor  # [batch rows, tokens, hidden], in the blocks' dtype
-    result: asyncio.Future[StepResult]
-    next_hops: list[NextHop] = field(default_factory=list)
-    compression: str | None = None
-    done: int = 0  # tokens per row computed so far
-    outputs: list[torch.Tensor] = field(default_factory=list)
-    compute_ms: float = 0.0
-    admitted_s: float = field(default_factory=time.perf_counter)
-    beside_prefill: bool = False  # whether a batch it computed in also computed a prefill chunk
-
-    @property
-    def tokens(self) -> int:
-        return self.hidden.shape[1]
-
-    @property
-    def rows(self) -> int:
-        return self.hidden.shape[0]
-
-    @property
-    def remaining(self) -> int:
-        return self.tokens - self.done
 
 
 @dataclass

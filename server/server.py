@@ -15,8 +15,8 @@ import torch
 from server.compute import cached_block_decode_ms
 from server.config import ServerConfig
 from server.push import Pusher
-from server.scheduler import DEFAULT_MAX_BATCH_TOKENS, Step, StepScheduler
-from server.sessions import Session, SessionTable, StepResult
+from server.scheduler import DEFAULT_MAX_BATCH_TOKENS, StepScheduler
+from server.sessions import Session, SessionTable, Step, StepResult
 from swarm.dht import Announcer, lookup_block_async
 from swarm.errors import (
     InvalidTensor,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,9 +18,7 @@ from orchestrator.admission import KVPolicy, SessionKV
 from swarm.errors import BlocksNotHosted, MaxLengthExceeded, OutOfPages, ServerBusy, SessionNotFound
 from swarm.memory import KVOwner, PagePool, kv_pages_for
 from swarm.model.paged_kv import SequenceChunk
-
-if TYPE_CHECKING:
-    from server.scheduler import Step
+from swarm.records import NextHop
 
 MAX_BATCH_ROWS = 64
 
@@ -75,6 +72,35 @@ class Session:
             )
             for row in range(self.batch)
         ]
+
+
+@dataclass
+class Step:
+    """A step admitted for computing: one session's new tokens, how far they got, and who awaits the result."""
+
+    session: Session
+    step_id: str | None
+    hidden: torch.Tensor  # [batch rows, tokens, hidden], in the blocks' dtype
+    result: asyncio.Future[StepResult]
+    next_hops: list[NextHop] = field(default_factory=list)
+    compression: str | None = None
+    done: int = 0  # tokens per row computed so far
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    compute_ms: float = 0.0
+    admitted_s: float = field(default_factory=time.perf_counter)
+    beside_prefill: bool = False  # whether a batch it computed in also computed a prefill chunk
+
+    @property
+    def tokens(self) -> int:
+        return self.hidden.shape[1]
+
+    @property
+    def rows(self) -> int:
+        return self.hidden.shape[0]
+
+    @property
+    def remaining(self) -> int:
+        return self.tokens - self.done
 
 
 class SessionTable:

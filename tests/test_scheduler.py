@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.scheduler import Step, StepScheduler
-from server.sessions import Session, SessionTable, StepResult
+from server.scheduler import StepScheduler
+from server.sessions import Session, SessionTable, Step, StepResult
 from swarm.errors import InternalServerError, ServerBusy
 from swarm.memory import PagePool
 from swarm.model import BlockRange, resolve_model
