@@ -8,10 +8,16 @@ which ones it sent), then computes every row at once, and the sessions go on tog
 meet the servers together, where they compute in one batch instead of one after the other; this is the client's
 half of iteration-level batching, as vLLM's engine steps all running requests at once. A lone session never waits,
 and a step that does not come back within `MAX_GANG_WAIT_S` is not waited for.
+
+The steps of one pass leave together too: each waits on the client's event loop at its pass's `SendGate` until all
+of them have been handed to the loop, and then all are written within one or two loop iterations. The first
+server reads them in one go and computes them in one batch from its first block on, instead of starting with the
+first and taking in the others between blocks, each after catching up through the blocks it missed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +29,29 @@ from swarm.model import ClientHead
 MAX_GANG_WAIT_S = 0.5  # bounds how long a pass waits for decode steps still on their way
 MAX_TRACKED_PASSES = 64
 MAX_SEND_WAIT_S = 0.01  # bounds how long a session waits for the others of its pass to send their next steps
+
+
+class SendGate:
+    """The next steps of one head pass's sessions, held on the client's event loop until all of them are there (or
+    `MAX_SEND_WAIT_S` has passed), so that they are written to the first server together. Used on the loop only."""
+
+    def __init__(self, members: int) -> None:
+        self.members = members
+        self.arrived = 0
+        self._open: asyncio.Event | None = None
+
+    async def wait(self) -> None:
+        """Returns once every session of the pass is ready to send, or once the wait is up for all of them."""
+        if self._open is None:
+            self._open = asyncio.Event()
+        self.arrived += 1
+        if self.arrived >= self.members:
+            self._open.set()
+            return
+        try:
+            await asyncio.wait_for(self._open.wait(), MAX_SEND_WAIT_S)
+        except TimeoutError:
+            self._open.set()  # the others went elsewhere (their generation ended): nobody waits for them again
 
 
 @dataclass
@@ -44,27 +73,18 @@ class BatchedHead:
         self._busy = False
         self._in_flight = 0  # decode steps sent into the swarm whose output has not come back
         self._arrived = 0  # outputs that came back whose threads have not asked for their logits yet
-        self._pass_sizes: dict[int, int] = {}  # pass -> its sessions that have not sent their next step yet
+        self._gates: dict[int, SendGate] = {}  # pass -> the gate its sessions' next steps leave through
         self._thread = threading.local()  # the pass that gave this thread its last logits
         self.passes = 0  # head passes computed so far
         self.rows = 0  # rows they computed
 
-    def step_sent(self) -> None:
+    def step_sent(self) -> SendGate | None:
         """Notes a decode step about to be sent into the swarm; its thread will ask for logits once it comes back.
-
-        The sessions of one pass send their next steps together: this waits (at most MAX_SEND_WAIT_S) until the
-        others of this thread's last pass are ready to send too, so that they reach the first server together."""
+        Gives the gate through which the step leaves with the others of this thread's last pass (None for a lone
+        session): the caller awaits `gate.wait()` on the client's loop before sending."""
         with self._changed:
             self._in_flight += 1
-            pass_id = getattr(self._thread, "pass_id", None)
-            if pass_id not in self._pass_sizes:
-                return
-            self._pass_sizes[pass_id] -= 1
-            self._changed.notify_all()
-            deadline = time.monotonic() + MAX_SEND_WAIT_S
-            while self._pass_sizes.get(pass_id, 0) > 0 and (remaining_s := deadline - time.monotonic()) > 0:
-                self._changed.wait(remaining_s)
-            self._pass_sizes.pop(pass_id, None)  # everyone sent, or the others went elsewhere: nobody waits again
+            return self._gates.get(getattr(self._thread, "pass_id", None))
 
     def step_returned(self) -> None:
         """Notes that a sent step's output arrived (called on the client's loop, before its thread wakes)."""
@@ -124,9 +144,9 @@ class BatchedHead:
                 for request in batch:
                     request.pass_id = self.passes
                 if len(batch) > 1:
-                    self._pass_sizes[self.passes] = len(batch)
-                    while len(self._pass_sizes) > MAX_TRACKED_PASSES:
-                        self._pass_sizes.pop(next(iter(self._pass_sizes)))
+                    self._gates[self.passes] = SendGate(len(batch))
+                    while len(self._gates) > MAX_TRACKED_PASSES:
+                        self._gates.pop(next(iter(self._gates)))
             self.rows += rows.shape[0]
             offset = 0
             for request in batch:

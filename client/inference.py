@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -341,18 +341,28 @@ class InferenceSession:
         """Gives per-server timings, in chain order of first use."""
         return list(self.remote.timings.values())
 
-    def step(self, hidden: torch.Tensor, *, on_output: Callable[[], None] | None = None) -> torch.Tensor:
-        """Gives the hidden states after the last block for the new tokens' input hidden states; `on_output` runs
-        on the client's loop the moment they arrive, before this thread wakes up."""
-        if on_output is None:
+    def step(
+        self,
+        hidden: torch.Tensor,
+        *,
+        on_output: Callable[[], None] | None = None,
+        before_send: Callable[[], Awaitable[None]] | None = None,
+    ) -> torch.Tensor:
+        """Gives the hidden states after the last block for the new tokens' input hidden states. On the client's
+        loop, `before_send` is awaited before the step is sent, and `on_output` runs the moment the output arrives,
+        before this thread wakes up."""
+        if on_output is None and before_send is None:
             return self.client.run(self.remote.step(hidden))
 
-        async def step_then_notify() -> torch.Tensor:
+        async def step_on_loop() -> torch.Tensor:
+            if before_send is not None:
+                await before_send()
             output = await self.remote.step(hidden)
-            on_output()
+            if on_output is not None:
+                on_output()
             return output
 
-        return self.client.run(step_then_notify())
+        return self.client.run(step_on_loop())
 
     def close(self) -> None:
         self.client.run(self.remote.close())

@@ -119,9 +119,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             returned = True
             self.batched_head.step_returned()
 
-        self.batched_head.step_sent()
+        gate = self.batched_head.step_sent()
         try:
-            return session.step(self.head.embed(new_ids), on_output=on_output)
+            return session.step(self.head.embed(new_ids), on_output=on_output,
+                                before_send=gate.wait if gate is not None else None)
         except BaseException:
             self.batched_head.step_failed(returned=returned)
             raise

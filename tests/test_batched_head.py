@@ -3,15 +3,17 @@ for (boundedly), and the sessions of one pass send their next steps together."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from client import batched_head
-from client.batched_head import BatchedHead
+from client.batched_head import BatchedHead, SendGate
 from swarm.model import ClientHead, resolve_model
 
 
@@ -107,22 +109,62 @@ def test_a_failing_pass_fails_every_caller_in_it(head: BatchedHead, monkeypatch:
     assert in_threads(3, session) == ["out of memory"] * 3
 
 
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop on a thread of its own, as the client's."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    loop.close()
+
+
 def test_the_sessions_of_one_pass_send_their_next_steps_together(
-    head: BatchedHead, monkeypatch: pytest.MonkeyPatch
+    head: BatchedHead, loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(batched_head, "MAX_SEND_WAIT_S", 600.0)  # however slowly this machine runs the threads
+    assert head.step_sent() is None  # no pass yet: a lone session's step leaves at once
+    head.step_returned()
+    head.logits(torch.ones(1, 1, 64))
     for _ in range(4):
         head.step_sent()
     events: list[str] = []
+
+    async def send(gate: SendGate) -> None:
+        await gate.wait()
+        events.append("sent")  # on the loop, where the client writes the step
 
     def session(index: int) -> None:
         head.step_returned()
         head.logits(torch.ones(1, 1, 64))
         time.sleep(0.002 * index)  # each thread has a little work before its next step
         events.append("ready")
-        head.step_sent()
-        events.append("sent")
+        gate = head.step_sent()
+        assert gate is not None
+        asyncio.run_coroutine_threadsafe(send(gate), loop).result(timeout=30)
 
     in_threads(4, session)
-    assert head.passes == 1
+    assert head.passes == 2
     assert events == ["ready"] * 4 + ["sent"] * 4  # nobody sent before all four were ready
+
+
+def test_a_gate_does_not_wait_for_a_session_that_stopped(
+    head: BatchedHead, loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(batched_head, "MAX_SEND_WAIT_S", 0.05)
+    for _ in range(3):
+        head.step_sent()
+
+    def session(index: int) -> bool:
+        head.step_returned()
+        head.logits(torch.ones(1, 1, 64))
+        if index == 2:
+            return True  # its generation ended: it sends nothing more
+        gate = head.step_sent()
+        assert gate is not None
+        asyncio.run_coroutine_threadsafe(gate.wait(), loop).result(timeout=30)
+        return True
+
+    assert in_threads(3, session) == [True] * 3  # the two others went on after the bounded wait
