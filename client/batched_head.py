@@ -38,20 +38,24 @@ class SendGate:
     def __init__(self, members: int) -> None:
         self.members = members
         self.arrived = 0
-        self._open: asyncio.Event | None = None
+        self._open: asyncio.Future[None] | None = None
 
     async def wait(self) -> None:
-        """Returns once every session of the pass is ready to send, or once the wait is up for all of them."""
+        """Returns once every session of the pass is ready to send, or once the wait is up for all of them; the
+        waiting ones all resume in one loop pass."""
+        loop = asyncio.get_running_loop()
         if self._open is None:
-            self._open = asyncio.Event()
+            self._open = loop.create_future()
+            # past the deadline the others went elsewhere (their generation ended): nobody waits for them again
+            loop.call_later(MAX_SEND_WAIT_S, self._release)
         self.arrived += 1
         if self.arrived >= self.members:
-            self._open.set()
-            return
-        try:
-            await asyncio.wait_for(self._open.wait(), MAX_SEND_WAIT_S)
-        except TimeoutError:
-            self._open.set()  # the others went elsewhere (their generation ended): nobody waits for them again
+            self._release()
+        await asyncio.shield(self._open)
+
+    def _release(self) -> None:
+        if self._open is not None and not self._open.done():
+            self._open.set_result(None)
 
 
 @dataclass

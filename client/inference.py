@@ -175,11 +175,14 @@ class RemoteInferenceSession:
         """
         step_id = f"{self.position}"
         earlier = [
-            asyncio.ensure_future(self._call_step(self.spans[0], hidden, step_id=step_id, next_hops=self._next_hops(0)))
+            asyncio.ensure_future(
+                self._call_step(self.spans[0], hidden, step_id=step_id, next_hops=self._next_hops(0), framed=True)
+            )
         ]
         earlier += [
             asyncio.ensure_future(
-                self._call_step(later, None, step_id=step_id, wait_ms=self._push_wait_ms(index), dtype=hidden.dtype)
+                self._call_step(later, None, step_id=step_id, wait_ms=self._push_wait_ms(index), dtype=hidden.dtype,
+                                framed=True)
             )
             for index, later in enumerate(self.spans[1:-1], start=1)
         ]
@@ -190,7 +193,8 @@ class RemoteInferenceSession:
         try:
             await asyncio.sleep(0)
             last: torch.Tensor | BaseException = await self._call_step(
-                self.spans[-1], None, step_id=step_id, wait_ms=self._push_wait_ms(last_index), dtype=hidden.dtype
+                self.spans[-1], None, step_id=step_id, wait_ms=self._push_wait_ms(last_index), dtype=hidden.dtype,
+                framed=True,
             )
         except SwarmError as error:
             last = error
@@ -242,9 +246,11 @@ class RemoteInferenceSession:
         next_hops: Sequence[NextHop] = (),
         wait_ms: int | None = None,
         dtype: torch.dtype | None = None,
+        framed: bool = False,
     ) -> torch.Tensor:
         """Gives the span's output (in `dtype`, default hidden's) for the step: from `hidden`, or, with hidden None,
-        the step pushed to the span's server within `wait_ms`."""
+        the step pushed to the span's server within `wait_ms`. A `framed` step (a decode step) travels in one
+        frame with the other sessions' steps for the same server that are sent at the same moment."""
         config = self.client.config
         payload: dict[str, object] = {
             "session_id": span_session.session_id,
@@ -260,7 +266,11 @@ class RemoteInferenceSession:
         if config.compression:
             payload["compression"] = config.compression
         started = time.perf_counter()
-        reply = await span_session.connection.call("step", payload, timeout=config.request_timeout_s)
+        if framed:
+            reply = await self.client.step_frames.call(span_session.connection, payload,
+                                                       timeout=config.request_timeout_s)
+        else:
+            reply = await span_session.connection.call("step", payload, timeout=config.request_timeout_s)
         received = time.perf_counter()
         timings = self.timings[span_session.peer_id]
         timings.steps += 1

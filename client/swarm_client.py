@@ -13,6 +13,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from client.loop import BackgroundLoop
 from client.routing import DEFAULT_RTT_MS, Span, find_route, servers_of
+from client.step_frames import StepFrames
 from swarm.dht import lookup_async
 from swarm.errors import PeerUnreachable, SwarmError
 from swarm.records import ServerRecord
@@ -49,6 +50,7 @@ class SwarmClient:
         self.p2p: P2P = self.background.run(self.dht.replicate_p2p(), timeout=30)
         self._rtt_ms: dict[str, tuple[float, float]] = {}  # peer -> (rtt, measured at)
         self._banned_until: dict[str, float] = {}
+        self.step_frames = StepFrames()  # decode steps of this client's sessions, one frame per server
 
     def run(self, coroutine, timeout: float | None = None):  # type: ignore[no-untyped-def]
         """Runs a coroutine on the client's loop and gives its result."""

@@ -19,6 +19,7 @@ from server.scheduler import DEFAULT_MAX_BATCH_TOKENS, StepScheduler
 from server.sessions import Session, SessionTable, Step, StepResult
 from swarm.dht import Announcer, lookup_block_async
 from swarm.errors import (
+    InternalServerError,
     InvalidTensor,
     MalformedFrame,
     MaxLengthExceeded,
@@ -142,7 +143,8 @@ class SwarmServer:
         self._addrs = [str(addr) for addr in self.dht.get_visible_maddrs()][:16]
         p2p = await self.dht.replicate_p2p()
         self.rpc = RpcServer(p2p, max_frame_bytes=self.config.max_frame_bytes)
-        methods = {"info": self._info, "open": self._open, "step": self._step, "push": self._push, "close": self._close}
+        methods = {"info": self._info, "open": self._open, "step": self._step, "steps": self._steps, "push": self._push,
+                   "close": self._close}
         for name, method in methods.items():
             self.rpc.add_method(name, method)
         self.pusher = Pusher(
@@ -238,9 +240,39 @@ class SwarmServer:
             session, result = await self._await_pushed_step(payload)
         else:
             session, result = self._admit_step(payload, ctx)
-        result = await asyncio.shield(result)  # a client that goes away does not cancel a step others await
-        return {"hidden": encode_tensor(result.output, compression), "position": session.position,
-                "compute_ms": result.compute_ms, "batches": result.batches}
+        return await self._step_reply(session, result, compression)
+
+    async def _steps(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        """Runs `steps`, a list of `step` payloads of any sessions on this server (a client sends the steps of its
+        sessions that go on together in one frame), and answers `results`: for each, what `step` answers, or
+        `error`. All are admitted before any computes, so they start in one batch; each fails on its own."""
+        entries = field(payload, "steps", list)
+        if not 0 < len(entries) <= MAX_PUSHED_STEPS:
+            raise MalformedFrame(f"a steps frame carries 1..{MAX_PUSHED_STEPS} steps, got {len(entries)}")
+        replies = [asyncio.ensure_future(self._entry_reply(entry, ctx)) for entry in entries]
+        await asyncio.sleep(0)  # each reply task admits its step before its first wait, all in this loop pass
+        results = []
+        for reply in replies:
+            try:
+                results.append(await reply)
+            except SwarmError as error:
+                results.append({"error": error.to_wire()})
+            except Exception as error:  # a bug in one step's handling must not take the others' replies with it
+                log.exception("a step of a steps frame failed")
+                results.append({"error": InternalServerError(f"{type(error).__name__}: {error}").to_wire()})
+        return {"results": results}
+
+    async def _entry_reply(self, entry: object, ctx: CallContext) -> dict[str, Any]:
+        if not isinstance(entry, dict):
+            raise MalformedFrame(f"a step in a steps frame is not a map: {entry!r:.100}")
+        return await self._step(entry, ctx)
+
+    async def _step_reply(
+        self, session: Session, result: asyncio.Future[StepResult], compression: str | None
+    ) -> dict[str, Any]:
+        step = await asyncio.shield(result)  # a client that goes away does not cancel a step others await
+        return {"hidden": encode_tensor(step.output, compression), "position": session.position,
+                "compute_ms": step.compute_ms, "batches": step.batches}
 
     async def _push(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         """Accepts steps pushed by the previous server of a chain (a notification: its reply is not sent) and

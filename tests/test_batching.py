@@ -105,9 +105,11 @@ def test_eight_sessions_started_at_different_moments_each_match_the_local_model(
         try:
             outputs, _ = generate_concurrently(model, inputs, max_new_tokens=16, stagger_s=0.02)
             replies = infos(model.swarm)
+            frames = model.swarm.step_frames
         finally:
             model.shutdown()
     assert outputs == local_greedy(path, inputs, 16)
+    assert frames.framed_steps > frames.frames > 0  # sessions that went on together sent their steps in one frame
     assert sum(multi_step_batches(reply) for reply in replies.values()) > 0, replies  # the steps shared batches
     assert all(reply["record"]["pages_kv"] == 0 for reply in replies.values())  # every page went back
 
@@ -233,6 +235,28 @@ def test_a_long_prefill_shares_batches_with_decoding_sessions(paged_swarm, tiny_
     assert generated == local_greedy(tiny_llama, [long_prompt], 4) * len(generated)
     mixed = mixed_batches() - before
     assert mixed >= 3, "the prompts' chunks (40 per server each) should have shared batches with the decode steps"
+    assert_pools_back_to_baseline(paged_swarm)
+
+
+def test_a_steps_frame_computes_its_sessions_together_and_a_bad_one_fails_alone(paged_swarm) -> None:
+    server = first_server(paged_swarm)
+    raws = [RawSession(paged_swarm.swarm, server, max_length=64) for _ in range(3)]
+    for raw in raws:
+        raw.step(5)
+    before = infos(paged_swarm.swarm)[0]["batches"]["steps_per_batch"].get("<=2", 0)
+    generator = torch.Generator().manual_seed(5)
+    good = [torch.randn(1, 1, HIDDEN, generator=generator) for _ in range(2)]
+    frame = [{"session_id": raws[0].session_id, "step_id": "5", "hidden": encode_tensor(good[0])},
+             {"session_id": raws[1].session_id, "step_id": "5", "hidden": encode_tensor(torch.ones(1, 1, HIDDEN + 1))},
+             {"session_id": raws[2].session_id, "step_id": "5", "hidden": encode_tensor(good[1])},
+             "not a step"]
+    results = raws[0].call("steps", {"steps": frame})["results"]
+    assert [result["position"] for result in results[0:3:2]] == [6, 6]
+    assert [results[1]["error"]["code"], results[3]["error"]["code"]] == ["InvalidTensor", "MalformedFrame"]
+    assert infos(paged_swarm.swarm)[0]["batches"]["steps_per_batch"].get("<=2", 0) == before + 1  # one batch of 2
+    assert raws[1].step(1)["position"] == 6  # the session of the bad step goes on
+    for raw in raws:
+        paged_swarm.swarm.run(raw.connection.close())
     assert_pools_back_to_baseline(paged_swarm)
 
 
