@@ -17,10 +17,10 @@ from typing import Any
 
 from swarm.errors import MalformedFrame, SwarmError
 from swarm.rpc import RpcConnection
+from swarm.wire import MAX_STEPS_PER_FRAME
 
 MAX_GATHER_PASSES = 8  # event loop passes a frame waits for more steps while more keep coming
 QUIET_PASSES = 2  # passes without a new step after which the frame leaves
-MAX_FRAME_STEPS = 256  # the server's limit for one frame
 
 
 @dataclass
@@ -58,13 +58,13 @@ class StepFrames:
             gathered = len(outbox.entries)
             await asyncio.sleep(0)
             quiet = quiet + 1 if len(outbox.entries) == gathered else 0
-            if quiet >= QUIET_PASSES or len(outbox.entries) >= MAX_FRAME_STEPS:
+            if quiet >= QUIET_PASSES or len(outbox.entries) >= MAX_STEPS_PER_FRAME:
                 break
         if self._outboxes.get(peer_id) is outbox:
             del self._outboxes[peer_id]
         entries = outbox.entries
         while entries:
-            frame, entries = entries[:MAX_FRAME_STEPS], entries[MAX_FRAME_STEPS:]
+            frame, entries = entries[:MAX_STEPS_PER_FRAME], entries[MAX_STEPS_PER_FRAME:]
             await self._send(frame, timeout)
 
     async def _send(

@@ -25,6 +25,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from swarm.errors import PeerUnreachable, SwarmError
 from swarm.records import NextHop
 from swarm.rpc import RpcConnection
+from swarm.wire import MAX_STEPS_PER_FRAME
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,8 @@ class Pusher:
 
     def push_all(self, pushes: list[tuple[list[NextHop], dict[str, Any], int]]) -> None:
         """Starts sending each (hops, step, block) as `push` does; steps bound for the same peer and block go in
-        one frame (as many as fit in half a frame), so that they arrive, and compute, together."""
+        one frame (as many as fit in half a frame, and at most MAX_STEPS_PER_FRAME), so that they arrive, and
+        compute, together."""
         groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
         sizes: dict[tuple[str, int], int] = {}
         for hops, step, block in pushes:
@@ -83,7 +85,7 @@ class Pusher:
             key = (first.peer_id, block)
             nbytes = len(step.get("hidden", {}).get("data", b""))
             group = groups.setdefault(key, [])
-            if group and sizes[key] + nbytes > self.max_frame_bytes // 2:
+            if group and (sizes[key] + nbytes > self.max_frame_bytes // 2 or len(group) >= MAX_STEPS_PER_FRAME):
                 self._push_frame(*key, group)
                 group = groups[key] = []
                 sizes[key] = 0

@@ -34,13 +34,20 @@ from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, parse_size
 from swarm.model import BlockRange, ModelSource, parse_block_range, pick_device, pick_dtype, resolve_model
 from swarm.records import SOFTWARE_VERSION, BatchTiming, NextHop, ServerRecord, ServerState
 from swarm.rpc import CallContext, RpcServer
-from swarm.wire import decode_tensor, encode_tensor, validate_compression
+from swarm.wire import MAX_STEPS_PER_FRAME, decode_tensor, encode_tensor, validate_compression
 
 log = logging.getLogger(__name__)
 
 _THROUGHPUT_MIN_BYTES = 64 << 10  # smaller frames measure latency, not bandwidth
 MAX_PUSH_WAIT_MS = 600_000
-MAX_PUSHED_STEPS = 256
+
+
+def _step_list(payload: dict[str, Any]) -> list[Any]:
+    """Gives the `steps` list of a frame that carries several steps, checked for its length only."""
+    steps = field(payload, "steps", list)
+    if not 0 < len(steps) <= MAX_STEPS_PER_FRAME:
+        raise MalformedFrame(f"a frame carries 1..{MAX_STEPS_PER_FRAME} steps, got {len(steps)}")
+    return steps
 
 
 def field(payload: dict[str, Any], name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
@@ -246,11 +253,9 @@ class SwarmServer:
         """Runs `steps`, a list of `step` payloads of any sessions on this server (a client sends the steps of its
         sessions that go on together in one frame), and answers `results`: for each, what `step` answers, or
         `error`. All are admitted before any computes, so they start in one batch; each fails on its own."""
-        entries = field(payload, "steps", list)
-        if not 0 < len(entries) <= MAX_PUSHED_STEPS:
-            raise MalformedFrame(f"a steps frame carries 1..{MAX_PUSHED_STEPS} steps, got {len(entries)}")
-        replies = [asyncio.ensure_future(self._entry_reply(entry, ctx)) for entry in entries]
-        await asyncio.sleep(0)  # each reply task admits its step before its first wait, all in this loop pass
+        # The tasks run in order once this awaits the first; each admits its step before it waits, so all are queued
+        # before the scheduler's task runs.
+        replies = [asyncio.ensure_future(self._entry_reply(entry, ctx)) for entry in _step_list(payload)]
         results = []
         for reply in replies:
             try:
@@ -281,10 +286,7 @@ class SwarmServer:
             validate_compression(field(payload, "compression", str, optional=True))
             self._admit_step(payload, ctx)
             return {}
-        steps = field(payload, "steps", list)
-        if not 0 < len(steps) <= MAX_PUSHED_STEPS:
-            raise MalformedFrame(f"a push carries 1..{MAX_PUSHED_STEPS} steps, got {len(steps)}")
-        for step in steps:  # each on its own: one that cannot run does not keep the others from running
+        for step in _step_list(payload):  # each on its own: one that cannot run does not keep the others from running
             try:
                 if not isinstance(step, dict):
                     raise MalformedFrame(f"a pushed step is not a map: {step!r:.100}")

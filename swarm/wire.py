@@ -21,6 +21,7 @@ DEFAULT_MAX_FRAME_BYTES = 64 * 2**20
 HEADER_BYTES = 4
 _MAX_BODY_BYTES = 2 ** (8 * HEADER_BYTES) - 1
 MAX_TENSOR_DIMS = 8
+MAX_STEPS_PER_FRAME = 256  # step payloads one `steps` call or `push` frame may carry
 
 COMPRESSIONS: tuple[str | None, ...] = (None, "fp16", "bf16")
 _COMPRESSED_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

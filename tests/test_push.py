@@ -14,12 +14,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client import ClientConfig, DistributedModelForCausalLM, SwarmClient
+from server.push import Pusher
 from swarm.errors import MalformedFrame, StepNotPushed
 from swarm.local_swarm import SwarmProcesses
 from swarm.model import resolve_model
 from swarm.records import NextHop, ServerRecord
 from swarm.rpc import RpcConnection
-from swarm.wire import decode_tensor, encode_tensor
+from swarm.wire import MAX_STEPS_PER_FRAME, decode_tensor, encode_tensor
 from tests.reference import ReferenceBlocks
 from tests.test_swarm_generate import prompt, start_swarm
 
@@ -184,3 +185,27 @@ def test_a_hop_that_does_not_host_the_next_block_gets_no_push(spans: tuple[Span,
     finally:
         first.call("close", {"session_id": short})
         second.call("close", {"session_id": target})
+
+
+
+def recording_pusher(max_frame_bytes: int, frames: list[tuple[str, int, int]]) -> Pusher:
+    """Gives a pusher that sends nothing and records each frame it would send: (peer, block, steps)."""
+    pusher = Pusher(None, None, timeout_s=1.0, max_frame_bytes=max_frame_bytes)  # type: ignore[arg-type]
+    pusher._push_frame = lambda peer, block, payloads: frames.append((peer, block, len(payloads)))  # type: ignore[method-assign]
+    return pusher
+
+
+def test_a_batch_of_pushes_goes_in_frames_per_peer_and_block_within_the_frame_limits() -> None:
+    def hops(peer: str) -> list[NextHop]:
+        return [NextHop(peer_id=peer, session_id="s", addrs=[])]
+
+    frames: list[tuple[str, int, int]] = []
+    step = {"step_id": "0", "hidden": encode_tensor(torch.zeros(1, 1, 4))}
+    recording_pusher(64 << 20, frames).push_all(
+        [(hops("a"), step, 3)] * (MAX_STEPS_PER_FRAME + 1) + [(hops("a"), step, 5), (hops("b"), step, 3), ([], step, 3)]
+    )
+    assert frames == [("a", 3, MAX_STEPS_PER_FRAME), ("a", 3, 1), ("a", 5, 1), ("b", 3, 1)]
+    frames.clear()
+    big = {"step_id": "0", "hidden": encode_tensor(torch.zeros(1, 600, 1024))}  # 2.4 MB each
+    recording_pusher(6 << 20, frames).push_all([(hops("a"), big, 3)] * 3)
+    assert frames == [("a", 3, 1)] * 3  # half a frame holds one of them
