@@ -3,6 +3,9 @@
 An arriving job starts on the fastest chain that runs fewer jobs than its capacity, or waits in one FIFO queue;
 when a job completes on a chain, the head of the queue starts on that chain. Jobs never migrate. The free
 chains sit in a heap keyed by their speed rank, so each event costs O(log K).
+
+`JFFC` is the dispatcher itself; `JFFCPolicy` puts it behind the `DispatchPolicy` interface the simulator drives. The
+live orchestrator and the simulator both use `JFFC` from here.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ import heapq
 from collections import deque
 from collections.abc import Hashable, Sequence
 
-from orchestrator.swarm_model import Chain
+from orchestrator.dispatch_policy import Route, Start
+from orchestrator.swarm_model import Chain, Placement
 
 
 class JFFC:
@@ -86,3 +90,30 @@ class JFFC:
         self._busy[chain_index] -= 1
         self._running -= 1
         return None
+
+
+class JFFCPolicy:
+    """Join-the-Fastest-Free-Chain over fixed chains with one central FIFO queue."""
+
+    def __init__(self, chains: Sequence[Chain], placement: Placement, name: str = "jffc") -> None:
+        if not chains:
+            raise ValueError("JFFC needs at least one chain")
+        self.name = name
+        self.placement = placement
+        self.chains = tuple(chains)
+        self._routes = [Route.of_chain(chain, index) for index, chain in enumerate(self.chains)]
+        self._dispatcher = JFFC(list(self.chains))
+        self._chain_of: dict[int, int] = {}
+
+    def arrive(self, job: int, now_ms: float) -> list[Start]:
+        index = self._dispatcher.arrive(job)
+        return [] if index is None else [self._start(job, index)]
+
+    def complete(self, job: int, now_ms: float) -> list[Start]:
+        index = self._chain_of.pop(job)
+        following = self._dispatcher.complete(index)
+        return [] if following is None else [self._start(following, index)]
+
+    def _start(self, job: int, index: int) -> Start:
+        self._chain_of[job] = index
+        return Start(job, self._routes[index])

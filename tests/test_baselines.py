@@ -16,9 +16,9 @@ from orchestrator.baselines.load_balancing import DedicatedQueues
 from orchestrator.baselines.parallax import greedy_pipelines, parallax, parallax_layout, water_fill
 from orchestrator.baselines.path_routing import PlacementGraph
 from orchestrator.baselines.petals import PetalsRouting, choose_best_start, petals_link_estimate_ms, petals_placement
+from orchestrator.dispatch_policy import NoFeasiblePlan
 from orchestrator.sim.engine import simulate
 from orchestrator.sim.methods import POLICIES, build_policy
-from orchestrator.sim.policy import NoFeasiblePlan
 from orchestrator.sim.presets import paper_swarm, synthetic_rtt
 from orchestrator.sim.workload import poisson_workload
 from orchestrator.swarm_model import Chain, ModelSpec, Placement, ServerSpec, SwarmModel

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from orchestrator.analysis import exact_two_chain_mean_response, mean_response_bounds
-from orchestrator.baselines.jffc import JFFCPolicy
 from orchestrator.cli import main as swarm_sim
+from orchestrator.dispatch import JFFCPolicy
+from orchestrator.dispatch_policy import Route, Start
 from orchestrator.sim.engine import CapacityViolation, PolicyError, simulate
 from orchestrator.sim.methods import FIG8_POLICIES
 from orchestrator.sim.overall import (
@@ -26,7 +27,6 @@ from orchestrator.sim.overall import (
     paired_comparisons,
     paired_verdicts,
 )
-from orchestrator.sim.policy import Route, Start
 from orchestrator.sim.presets import (
     HIGH_PERFORMANCE,
     INPUT_TOKENS,

@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 
 from orchestrator.baselines.path_routing import PathPolicy, PlacementGraph
+from orchestrator.dispatch_policy import NoFeasiblePlan, Route
 from orchestrator.placement import blocks_for_capacity
-from orchestrator.sim.policy import NoFeasiblePlan, Route
 from orchestrator.swarm_model import Placement, SwarmModel
 
 

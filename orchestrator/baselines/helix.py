@@ -19,7 +19,7 @@ import networkx as nx
 
 from orchestrator.baselines.parallax import PARAM_HOSTING_RATIO, layer_capacity
 from orchestrator.baselines.path_routing import PathPolicy
-from orchestrator.sim.policy import NoFeasiblePlan, Route
+from orchestrator.dispatch_policy import NoFeasiblePlan, Route
 from orchestrator.swarm_model import Placement, SwarmModel
 
 

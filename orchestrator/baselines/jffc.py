@@ -1,44 +1,12 @@
-"""JFFC behind the simulator's policy interface, and the "JFFC only" baseline (the whole model on every server).
-
-`JFFCPolicy` wraps the shipped dispatcher (`orchestrator.dispatch.JFFC`, Alg. 3) without changing its decisions:
-the proposed method and "JFFC only" both run through it.
-"""
+"""The "JFFC only" baseline: the whole model on every server that fits it, dispatched by the shipped JFFC."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
-from orchestrator.dispatch import JFFC
-from orchestrator.sim.policy import NoFeasiblePlan, Route, Start
+from orchestrator.dispatch import JFFCPolicy
+from orchestrator.dispatch_policy import NoFeasiblePlan
 from orchestrator.swarm_model import Chain, Placement, SwarmModel
-
-
-class JFFCPolicy:
-    """Join-the-Fastest-Free-Chain over fixed chains with one central FIFO queue."""
-
-    def __init__(self, chains: Sequence[Chain], placement: Placement, name: str = "jffc") -> None:
-        if not chains:
-            raise ValueError("JFFC needs at least one chain")
-        self.name = name
-        self.placement = placement
-        self.chains = tuple(chains)
-        self._routes = [Route.of_chain(chain, index) for index, chain in enumerate(self.chains)]
-        self._dispatcher = JFFC(list(self.chains))
-        self._chain_of: dict[int, int] = {}
-
-    def arrive(self, job: int, now_ms: float) -> list[Start]:
-        index = self._dispatcher.arrive(job)
-        return [] if index is None else [self._start(job, index)]
-
-    def complete(self, job: int, now_ms: float) -> list[Start]:
-        index = self._chain_of.pop(job)
-        following = self._dispatcher.complete(index)
-        return [] if following is None else [self._start(following, index)]
-
-    def _start(self, job: int, index: int) -> Start:
-        self._chain_of[job] = index
-        return Start(job, self._routes[index])
 
 
 def whole_model_chains(swarm: SwarmModel) -> tuple[Placement, list[Chain]]:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from orchestrator.sim.policy import Route, Start
+from orchestrator.dispatch_policy import Route, Start
 from orchestrator.swarm_model import Chain, Placement
 
 RULES = ("jsq", "jiq", "sed", "sa-jsq")

@@ -19,7 +19,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
-from orchestrator.sim.policy import NoFeasiblePlan, Route, Start, path_service_time_ms
+from orchestrator.dispatch_policy import NoFeasiblePlan, Route, Start, path_service_time_ms
 from orchestrator.swarm_model import Chain, Placement, ServerSpec, SwarmModel
 
 PARAM_HOSTING_RATIO = 0.65

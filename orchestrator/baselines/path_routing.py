@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from orchestrator.sim.policy import NoFeasiblePlan, Route, Start, path_service_time_ms, server_slots
+from orchestrator.dispatch_policy import NoFeasiblePlan, Route, Start, path_service_time_ms, server_slots
 from orchestrator.swarm_model import Placement, SwarmModel
 
 # cost of entering server j processing `count` blocks there; math.inf forbids the link

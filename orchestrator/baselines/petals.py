@@ -26,8 +26,8 @@ import math
 import numpy as np
 
 from orchestrator.baselines.path_routing import PathPolicy
+from orchestrator.dispatch_policy import NoFeasiblePlan, Route
 from orchestrator.placement import blocks_for_capacity
-from orchestrator.sim.policy import NoFeasiblePlan, Route
 from orchestrator.swarm_model import Placement, SwarmModel
 
 PETALS_CACHE_JOBS = 2  # attn_cache_tokens 4096 / max sequence 2048 (BLOOM has no grouped-query attention)

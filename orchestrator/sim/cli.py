@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import yaml
 
+from orchestrator.dispatch_policy import NoFeasiblePlan
 from orchestrator.sim import experiments, plots
 from orchestrator.sim.methods import FIG8_POLICIES, POLICIES, PROPOSED, compose
 from orchestrator.sim.metrics import pooled_summary
 from orchestrator.sim.overall import FIG8_ETAS, FIG8_SERVERS, cached_rtt, fig8, fig8_table
-from orchestrator.sim.policy import NoFeasiblePlan
 from orchestrator.sim.presets import DEFAULT_RATE_PER_S, DEFAULT_RHO_BAR, paper_swarm
 from orchestrator.sim.report import SUMMARY_HEADERS, format_table, seconds, summary_row, write_json
 from orchestrator.sim.runner import WORKLOAD_STREAM, map_tasks, run_policy, seeded_poisson

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orchestrator.dispatch_policy import DispatchPolicy, Route, Start, hop_blocks, path_service_time_ms, server_slots
 from orchestrator.sim.metrics import RunResult
-from orchestrator.sim.policy import DispatchPolicy, Route, Start, hop_blocks, path_service_time_ms, server_slots
 from orchestrator.sim.workload import Workload
 from orchestrator.swarm_model import SwarmModel
 

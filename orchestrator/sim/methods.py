@@ -19,11 +19,12 @@ import numpy as np
 
 from orchestrator.baselines.bprr import bprr
 from orchestrator.baselines.helix import helix
-from orchestrator.baselines.jffc import JFFCPolicy, jffc_only
+from orchestrator.baselines.jffc import jffc_only
 from orchestrator.baselines.load_balancing import RULES, DedicatedQueues
 from orchestrator.baselines.parallax import parallax
 from orchestrator.baselines.petals import petals
-from orchestrator.sim.policy import DispatchPolicy, NoFeasiblePlan
+from orchestrator.dispatch import JFFCPolicy
+from orchestrator.dispatch_policy import DispatchPolicy, NoFeasiblePlan
 from orchestrator.swarm_model import Chain, Placement, SwarmModel
 from orchestrator.tuning import TuningMethod, plan_for_capacity, tune_capacity
 

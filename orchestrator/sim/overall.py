@@ -17,9 +17,9 @@ from functools import lru_cache
 import numpy as np
 from scipy.stats import binomtest
 
+from orchestrator.dispatch_policy import NoFeasiblePlan
 from orchestrator.sim.methods import FIG8_POLICIES, PROPOSED, compose
 from orchestrator.sim.metrics import summarize
-from orchestrator.sim.policy import NoFeasiblePlan
 from orchestrator.sim.presets import (
     DEFAULT_RATE_PER_MS,
     DEFAULT_RHO_BAR,

@@ -14,10 +14,10 @@ from typing import TypeVar
 import numpy as np
 from tqdm import tqdm
 
+from orchestrator.dispatch_policy import NoFeasiblePlan
 from orchestrator.sim.engine import simulate
 from orchestrator.sim.methods import build_policy
 from orchestrator.sim.metrics import RunResult
-from orchestrator.sim.policy import NoFeasiblePlan
 from orchestrator.sim.workload import Workload, poisson_workload
 from orchestrator.swarm_model import SwarmModel
 

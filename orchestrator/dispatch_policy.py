@@ -1,4 +1,4 @@
-"""The interface the simulator (and later the live orchestrator) drives: a dispatch policy over a placement.
+"""The interface the simulator and the live orchestrator drive: a dispatch policy over a placement.
 
 Two kinds of policy sit behind it. Chain policies (JFFC, JSQ, ..., round-robin) own a fixed list of chains with
 capacities and start a job on one of them. Path policies (PETALS, BPRR, Helix-style) route each request over
