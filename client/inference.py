@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from client.chain_lease import ChainLease
 from client.routing import Span
 from client.swarm_client import SwarmClient
 from swarm.errors import (
@@ -84,8 +85,10 @@ class _SpanSession:
 class RemoteInferenceSession:
     """Async core of an inference session; `InferenceSession` is its synchronous face."""
 
-    def __init__(self, client: SwarmClient, *, max_length: int, batch: int = 1) -> None:
+    def __init__(self, client: SwarmClient, *, max_length: int, batch: int = 1, prompt_tokens: int = 0) -> None:
         self.client, self.max_length, self.batch = client, max_length, batch
+        self.prompt_tokens = prompt_tokens
+        self.lease: ChainLease | None = None
         self.spans: list[_SpanSession] = []
         self.position = 0
         self.timings: dict[str, SpanTimings] = {}
@@ -94,8 +97,35 @@ class RemoteInferenceSession:
         self.closed = False
 
     async def open(self) -> None:
-        """Routes blocks [0, L) and opens a session on every server of the chain."""
+        """Opens a session on every server of a chain over blocks [0, L): the chain the orchestrator leases, if the
+        swarm has one, else (or if a leased server refuses) the min-latency chain routed here."""
+        self.lease = await self.client.acquire_chain(prompt_tokens=self.prompt_tokens)
+        if self.lease is not None:
+            try:
+                self.spans = await self._open_leased(self.lease)
+                return
+            except RECOVERABLE_AT_OPEN as error:
+                log.warning("A server of the leased chain refused a session (%s: %s); routing by DHT records",
+                            type(error).__name__, error.message)
+                await self.lease.release(0)
+                self.lease = None
         self.spans = await self._open_chain(0, self.client.num_blocks)
+
+    async def _open_leased(self, lease: ChainLease) -> list[_SpanSession]:
+        """Gives open sessions on the servers of a leased chain, or raises (having closed what it opened)."""
+        servers = await self.client.servers()
+        opened: list[_SpanSession] = []
+        try:
+            for leased in lease.spans:
+                record = servers.get(leased.peer_id)
+                if record is None:
+                    raise BlocksNotHosted(f"leased server {leased.peer_id} is not online in the DHT")
+                opened.append(await self._open_span(Span(leased.peer_id, leased.start, leased.end, record)))
+            return opened
+        except BaseException:
+            for span_session in opened:
+                await span_session.connection.close()
+            raise
 
     async def _open_chain(self, start: int, end: int) -> list[_SpanSession]:
         """Gives open sessions on a min-latency chain over [start, end), routing around servers that refuse."""
@@ -309,6 +339,8 @@ class RemoteInferenceSession:
         if self.closed:
             return
         self.closed = True
+        if self.lease is not None:
+            await self.lease.release(self.position)
         for span_session in self.spans:
             try:
                 await span_session.connection.call(
@@ -322,9 +354,9 @@ class RemoteInferenceSession:
 class InferenceSession:
     """A multi-step session through the swarm: `step(hidden)` sends only new tokens; use as a context manager."""
 
-    def __init__(self, client: SwarmClient, *, max_length: int, batch: int = 1) -> None:
+    def __init__(self, client: SwarmClient, *, max_length: int, batch: int = 1, prompt_tokens: int = 0) -> None:
         self.client = client
-        self.remote = RemoteInferenceSession(client, max_length=max_length, batch=batch)
+        self.remote = RemoteInferenceSession(client, max_length=max_length, batch=batch, prompt_tokens=prompt_tokens)
         self.generate_offset = 0  # position where the current generate() call's input_ids begin
         self.unsent_ids: torch.Tensor | None = None  # tokens a generate() call produced but never fed back
         client.run(self.remote.open())

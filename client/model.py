@@ -63,9 +63,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def _active_session(self, session: InferenceSession | None) -> None:
         self._thread_state.session = session
 
-    def inference_session(self, *, max_length: int, batch: int = 1) -> InferenceSession:
-        """Gives a new session holding up to `max_length` tokens on every server of its chain."""
-        return InferenceSession(self.swarm, max_length=max_length, batch=batch)
+    def inference_session(self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0) -> InferenceSession:
+        """Gives a new session holding up to `max_length` tokens on every server of its chain (`prompt_tokens`, if
+        known, tells the orchestrator the job's size)."""
+        return InferenceSession(self.swarm, max_length=max_length, batch=batch, prompt_tokens=prompt_tokens)
 
     @contextlib.contextmanager
     def use_session(self, session: InferenceSession) -> Iterator[InferenceSession]:
@@ -143,7 +144,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             session.unsent_ids = output[:, session.position - session.generate_offset :]
             return output[:, 0 if pending is None else pending.shape[1] :]
         max_length = self._max_length_for(input_ids, kwargs)
-        with self.inference_session(max_length=max_length, batch=input_ids.shape[0]) as temporary, \
+        with self.inference_session(max_length=max_length, batch=input_ids.shape[0],
+                                    prompt_tokens=input_ids.shape[1]) as temporary, \
                 self.use_session(temporary):
             return super().generate(input_ids, **kwargs)
 

@@ -8,16 +8,16 @@ import time
 from dataclasses import dataclass
 
 import hivemind
-from hivemind.p2p import P2P, PeerID
-from hivemind.utils.multiaddr import Multiaddr
+from hivemind.p2p import P2P
 
+from client.chain_lease import ChainLease
 from client.loop import BackgroundLoop
 from client.routing import DEFAULT_RTT_MS, Span, find_route, servers_of
 from client.step_frames import StepFrames
-from swarm.dht import lookup_async
-from swarm.errors import PeerUnreachable, SwarmError
-from swarm.records import ServerRecord
-from swarm.rpc import RpcConnection
+from swarm.dht import lookup_async, lookup_orchestrators_async
+from swarm.errors import SwarmError
+from swarm.records import ServerRecord, active_orchestrator
+from swarm.rpc import RpcConnection, dial
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,10 @@ class ClientConfig:
     max_frame_bytes: int = 64 << 20
     compression: str | None = None
     server_push: bool = True  # servers forward hidden states to the next server (the client's copy follows)
+    orchestrator: str | None = "auto"  # "auto": the model's active orchestrator if one is announced; None: never
+    # ask one (route by DHT records); a peer id: that orchestrator only
+    orchestrator_timeout_s: float = 5.0  # to find and reach the orchestrator; past it, the client routes by itself
+    orchestrator_queue_timeout_s: float = 600.0  # how long a session may wait in the orchestrator's queue
 
 
 class SwarmClient:
@@ -72,16 +76,9 @@ class SwarmClient:
 
     async def connect(self, record: ServerRecord) -> RpcConnection:
         """Gives a new RPC stream to the server of `record`, dialing its announced addresses first."""
-        try:
-            # the daemon's connect wants transport addresses; the announced ones end in /p2p/<peer id>
-            addrs = [Multiaddr(addr.split("/p2p/")[0]) for addr in record.addrs]
-            await asyncio.wait_for(
-                self.p2p._client.connect(PeerID.from_base58(record.peer_id), addrs), self.config.connect_timeout_s
-            )
-        except Exception as error:
-            raise PeerUnreachable(f"cannot dial {record.peer_id}: {type(error).__name__}: {error}") from error
-        return await RpcConnection.open(
-            self.p2p, record.peer_id, timeout=self.config.connect_timeout_s, max_frame_bytes=self.config.max_frame_bytes
+        return await dial(
+            self.p2p, record.peer_id, list(record.addrs), timeout=self.config.connect_timeout_s,
+            max_frame_bytes=self.config.max_frame_bytes,
         )
 
     def rtt_ms(self, peer_id: str) -> float:
@@ -121,6 +118,39 @@ class SwarmClient:
             else:
                 rtt_ms[record.peer_id] = result
         return find_route(servers, start, end, rtt_ms=rtt_ms, max_length=max_length, batch=batch, banned=self.banned())
+
+    async def acquire_chain(self, *, prompt_tokens: int) -> ChainLease | None:
+        """Gives a chain leased from the orchestrator (waiting in its queue while every chain is full), or None when
+        this client uses none or cannot reach it within `orchestrator_timeout_s` (it then routes by itself)."""
+        config = self.config
+        if config.orchestrator is None:
+            return None
+        timeout_s = config.orchestrator_timeout_s
+        try:
+            records = await lookup_orchestrators_async(self.dht, self.model_id, timeout_s=timeout_s)
+            record = active_orchestrator(records) if config.orchestrator == "auto" else records.get(config.orchestrator)
+            if record is None:
+                return None
+            connection = await dial(self.p2p, record.peer_id, list(record.addrs), timeout=timeout_s)
+        except (SwarmError, OSError, TimeoutError) as error:
+            log.info("No orchestrator reachable (%s); routing by DHT records", error)
+            return None
+        try:
+            payload = {"prompt_tokens": prompt_tokens, "wait_s": config.orchestrator_queue_timeout_s}
+            reply = await connection.call("acquire", payload, timeout=config.orchestrator_queue_timeout_s + timeout_s)
+            spans = ChainLease.spans_from_wire(reply.get("spans"))
+            lease = ChainLease(connection, str(reply["lease_id"]), spans, ttl_s=float(reply["lease_ttl_s"]),
+                               timeout_s=timeout_s)
+        except (SwarmError, OSError, TimeoutError, KeyError, TypeError, ValueError) as error:
+            log.info("The orchestrator gave no chain (%s: %s); routing by DHT records", type(error).__name__, error)
+            await connection.close()
+            return None
+        if spans[-1].end != self.num_blocks:
+            log.info("The orchestrator's chain ends at block %d of %d; routing by DHT records", spans[-1].end,
+                     self.num_blocks)
+            await lease.release(0)
+            return None
+        return lease
 
     def shutdown(self) -> None:
         """Leaves the DHT and stops the background loop."""

@@ -79,11 +79,32 @@ class JFFC:
             heapq.heappop(self._free_ranks)
         return index
 
+    def withdraw(self, job: Hashable) -> bool:
+        """Takes `job` out of the queue (its client went away before it started); gives whether it was queued."""
+        try:
+            self._queue.remove(job)
+        except ValueError:
+            return False
+        return True
+
+    def occupy(self, chain_index: int) -> None:
+        """Counts a job that already runs on `chain_index` (carried over from a previous plan) in one of its slots;
+        a chain already full then runs one more than its capacity, and takes no new job until it is below again."""
+        self._busy[chain_index] += 1
+        self._running += 1
+        if self._busy[chain_index] == self._capacities[chain_index]:
+            self._free_ranks.remove(self._rank_of_chain[chain_index])
+            heapq.heapify(self._free_ranks)
+
+    def queued(self) -> list[Hashable]:
+        """Gives the queued jobs, head first."""
+        return list(self._queue)
+
     def complete(self, chain_index: int) -> Hashable | None:
         """Frees one slot of `chain_index` and gives the queued job that starts there now, or None."""
         if self._busy[chain_index] == 0:
             raise ValueError(f"chain {chain_index} runs no job to complete")
-        if self._queue:
+        if self._queue and self._busy[chain_index] <= self._capacities[chain_index]:
             return self._queue.popleft()  # the head takes the freed slot at once: Z_k is unchanged
         if self._busy[chain_index] == self._capacities[chain_index]:
             heapq.heappush(self._free_ranks, self._rank_of_chain[chain_index])

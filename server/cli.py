@@ -52,7 +52,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm-server", description=__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="hub-style name, checkpoint folder or .gguf file")
     block_range, size = _checked(parse_block_range), _checked(parse_size)
-    parser.add_argument("--blocks", required=True, type=block_range, help="block range START:END, 0-based, end excl.")
+    parser.add_argument(
+        "--blocks", type=block_range,
+        help="block range START:END, 0-based, end exclusive (default: from --orchestrator, or chosen by the server)",
+    )
+    parser.add_argument(
+        "--orchestrator", metavar="PEER_ID", nargs="+", default=[],
+        help="follow the block assignments of this orchestrator (name its standbys too), and no other's; without "
+        "--blocks, wait for the first",
+    )
+    parser.add_argument(
+        "--num-blocks", type=_positive,
+        help="without --blocks and --orchestrator: how many blocks to host (default: as many as --memory holds, "
+        "with room for the KV of 4 sessions of --max-length each)",
+    )
+    parser.add_argument(
+        "--balance-quality", type=float, default=0.75,
+        help="a server that chooses its blocks moves when another span would raise the swarm's throughput by more "
+        "than 1 / this (Petals' rule)",
+    )
+    parser.add_argument("--rebalance-period", type=float, default=60.0, help="seconds between checks to move")
     parser.add_argument("--memory", type=size, help="memory budget for parameters + KV, e.g. 2GB (default: derived)")
     parser.add_argument("--page-size", type=size, default=str(DEFAULT_PAGE_BYTES), help="bytes per memory page")
     parser.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of any peers already in the swarm")
@@ -96,9 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Gives the server config the parsed arguments describe."""
+    if args.blocks and args.num_blocks:
+        raise SystemExit("swarm-server: error: --num-blocks is for a server that chooses its blocks; drop --blocks")
+    if not 0 < args.balance_quality <= 1:
+        raise SystemExit("swarm-server: error: --balance-quality must be in (0, 1]")
     return ServerConfig(
         blocks=args.blocks,
         model=args.model,
+        orchestrators=tuple(args.orchestrator),
+        num_blocks=args.num_blocks,
+        balance_quality=args.balance_quality,
+        rebalance_period_s=args.rebalance_period,
         memory=args.memory,
         page_bytes=parse_size(args.page_size),
         initial_peers=args.initial_peers,
@@ -125,6 +152,16 @@ async def serve(config: ServerConfig) -> None:
     """Runs a server until SIGTERM or SIGINT, then shuts it down cleanly."""
     server = SwarmServer(config)
     stop = asyncio.Event()
+
+    served: list[bool] = []  # whether `ready` was printed
+
+    def print_range(old: tuple[int, int], new: tuple[int, int]) -> None:
+        if not served and new[1] > new[0]:
+            served.append(True)
+            print(f"ready peer_id={server.peer_id} blocks={new[0]}:{new[1]}", flush=True)
+        elif served:
+            print(f"blocks {old[0]}:{old[1]} -> {new[0]}:{new[1]}", flush=True)
+
     try:
         await server.start()
         # Only now: the DHT's forked process must not inherit these handlers, or it would ignore its own SIGTERM.
@@ -132,7 +169,12 @@ async def serve(config: ServerConfig) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         record = server.record()
-        print(f"ready peer_id={record.peer_id} blocks={record.block_start}:{record.block_end}", flush=True)
+        if record.block_end > record.block_start:
+            served.append(True)
+            print(f"ready peer_id={record.peer_id} blocks={record.block_start}:{record.block_end}", flush=True)
+        else:
+            print(f"started peer_id={record.peer_id} waiting for blocks", flush=True)
+        server.add_range_listener(print_range)
         await stop.wait()
         log.info("Signal received: draining")
     finally:

@@ -14,8 +14,15 @@ from swarm.model import DEFAULT_MODEL
 class ServerConfig:
     """What `swarm-server` was asked to host and how it behaves."""
 
-    blocks: str
+    blocks: str | None = None  # "START:END"; None: blocks come from `orchestrator`, or the server chooses them
     model: str = DEFAULT_MODEL
+    orchestrators: tuple[str, ...] = ()  # peer ids of the orchestrators whose assignments this server follows (an
+    # active one and its standbys); empty: it follows none
+    num_blocks: int | None = None  # blocks a self-choosing server hosts; None: as many as memory holds with KV room
+    balance_quality: float = 0.75  # a self-choosing server moves when its best span would raise the swarm's
+    # throughput (that of its slowest block) by more than 1 / balance_quality (Petals' rule and default)
+    rebalance_period_s: float = 60.0  # how often a self-choosing server checks whether to move
+    block_change_timeout_s: float = 120.0  # how long a range change may wait for leaving blocks to free pages
     memory: str | None = None
     page_bytes: int = DEFAULT_PAGE_BYTES
     initial_peers: list[str] = field(default_factory=list)

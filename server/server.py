@@ -6,19 +6,23 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
 import hivemind
 import torch
 
+from orchestrator.block_selection import HostedSpan, better_start, blocks_that_fit, choose_start
 from server.compute import cached_block_decode_ms
 from server.config import ServerConfig
+from server.hosting import Hosting
 from server.push import Pusher
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS, StepScheduler
 from server.sessions import Session, SessionTable, Step, StepResult
-from swarm.dht import Announcer, lookup_block_async
+from swarm.dht import Announcer, lookup_block_async, lookup_servers_async
 from swarm.errors import (
+    AssignmentRefused,
     InternalServerError,
     InvalidTensor,
     MalformedFrame,
@@ -39,6 +43,7 @@ from swarm.wire import MAX_STEPS_PER_FRAME, decode_tensor, encode_tensor, valida
 log = logging.getLogger(__name__)
 
 _THROUGHPUT_MIN_BYTES = 64 << 10  # smaller frames measure latency, not bandwidth
+SELF_CHOSEN_KV_SESSIONS = 4  # a server choosing how many blocks it hosts keeps KV room for this many full sessions
 MAX_PUSH_WAIT_MS = 600_000
 
 
@@ -70,7 +75,7 @@ class SwarmServer:
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         self.source = source or resolve_model(config.model)
-        start, end = parse_block_range(config.blocks, self.source.num_blocks)
+        start, end = parse_block_range(config.blocks, self.source.num_blocks) if config.blocks else (0, 0)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         budget = parse_size(config.memory) if config.memory else default_budget_bytes(self.device)
@@ -88,7 +93,16 @@ class SwarmServer:
             block_start=start, block_end=end, pool=self.pool, tokens_per_page=self.kv.tokens_per_page,
             max_length=config.max_length, headroom_tokens=config.kv_headroom_tokens,
         )
-        self.block_decode_ms = cached_block_decode_ms(self.blocks, self.source.model_id)
+        self.hosting = Hosting(self.blocks, self.pool, self.sessions, load_timeout_s=config.block_change_timeout_s)
+        self.hosting.add_listener(self._on_range_change)
+        # A server that starts with no blocks measures one built outside its pool (and forgets it): the orchestrator
+        # and a self-choosing server need its speed and block size before it hosts anything.
+        probe = self.blocks if self.blocks.loaded else BlockRange(
+            self.source, 0, 1, dtype=self.dtype, device=self.device, quant=config.quant
+        )
+        self.block_bytes = probe.block_bytes(probe.start)
+        self.block_decode_ms = cached_block_decode_ms(probe, self.source.model_id)
+        del probe
         self.max_batch_tokens = config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(self.device.type, 128)
         self.scheduler = StepScheduler(
             self.blocks, self.kv, self.sessions, max_batch_tokens=self.max_batch_tokens,
@@ -96,6 +110,7 @@ class SwarmServer:
             on_steps_done=self._push_on,
         )
         self.state = ServerState.joining
+        self.ready = asyncio.Event()  # set once the server serves its first blocks
         self.network_mbps: float | None = None
         self.dht: hivemind.DHT | None = None
         self._addrs: list[str] = []
@@ -116,8 +131,8 @@ class SwarmServer:
         return ServerRecord(
             peer_id=self.peer_id,
             model_id=self.source.model_id,
-            block_start=self.blocks.start,
-            block_end=self.blocks.end,
+            block_start=self.hosting.start,
+            block_end=self.hosting.end,
             state=self.state,
             pages_total=stats.pages_total,
             pages_params=stats.pages_params,
@@ -126,6 +141,7 @@ class SwarmServer:
             sessions_fit=self.sessions.sessions_fit(),
             page_bytes=stats.page_bytes,
             kv_bytes_per_token=self.blocks.kv_bytes_per_token(),
+            block_bytes=self.block_bytes,
             block_compute_ms=self.scheduler.block_compute_ms,
             block_decode_ms=[BatchTiming(batch=batch, ms=ms) for batch, ms in sorted(self.block_decode_ms.items())],
             network_mbps=self.network_mbps,
@@ -136,6 +152,7 @@ class SwarmServer:
             version=SOFTWARE_VERSION,
             public_name=self.config.public_name,
             addrs=self._addrs,
+            orchestrators=list(self.config.orchestrators),
         )
 
     async def start(self) -> None:
@@ -151,7 +168,7 @@ class SwarmServer:
         p2p = await self.dht.replicate_p2p()
         self.rpc = RpcServer(p2p, max_frame_bytes=self.config.max_frame_bytes)
         methods = {"info": self._info, "open": self._open, "step": self._step, "steps": self._steps, "push": self._push,
-                   "close": self._close}
+                   "close": self._close, "assign": self._assign}
         for name, method in methods.items():
             self.rpc.add_method(name, method)
         self.pusher = Pusher(
@@ -160,16 +177,113 @@ class SwarmServer:
         )
         await self.rpc.start()
         self.scheduler.start()
-        self.state = ServerState.online
+        self._update_state()
         self.announcer = Announcer(
             self.dht, self.record, period_s=self.config.announce_period_s, ttl_s=self.config.record_ttl_s
         )
         await self.announcer.start()
         self._tasks.append(asyncio.create_task(self._expire_sessions_loop(), name="expire-sessions"))
+        if self.config.blocks is None and not self.config.orchestrators:
+            self._tasks.append(asyncio.create_task(self._choose_blocks_loop(), name="choose-blocks"))
+        orchestrators = " or ".join(self.config.orchestrators)
+        waiting = f"waiting for blocks from orchestrator {orchestrators}" if orchestrators else ""
         log.info(
             "Serving %s blocks %d:%d as %s on %d torch thread(s); %s; %d tokens per KV page; batches of up to %d "
-            "tokens", self.source.model_id, self.blocks.start, self.blocks.end, self.peer_id, torch.get_num_threads(),
-            self.pool.stats(), self.kv.tokens_per_page, self.max_batch_tokens,
+            "tokens%s", self.source.model_id, self.hosting.start, self.hosting.end, self.peer_id,
+            torch.get_num_threads(), self.pool.stats(), self.kv.tokens_per_page, self.max_batch_tokens,
+            f"; {waiting}" if waiting and self.hosting.start == self.hosting.end else "",
+        )
+
+    def _update_state(self) -> None:
+        """Online while serving blocks; joining before the first blocks arrive and while a move loads its new ones."""
+        if self.state == ServerState.draining or self.rpc is None:
+            return
+        self.state = ServerState.online if self.hosting.end > self.hosting.start else ServerState.joining
+        if self.state == ServerState.online:
+            self.ready.set()
+
+    def _on_range_change(self, old: tuple[int, int], new: tuple[int, int]) -> None:
+        """Re-announces the record at once when the serving range changes."""
+        self._update_state()
+        log.info("blocks %d:%d -> %d:%d", *old, *new)
+        if self.announcer is not None:
+            task = asyncio.create_task(self._announce_now(), name="announce-range")
+            self._tasks.append(task)
+            task.add_done_callback(lambda done: self._tasks.remove(done) if done in self._tasks else None)
+
+    async def _announce_now(self) -> None:
+        assert self.announcer is not None
+        try:
+            await self.announcer.announce_now()
+        except SwarmError as error:
+            log.warning("could not announce the new range: %s", error.message)
+
+    def add_range_listener(self, listener: Callable[[tuple[int, int], tuple[int, int]], None]) -> None:
+        """Calls `listener(old, new)` whenever the blocks this server serves change."""
+        self.hosting.add_listener(listener)
+
+    async def change_blocks(self, start: int, end: int) -> None:
+        """Moves this server to blocks [start, end) while it serves (see `server.hosting`)."""
+        await self.hosting.change(start, end)
+
+    async def _assign(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        """Follows the block assignment of this server's orchestrator: answers once the new range serves."""
+        if not self.config.orchestrators:
+            raise AssignmentRefused(
+                f"server {self.peer_id} chooses its blocks itself (it names no orchestrator); assignment ignored"
+            )
+        if ctx.peer_id not in self.config.orchestrators:
+            raise AssignmentRefused(
+                f"assignment from {ctx.peer_id}, but server {self.peer_id} follows orchestrator(s) "
+                f"{', '.join(self.config.orchestrators)} only"
+            )
+        blocks = field(payload, "blocks", list)
+        if len(blocks) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+            raise MalformedFrame(f"request field 'blocks' must be [start, end] integers, got {blocks!r:.100}")
+        self._check_serving()
+        await self.change_blocks(*blocks)
+        return {"blocks": [self.hosting.start, self.hosting.end], "retiring": self.hosting.retiring}
+
+    async def _choose_blocks_loop(self) -> None:
+        """Chooses this server's blocks as Petals' servers do, then checks every `rebalance_period_s` whether
+        another span would serve the swarm clearly better (see `orchestrator.block_selection`)."""
+        num_blocks = self.source.num_blocks
+        count = self.config.num_blocks or self._blocks_memory_holds()
+        count = min(count, num_blocks)
+        while True:
+            try:
+                spans = await self._hosted_spans()
+                if self.hosting.end == self.hosting.start:
+                    start = choose_start(spans, num_blocks, count)
+                else:
+                    start = better_start(spans, num_blocks, self.peer_id, balance_quality=self.config.balance_quality)
+                if start is not None:
+                    await self.change_blocks(start, start + count)
+            except (SwarmError, ValueError) as error:
+                log.warning("choosing blocks failed (retrying in %.0f s): %s", self.config.rebalance_period_s, error)
+            await asyncio.sleep(self.config.rebalance_period_s)
+
+    async def _hosted_spans(self) -> dict[str, HostedSpan]:
+        """Gives the spans the model's online servers announce, this one's as it serves now."""
+        assert self.dht is not None
+        records = await lookup_servers_async(self.dht, self.source.model_id, timeout_s=self.config.push_timeout_s)
+        spans = {
+            peer: HostedSpan(record.block_start, record.block_end, record.block_compute_ms)
+            for peer, record in records.items()
+            if record.state == ServerState.online and peer != self.peer_id
+        }
+        if self.hosting.end > self.hosting.start:
+            spans[self.peer_id] = HostedSpan(self.hosting.start, self.hosting.end, self.scheduler.block_compute_ms)
+        return spans
+
+    def _blocks_memory_holds(self) -> int:
+        """Gives how many blocks the pool holds, each with room for the KV of `SELF_CHOSEN_KV_SESSIONS` sessions of
+        the server's max_length."""
+        kv_bytes_per_block = SELF_CHOSEN_KV_SESSIONS * self.config.max_length * self.blocks.kv_bytes_per_token()
+        block_pages = self.pool.pages_needed(self.block_bytes)
+        return blocks_that_fit(
+            self.pool.pages_total * self.pool.page_bytes, block_pages * self.pool.page_bytes, kv_bytes_per_block,
+            self.source.num_blocks,
         )
 
     async def shutdown(self) -> None:
@@ -207,7 +321,9 @@ class SwarmServer:
                 log.info("Closed %d idle session(s) after %.0f s", len(expired), self.config.session_timeout_s)
 
     def _check_serving(self) -> None:
-        if self.state != ServerState.online:
+        # A server that moves its range keeps running the sessions of the blocks it leaves, even while it serves
+        # no new ones (joining); only a server that shuts down turns steps away.
+        if self.state == ServerState.draining:
             raise ServerDraining(f"server {self.peer_id} is {self.state.value}; retry on another server")
 
     async def _info(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:

@@ -134,8 +134,20 @@ class SessionTable:
         )
         return SessionKV(pages_held=session.pages_held, pages_expected=expected)
 
+    def set_range(self, block_start: int, block_end: int) -> None:
+        """Makes [block_start, end) the blocks new sessions may open on (empty: none); open sessions keep theirs."""
+        self.block_start, self.block_end = block_start, block_end
+
+    def uses_block(self, block: int) -> bool:
+        """Gives whether a session, open or closed while a batch still computes with it, covers `block`."""
+        return any(
+            session.start <= block < session.end for session in (*self._sessions.values(), *self._closing.values())
+        )
+
     def sessions_fit(self) -> int:
         """Gives how many new one-row sessions over every hosted block the headroom rule would admit now."""
+        if self.block_end <= self.block_start:
+            return 0
         per_session = self.policy.expected_pages(
             tokens=0, max_length=self.max_length, sequences=self.block_end - self.block_start
         )
@@ -147,9 +159,8 @@ class SessionTable:
         """Gives a new session holding its first page per block and row, or raises a typed error and holds
         nothing."""
         if not (self.block_start <= start < end <= self.block_end):
-            raise BlocksNotHosted(
-                f"blocks {start}:{end} requested, but this server hosts {self.block_start}:{self.block_end}"
-            )
+            hosted = f"hosts {self.block_start}:{self.block_end}" if self.block_end > self.block_start else "hosts none"
+            raise BlocksNotHosted(f"blocks {start}:{end} requested, but this server {hosted} for new sessions")
         if not 0 < max_length <= self.max_length:
             raise MaxLengthExceeded(f"max_length {max_length} is outside 1..{self.max_length} (the server's limit)")
         if not 0 < batch <= MAX_BATCH_ROWS:

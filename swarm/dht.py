@@ -1,8 +1,9 @@
 """Announce and discover server records on a hivemind DHT: one expiring entry per hosted block, subkeyed by peer.
 
-A server stores its `ServerRecord` under `block_key(model_id, i)` for every block i it hosts, with
-`subkey = peer_id`, so one key lists every server of that block. Entries expire unless refreshed
-(`Announcer`), which is how a crashed server leaves the swarm. Anyone can write any key, so
+A server stores its `ServerRecord` under `block_key(model_id, i)` for every block i it hosts, and under
+`servers_key(model_id)`, with `subkey = peer_id`, so one key lists every server of that block and one every server
+of the model (the orchestrator reads that one, which also lists servers waiting for their first blocks). Entries
+expire unless refreshed (`Announcer`), which is how a crashed server leaves the swarm. Anyone can write any key, so
 `lookup` keeps only records that validate and that match the key and subkey they were found under.
 
 The coroutines below run inside the DHT's own process (`DHT.run_coroutine` pickles them), so they
@@ -25,7 +26,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
 from swarm.errors import RpcTimeout
-from swarm.records import ServerRecord, ServerState
+from swarm.records import OrchestratorRecord, ServerRecord, ServerState
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,9 +41,15 @@ def block_key(model_id: str, block_index: int) -> str:
     return f"{model_id}.{block_index}"
 
 
+def servers_key(model_id: str) -> str:
+    """Gives the DHT key under which every server of a model announces itself, hosting blocks or not yet."""
+    return f"{model_id}.servers"
+
+
 def record_keys(record: ServerRecord) -> list[str]:
-    """Gives the DHT keys of every block the record's server hosts."""
-    return [block_key(record.model_id, block_index) for block_index in record.block_range]
+    """Gives the DHT keys of every block the record's server hosts, and the model's key of all its servers."""
+    blocks = [block_key(record.model_id, block_index) for block_index in record.block_range]
+    return [*blocks, servers_key(record.model_id)]
 
 
 async def _store_under_keys(
@@ -143,6 +150,52 @@ async def lookup_async(
     keys = [block_key(model_id, block_index) for block_index in range(num_blocks)]
     future = dht.run_coroutine(partial(_get_latest_subkeys, keys=keys), return_future=True)
     return _records_by_block(model_id, num_blocks, await _await_dht(future, timeout_s))
+
+
+async def lookup_servers_async(
+    dht: hivemind.DHT, model_id: str, *, timeout_s: float = DEFAULT_DHT_TIMEOUT_S
+) -> dict[str, ServerRecord]:
+    """Gives the valid records (peer_id -> record) of every server of the model, with or without blocks yet."""
+    key = servers_key(model_id)
+    future = dht.run_coroutine(partial(_get_latest_subkeys, keys=[key]), return_future=True)
+    entries = (await _await_dht(future, timeout_s)).get(key, {})
+    records: dict[str, ServerRecord] = {}
+    for subkey, value in entries.items():
+        record = ServerRecord.from_wire(value)
+        if record is not None and record.peer_id == subkey and record.model_id == model_id:
+            records[record.peer_id] = record
+    return records
+
+
+def orchestrator_key(model_id: str) -> str:
+    """Gives the DHT key under which the orchestrators of a model announce themselves."""
+    return f"{model_id}.orchestrator"
+
+
+async def announce_orchestrator_async(
+    dht: hivemind.DHT, record: OrchestratorRecord, *, ttl_s: float, timeout_s: float = DEFAULT_DHT_TIMEOUT_S
+) -> bool:
+    """Gives whether the orchestrator's record is now stored, expiring in `ttl_s`."""
+    coroutine = partial(
+        _store_under_keys, keys=[orchestrator_key(record.model_id)], subkey=record.peer_id, value=record.to_wire(),
+        expiration_time=get_dht_time() + ttl_s,
+    )
+    return await _await_dht(dht.run_coroutine(coroutine, return_future=True), timeout_s)
+
+
+async def lookup_orchestrators_async(
+    dht: hivemind.DHT, model_id: str, *, timeout_s: float = DEFAULT_DHT_TIMEOUT_S
+) -> dict[str, OrchestratorRecord]:
+    """Gives the valid, live orchestrator records (peer_id -> record) of a model."""
+    key = orchestrator_key(model_id)
+    future = dht.run_coroutine(partial(_get_latest_subkeys, keys=[key]), return_future=True)
+    entries = (await _await_dht(future, timeout_s)).get(key, {})
+    records: dict[str, OrchestratorRecord] = {}
+    for subkey, value in entries.items():
+        record = OrchestratorRecord.from_wire(value)
+        if record is not None and record.peer_id == subkey and record.model_id == model_id:
+            records[record.peer_id] = record
+    return records
 
 
 async def lookup_block_async(

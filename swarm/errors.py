@@ -113,3 +113,7 @@ class StepNotPushed(SwarmError):
 
 class PositionMismatch(SwarmError):
     """A step names a start position other than the session's current one."""
+
+
+class AssignmentRefused(SwarmError):
+    """A server refused a block assignment: it names no orchestrator, or another one than the sender."""

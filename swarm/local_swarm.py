@@ -33,8 +33,9 @@ class Proc:
     @property
     def peer_id(self) -> str:
         for line in self.output().splitlines():
-            if line.startswith("ready peer_id="):
-                return line.split()[1].removeprefix("peer_id=")
+            for word in line.split()[:3] if line.startswith(("ready ", "started ", "orchestrator ready ")) else ():
+                if word.startswith("peer_id="):
+                    return word.removeprefix("peer_id=")
         raise AssertionError(f"{self.name} has not announced a peer id:\n{self.output()[-3000:]}")
 
 
@@ -95,17 +96,32 @@ class SwarmProcesses:
         self.initial_peers = line.split()[1:]
         return proc
 
-    def start_server(self, model: str | Path, blocks: str, *extra: str, name: str | None = None,
+    def start_server(self, model: str | Path, blocks: str | None, *extra: str, name: str | None = None,
                      wait: bool = True, host: str = "127.0.0.1", launcher: Sequence[str] = ()) -> Proc:
-        """Starts a swarm-server for `blocks` of `model`; with `wait`, returns once it is serving."""
-        args = ["-m", "server.cli", "--model", str(model), "--blocks", blocks, "--host", host,
+        """Starts a swarm-server for `blocks` of `model` (None: the blocks its orchestrator assigns, or that it
+        chooses); with `wait`, returns once it is serving, or, when it follows an orchestrator, once it started."""
+        block_args = ["--blocks", blocks] if blocks else []
+        args = ["-m", "server.cli", "--model", str(model), *block_args, "--host", host,
                 "--initial-peers", *self.initial_peers, "--announce-period", str(self.announce_period_s),
                 "--record-ttl", str(self.record_ttl_s), *extra]
         if self.torch_threads > 0 and "--torch-threads" not in extra:
             args += ["--torch-threads", str(self.torch_threads)]
-        proc = self._spawn(name or f"server-{blocks.replace(':', '-')}-{len(self.procs)}", args, launcher)
-        if wait:
+        label = blocks.replace(":", "-") if blocks else "auto"
+        proc = self._spawn(name or f"server-{label}-{len(self.procs)}", args, launcher)
+        if wait and blocks is None and "--orchestrator" in extra:
+            self._wait_for_line(proc, "started peer_id=")
+        elif wait:
             self.wait_ready(proc)
+        return proc
+
+    def start_orchestrator(self, model: str | Path, *extra: str, name: str | None = None, host: str = "127.0.0.1",
+                           launcher: Sequence[str] = ()) -> Proc:
+        """Starts a swarm-orchestrator for `model`; returns once it serves."""
+        args = ["-m", "orchestrator.service.cli", "--model", str(model), "--host", host,
+                "--initial-peers", *self.initial_peers, "--announce-period", str(self.announce_period_s),
+                "--record-ttl", str(self.record_ttl_s), *extra]
+        proc = self._spawn(name or f"orchestrator-{len(self.procs)}", args, launcher)
+        self._wait_for_line(proc, "orchestrator ready peer_id=")
         return proc
 
     def wait_ready(self, proc: Proc) -> None:

@@ -13,6 +13,7 @@ logger = logging.getLogger(__name__)
 
 MAX_BLOCKS = 100_000
 MAX_ADDRS = 16
+MAX_ORCHESTRATORS = 4
 MAX_BATCH_TIMINGS = 8
 MAX_PUBLIC_NAME_CHARS = 64
 MAX_ID_CHARS = 128
@@ -37,7 +38,7 @@ AddrText = Annotated[str, Field(min_length=1, max_length=MAX_ADDR_CHARS)]
 class ServerState(StrEnum):
     """Where a server is in its lifetime; clients route new sessions only to `online` servers."""
 
-    joining = "joining"
+    joining = "joining"  # started, hosting no blocks yet (waiting for its orchestrator's assignment)
     online = "online"
     draining = "draining"
 
@@ -60,7 +61,7 @@ class ServerRecord(BaseModel):
     peer_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     model_id: str = Field(min_length=1, max_length=MAX_MODEL_ID_CHARS)
     block_start: int = Field(ge=0, lt=MAX_BLOCKS)
-    block_end: int = Field(gt=0, le=MAX_BLOCKS)
+    block_end: int = Field(ge=0, le=MAX_BLOCKS)
     # Not strict: the wire carries the enum's string value.
     state: ServerState = Field(strict=False)
     pages_total: int = Field(ge=0)
@@ -72,6 +73,7 @@ class ServerRecord(BaseModel):
     )
     page_bytes: int = Field(gt=0)
     kv_bytes_per_token: int = Field(ge=0, description="KV bytes one token takes in one block")
+    block_bytes: int = Field(default=0, ge=0, description="bytes of one block's parameters as this server holds them")
     block_compute_ms: float = Field(ge=0, allow_inf_nan=False, description="mean time of one block for one token")
     block_decode_ms: list[BatchTiming] = Field(
         default_factory=list, max_length=MAX_BATCH_TIMINGS,
@@ -85,11 +87,17 @@ class ServerRecord(BaseModel):
     version: str = Field(min_length=1, max_length=MAX_VERSION_CHARS)
     public_name: str | None = Field(max_length=MAX_PUBLIC_NAME_CHARS)
     addrs: list[AddrText] = Field(max_length=MAX_ADDRS)
+    orchestrators: list[Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_ORCHESTRATORS,
+        description="peer ids of the orchestrators whose block assignments this server follows",
+    )
 
     @model_validator(mode="after")
     def _check_consistency(self) -> ServerRecord:
-        if self.block_start >= self.block_end:
-            raise ValueError(f"empty block range [{self.block_start}, {self.block_end})")
+        # Only a server still waiting for its first blocks (from its orchestrator) announces an empty range.
+        empty = self.block_start == self.block_end
+        if self.block_start > self.block_end or (empty and self.state != ServerState.joining):
+            raise ValueError(f"empty block range [{self.block_start}, {self.block_end}) of a server {self.state.value}")
         pages_accounted = self.pages_params + self.pages_kv + self.pages_free
         if pages_accounted != self.pages_total:
             raise ValueError(
@@ -146,3 +154,35 @@ class NextHop(BaseModel):
             return [NextHop.model_validate(hop) for hop in obj]
         except ValidationError as error:
             raise ValueError(f"invalid hop in 'next': {error}") from None
+
+
+class OrchestratorRecord(BaseModel):
+    """What an orchestrator announces for one model: where to reach it, and since when it runs (the earliest live
+    one is the active one; the others stand by and take over when its record expires)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    peer_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
+    model_id: str = Field(min_length=1, max_length=MAX_MODEL_ID_CHARS)
+    started_at: float = Field(ge=0, allow_inf_nan=False, description="DHT time the orchestrator started")
+    version: str = Field(min_length=1, max_length=MAX_VERSION_CHARS)
+    addrs: list[AddrText] = Field(max_length=MAX_ADDRS)
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @staticmethod
+    def from_wire(obj: object) -> OrchestratorRecord | None:
+        """Gives the record in `obj`, or None when it does not validate."""
+        if not isinstance(obj, dict):
+            return None
+        try:
+            return OrchestratorRecord.model_validate(obj)
+        except ValidationError as error:
+            logger.debug("dropping invalid orchestrator record: %s", error)
+            return None
+
+
+def active_orchestrator(records: dict[str, OrchestratorRecord]) -> OrchestratorRecord | None:
+    """Gives the active orchestrator among live records: the one that started first (ties: the lowest peer id)."""
+    return min(records.values(), key=lambda record: (record.started_at, record.peer_id), default=None)

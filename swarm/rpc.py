@@ -22,6 +22,7 @@ from contextlib import suppress
 from typing import Any
 
 from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.errors import (
     FrameTooLarge,
@@ -247,6 +248,19 @@ class RpcServer:
             frame = pack_frame(_error_reply(reply.get("id"), InternalServerError(f"{type(e).__name__}: {e}")))
         writer.write(frame)
         await writer.drain()
+
+
+async def dial(
+    p2p: P2P, peer_id: str, addrs: list[str], *, timeout: float, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+) -> RpcConnection:
+    """Gives a new RPC stream to `peer_id`, dialing its announced addresses (`.../p2p/<peer id>`) first."""
+    try:
+        # the daemon's connect wants transport addresses; the announced ones end in /p2p/<peer id>
+        transport = [Multiaddr(addr.split("/p2p/")[0]) for addr in addrs]
+        await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer_id), transport), timeout)
+    except Exception as error:
+        raise PeerUnreachable(f"cannot dial {peer_id}: {type(error).__name__}: {error}") from error
+    return await RpcConnection.open(p2p, peer_id, timeout=timeout, max_frame_bytes=max_frame_bytes)
 
 
 class RpcConnection:

@@ -153,8 +153,8 @@ def test_blocks_in_pool_pages_compute_exactly_as_in_their_own_memory(tiny_llama:
         for row, output in pooled.step(inputs).items():
             torch.testing.assert_close(output, expected[row], rtol=0, atol=0)
     # Every weight still lives in its block's pages after forwards (bitsandbytes int8 swaps weights at its first).
-    for index, block in zip(range(2, 6), pooled_blocks.blocks, strict=True):
-        run = pool.buffer(ParamsOwner(index))
+    for index in range(2, 6):
+        block, run = pooled_blocks.block(index), pool.buffer(ParamsOwner(index))
         pages = range(run.data_ptr(), run.data_ptr() + run.numel())
         assert all(tensor.data_ptr() in pages for tensor in block.parameters())
     assert pool.stats().pages_params == sum(pool.pages_needed(pooled_blocks.block_bytes(i)) for i in range(2, 6))

@@ -1,4 +1,4 @@
-"""A contiguous range of transformer blocks loaded from a checkpoint (only those blocks' weights), run as one batch."""
+"""Transformer blocks loaded from a checkpoint (only those blocks' weights), one at a time, run as one batch."""
 
 from __future__ import annotations
 
@@ -55,7 +55,12 @@ class RotaryTable:
 
 
 class BlockRange(nn.Module):
-    """Blocks [start, end) of a model, on one device and dtype, optionally quantized with bitsandbytes."""
+    """Blocks of a model on one device and dtype, optionally quantized with bitsandbytes: [start, end) when built, then
+    loaded and unloaded one block at a time while the server runs (`load_block`, `unload_block`).
+
+    The loaded blocks need not be contiguous while a server moves its range (it loads the new blocks before the old
+    ones are unloaded); every sequence a forward pass computes passes through loaded blocks only.
+    """
 
     def __init__(
         self,
@@ -68,32 +73,71 @@ class BlockRange(nn.Module):
         quant: str = "none",
         adopt: Callable[[int, list[torch.Tensor]], object] | None = None,
     ) -> None:
-        """Loads blocks [start, end); `adopt(index, tensors)`, if given, takes each block's tensors as soon as it is
-        built (the server moves them into its pool pages, so at most one block sits outside the pool at a time)."""
+        """Loads blocks [start, end) (none if start == end); `adopt(index, tensors)`, if given, takes each block's
+        tensors as soon as it is built (the server moves them into its pool pages, so at most one block sits outside
+        the pool at a time)."""
         super().__init__()
-        parse_block_range(f"{start}:{end}", source.num_blocks)
+        if start != end:
+            parse_block_range(f"{start}:{end}", source.num_blocks)
+        self.source = source
         self.family = get_family(source.config)
         self.config = source.config
-        self.start, self.end = start, end
+        self.num_blocks = source.num_blocks
         self.dtype, self.device, self.quant = dtype, torch.device(device), quant
+        self.adopt = adopt
+        self._loaded: dict[int, nn.Module] = {}
         prefixes = [self.family.block_prefix(index) for index in range(start, end)]
         tensors = load_tensors(source.path, prefixes=prefixes)
-        blocks = []
         for index, prefix in zip(range(start, end), prefixes, strict=True):
-            state = {name.removeprefix(prefix): tensor.to(dtype) for name, tensor in tensors.items()
-                     if name.startswith(prefix)}
-            block = DecoderBlock.from_config(
-                self.config, state, sliding_window=self.family.sliding_window(self.config, index)
-            )
-            block = quantize_linears(block.eval(), quant, compute_dtype=dtype, device=self.device)
-            if adopt is not None:
-                adopt(index, [*block.parameters(), *block.buffers()])
-                realias_moved_weights(block)
-            blocks.append(block)
-        self.blocks = nn.ModuleList(blocks)
+            self._build(index, {name: tensor for name, tensor in tensors.items() if name.startswith(prefix)})
         self.kv_heads, self.head_dim = self.family.kv_shape(self.config)
         self.rotary = RotaryTable(self.family.rotary_embedding(self.config).to(self.device), dtype=dtype,
                                   device=self.device)
+
+    def _build(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
+        prefix = self.family.block_prefix(index)
+        state = {name.removeprefix(prefix): tensor.to(self.dtype) for name, tensor in tensors.items()}
+        window = self.family.sliding_window(self.config, index)
+        block = DecoderBlock.from_config(self.config, state, sliding_window=window)
+        block = quantize_linears(block.eval(), self.quant, compute_dtype=self.dtype, device=self.device)
+        if self.adopt is not None:
+            self.adopt(index, [*block.parameters(), *block.buffers()])
+            realias_moved_weights(block)
+        self._loaded[index] = block  # published last: a compute thread sees a block only once it is whole
+
+    def load_block(self, index: int) -> None:
+        """Reads block `index` from the checkpoint and builds it (through `adopt`, into the pool's pages); raises
+        what `adopt` raises (OutOfPages) and then holds nothing of it."""
+        if not 0 <= index < self.num_blocks:
+            raise InvalidBlockRange(f"block {index} is outside the model's {self.num_blocks} blocks")
+        if index in self._loaded:
+            raise ValueError(f"block {index} is already loaded")
+        prefix = self.family.block_prefix(index)
+        self._build(index, load_tensors(self.source.path, prefixes=[prefix]))
+
+    def unload_block(self, index: int) -> None:
+        """Forgets block `index`; the caller returns its pages to the pool once no batch can compute through it."""
+        if self._loaded.pop(index, None) is None:
+            raise ValueError(f"block {index} is not loaded")
+
+    def block(self, index: int) -> nn.Module:
+        """Gives loaded block `index` (KeyError if it is not loaded)."""
+        return self._loaded[index]
+
+    @property
+    def loaded(self) -> list[int]:
+        """Gives the indices of the loaded blocks, in order."""
+        return sorted(self._loaded)
+
+    @property
+    def start(self) -> int:
+        """Gives the first loaded block (0 when none is)."""
+        return min(self._loaded, default=0)
+
+    @property
+    def end(self) -> int:
+        """Gives one past the last loaded block (0 when none is)."""
+        return max(self._loaded, default=-1) + 1
 
     @property
     def hidden_size(self) -> int:
@@ -109,7 +153,7 @@ class BlockRange(nn.Module):
 
     def block_bytes(self, index: int) -> int:
         """Gives the bytes of block `index`'s parameters and buffers as they sit in memory (after quantization)."""
-        block = self.blocks[index - self.start]
+        block = self._loaded[index]
         return sum(t.numel() * t.element_size() for t in (*block.parameters(), *block.buffers()))
 
     def paged_kv(self, storage: torch.Tensor, page_bytes: int) -> PagedKV:
@@ -145,7 +189,7 @@ class ForwardPass:
     def advance(self) -> None:
         """Computes the next block for the chunks that pass through it."""
         index, batch = self.next_block, self.batch
-        block = self.blocks.blocks[index - self.blocks.start]
+        block = self.blocks.block(index)
         through = batch.through(index)
         if through is batch:
             self.hidden = block(self.hidden, batch, self.kv, index, self.cos, self.sin)

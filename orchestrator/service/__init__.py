@@ -1,0 +1,1 @@
+"""The live swarm-orchestrator: placement on running servers, JFFC dispatch with leases."""

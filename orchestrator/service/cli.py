@@ -1,0 +1,174 @@
+"""`swarm-orchestrator`: place blocks on the servers that follow it and dispatch sessions by JFFC, until SIGTERM.
+
+    swarm-orchestrator --model NAME --initial-peers ADDR... [--host H --port P --identity PATH] [--variant ...]
+    swarm-orchestrator plan --model NAME --initial-peers ADDR... [--json PATH]
+
+`plan` asks the model's active orchestrator for its live state and prints it as a table (and writes it as JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import hivemind
+
+from orchestrator.service.orchestrator import VARIANTS, Orchestrator, OrchestratorConfig
+from swarm.dht import lookup_orchestrators_async
+from swarm.errors import SwarmError
+from swarm.model import DEFAULT_MODEL, ModelNotFound, resolve_model
+from swarm.records import active_orchestrator
+from swarm.rpc import dial
+
+log = logging.getLogger("swarm-orchestrator")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Gives the parser of the service (the `plan` subcommand has its own, `build_plan_parser`)."""
+    parser = argparse.ArgumentParser(prog="swarm-orchestrator", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="hub-style name, checkpoint folder or .gguf file")
+    parser.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of any peers already in the swarm")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, default=0, help="TCP port to listen on, 0 = any")
+    parser.add_argument("--announce-maddrs", nargs="*", default=[], help="multiaddrs others should dial (NAT, proxy)")
+    parser.add_argument("--identity", type=Path, help="private key file for a stable peer id (created if missing)")
+    parser.add_argument("--variant", choices=VARIANTS, default="proposed-spare",
+                        help="proposed: the paper's GBP-CR with c tuned by the lower bound; proposed-spare: spare "
+                        "chains from the servers GBP-CR leaves over, c by the overflow estimate")
+    parser.add_argument("--rho-bar", type=float, default=0.7, help="GBP-CR's target load per chain")
+    parser.add_argument("--prior-rate", type=float, default=0.2, help="jobs/s assumed until 5 sessions arrived")
+    parser.add_argument("--prior-prompt-tokens", type=float, default=128.0, help="mean prompt assumed at first")
+    parser.add_argument("--prior-output-tokens", type=float, default=128.0, help="mean output assumed at first")
+    parser.add_argument("--rate-window", type=float, default=60.0, help="seconds of arrivals the rate counts")
+    parser.add_argument("--refresh-period", type=float, default=5.0, help="seconds between reading the swarm")
+    parser.add_argument("--announce-period", type=float, default=10.0, help="seconds between DHT announcements")
+    parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds the record lives unless refreshed")
+    parser.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a lease lives unless renewed")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def build_plan_parser() -> argparse.ArgumentParser:
+    """Gives the parser of `swarm-orchestrator plan`."""
+    parser = argparse.ArgumentParser(prog="swarm-orchestrator plan",
+                                     description="print the live plan of a model's active orchestrator")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="hub-style name, checkpoint folder or .gguf file")
+    parser.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of any peers in the swarm")
+    parser.add_argument("--json", type=Path, help="also write the state as JSON to this file")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds to find and ask the orchestrator")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
+    """Gives the orchestrator config the parsed arguments describe."""
+    if args.record_ttl <= args.announce_period:
+        raise SystemExit("swarm-orchestrator: error: --record-ttl must exceed --announce-period")
+    return OrchestratorConfig(
+        model=args.model, initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
+        announce_maddrs=args.announce_maddrs, identity=args.identity, variant=args.variant, rho_bar=args.rho_bar,
+        prior_rate_per_s=args.prior_rate, prior_prompt_tokens=args.prior_prompt_tokens,
+        prior_output_tokens=args.prior_output_tokens, rate_window_s=args.rate_window,
+        refresh_period_s=args.refresh_period, announce_period_s=args.announce_period, record_ttl_s=args.record_ttl,
+        lease_ttl_s=args.lease_ttl,
+    )
+
+
+async def serve(config: OrchestratorConfig) -> None:
+    """Runs the orchestrator until SIGTERM or SIGINT."""
+    orchestrator = Orchestrator(config)
+    stop = asyncio.Event()
+    try:
+        await orchestrator.start()
+        loop = asyncio.get_running_loop()  # handlers only now: the DHT's forked process must not inherit them
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        print(f"orchestrator ready peer_id={orchestrator.peer_id}", flush=True)
+        await stop.wait()
+    finally:
+        await orchestrator.shutdown()
+
+
+async def fetch_state(model: str, initial_peers: list[str], timeout_s: float) -> dict[str, Any]:
+    """Gives the live state of the model's active orchestrator."""
+    model_id = resolve_model(model).model_id
+    dht = hivemind.DHT(initial_peers=initial_peers, client_mode=True, start=True)
+    try:
+        p2p = await dht.replicate_p2p()
+        records = await lookup_orchestrators_async(dht, model_id, timeout_s=timeout_s)
+        active = active_orchestrator(records)
+        if active is None:
+            raise SwarmError(f"no orchestrator of {model_id} is announced in the DHT")
+        connection = await dial(p2p, active.peer_id, list(active.addrs), timeout=timeout_s)
+        try:
+            return await connection.call("plan", {}, timeout=timeout_s)
+        finally:
+            await connection.close()
+            await p2p.shutdown()
+    finally:
+        dht.shutdown()
+
+
+def format_state(state: dict[str, Any]) -> str:
+    """Gives the state as tables: the plan's summary, the servers' blocks and the chains."""
+    bounds = state["bounds"]
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    lines = [
+        f"orchestrator {state['orchestrator']} ({'active' if state['active'] else 'standby'}) of {state['model']}",
+        f"c = {state['c']}  method = {state['method']}  arrival rate = {state['arrival_rate']:.3f} jobs/s  "
+        f"queued = {state['queued']}  dispatched = {state['dispatched']}  "
+        f"mean response bounds = {ms(bounds['lower_ms'])} .. {ms(bounds['upper_ms'])} ms",
+        "",
+        "| server | blocks |",
+        "|---|---|",
+        *(f"| {peer} | {start}:{end} |" for peer, (start, end) in state["blocks"].items()),
+        "",
+        "| chain | servers (blocks) | capacity | in use | service time ms |",
+        "|---|---|---|---|---|",
+    ]
+    for index, chain in enumerate(state["chains"]):
+        hops = " -> ".join(f"{peer[-8:]}[{start}:{end}]"
+                           for peer, (start, end) in zip(chain["servers"], chain["blocks"], strict=True))
+        lines.append(f"| {index} | {hops} | {chain['capacity']} | {chain['in_use']} | {chain['service_time_ms']:.0f} |")
+    return "\n".join(lines)
+
+
+def plan_main(argv: list[str]) -> None:
+    """Entry point of `swarm-orchestrator plan`."""
+    args = build_plan_parser().parse_args(argv)
+    try:
+        state = asyncio.run(fetch_state(args.model, args.initial_peers, args.timeout))
+    except (SwarmError, ModelNotFound, OSError) as error:
+        print(f"swarm-orchestrator plan: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    print(format_state(state), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the swarm-orchestrator console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:
+        plan_main(argv[1:])
+        return
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(config_from_args(args)))
+    except (ModelNotFound, ValueError) as error:
+        print(f"swarm-orchestrator: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""Live dispatch: JFFC over the current plan's chains, leases that clients renew, and the one central FIFO queue.
+
+A session's request (`acquire`) becomes a job of the shipped `orchestrator.dispatch.JFFC`: it starts at once on the
+fastest chain with a free slot, or waits in the queue until a slot frees (`release`, or a lease that expired because
+its client stopped renewing it). While the orchestrator moves blocks between plans, the dispatcher is paused:
+requests queue, in order, and start on the new plan's chains once it is installed. Leases on a chain the new plan
+keeps (the same servers over the same blocks) keep their slot; the others run to their end uncounted.
+
+Runs on the orchestrator's event loop; times come in as arguments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+from orchestrator.dispatch import JFFC
+from orchestrator.swarm_model import Chain
+from swarm.errors import SwarmError
+
+
+class LeaseNotFound(SwarmError):
+    """The lease is unknown: it was released, or it expired because its client stopped renewing it."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """Blocks [start, end) of a chain, served by one server."""
+
+    peer_id: str
+    start: int
+    end: int
+
+    def to_wire(self) -> dict[str, object]:
+        return {"peer_id": self.peer_id, "start": self.start, "end": self.end}
+
+
+@dataclass(frozen=True)
+class LiveChain:
+    """A chain of the current plan: its spans in block order, capacity and mean service time."""
+
+    spans: tuple[Span, ...]
+    capacity: int
+    service_time_ms: float
+
+    @staticmethod
+    def of(chain: Chain) -> LiveChain:
+        """Gives the live form of a policy chain (its servers are peer ids; m_ij blocks each, in order)."""
+        spans, start = [], 0
+        for peer_id, blocks in zip(chain.servers, chain.blocks_per_server, strict=True):
+            spans.append(Span(peer_id, start, start + blocks))
+            start += blocks
+        return LiveChain(tuple(spans), chain.capacity, chain.service_time_ms)
+
+
+@dataclass
+class Lease:
+    """A slot of a chain held by one session until it is released or stops being renewed."""
+
+    lease_id: str
+    chain: LiveChain
+    renewed_s: float
+    chain_index: int | None  # in the current plan; None once a new plan no longer has its chain
+    prompt_tokens: int = 0
+
+
+@dataclass
+class _Waiter:
+    job_id: str
+    started: asyncio.Future[Lease]
+    prompt_tokens: int
+    queued_s: float
+
+
+@dataclass
+class LeaseTable:
+    """The live JFFC dispatcher with its leases; `dispatched` counts the sessions that got a chain."""
+
+    lease_ttl_s: float
+    chains: list[LiveChain] = field(default_factory=list)
+    dispatched: int = 0
+    _jffc: JFFC | None = None
+    _leases: dict[str, Lease] = field(default_factory=dict)
+    _waiting: dict[str, _Waiter] = field(default_factory=dict)
+    _paused: deque[str] = field(default_factory=deque)  # requests that arrived while paused, in order
+
+    @property
+    def paused(self) -> bool:
+        return self._jffc is None
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    def in_use(self, chain_index: int) -> int:
+        """Gives the sessions chain `chain_index` runs now."""
+        return self._jffc.busy(chain_index) if self._jffc is not None else 0
+
+    def pause(self) -> None:
+        """Stops starting jobs (blocks are about to move); queued and new requests wait for `install`."""
+        if self._jffc is not None:
+            self._paused.extend(job for job in self._jffc.queued() if job in self._waiting)
+            self._jffc = None
+
+    def install(self, chains: list[LiveChain], now_s: float) -> None:
+        """Dispatches over `chains` from now on: carries over the leases of chains it keeps, then starts or queues
+        the waiting requests in their order."""
+        self.pause()
+        self.chains = list(chains)
+        self._jffc = JFFC([Chain(tuple(s.peer_id for s in c.spans), tuple(s.end - s.start for s in c.spans),
+                                 c.capacity, c.service_time_ms) for c in chains])
+        index_of = {chain.spans: index for index, chain in enumerate(chains)}
+        for lease in self._leases.values():
+            lease.chain_index = index_of.get(lease.chain.spans)
+            if lease.chain_index is not None:
+                self._jffc.occupy(lease.chain_index)
+        waiting, self._paused = list(self._paused), deque()
+        for job_id in waiting:
+            self._arrive(job_id, now_s)
+
+    def request(self, prompt_tokens: int, now_s: float) -> tuple[str, asyncio.Future[Lease]]:
+        """Gives a job id and the future lease of a new request: resolved now if a chain has a free slot."""
+        job_id = uuid.uuid4().hex
+        waiter = _Waiter(job_id, asyncio.get_running_loop().create_future(), prompt_tokens, now_s)
+        self._waiting[job_id] = waiter
+        if self._jffc is None:
+            self._paused.append(job_id)
+        else:
+            self._arrive(job_id, now_s)
+        return job_id, waiter.started
+
+    def _arrive(self, job_id: str, now_s: float) -> None:
+        assert self._jffc is not None
+        index = self._jffc.arrive(job_id)
+        if index is not None:
+            self._start(job_id, index, now_s)
+
+    def _start(self, job_id: str, index: int, now_s: float) -> None:
+        waiter = self._waiting.pop(job_id)
+        lease = Lease(uuid.uuid4().hex, self.chains[index], now_s, index, waiter.prompt_tokens)
+        self._leases[lease.lease_id] = lease
+        self.dispatched += 1
+        waiter.started.set_result(lease)
+
+    def withdraw(self, job_id: str) -> None:
+        """Forgets a request whose client went away before it started."""
+        if self._waiting.pop(job_id, None) is None:
+            return
+        if self._jffc is not None:
+            self._jffc.withdraw(job_id)
+        if job_id in self._paused:
+            self._paused.remove(job_id)
+
+    def renew(self, lease_id: str, now_s: float) -> Lease:
+        """Gives the lease, renewed at `now_s`; raises LeaseNotFound if it is gone."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise LeaseNotFound(f"lease {lease_id!r} is not held (released, or expired after {self.lease_ttl_s} s)")
+        lease.renewed_s = now_s
+        return lease
+
+    def release(self, lease_id: str, now_s: float) -> Lease:
+        """Ends a lease: its slot goes to the head of the queue, if any. Raises LeaseNotFound if it is gone."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            raise LeaseNotFound(f"lease {lease_id!r} is not held (released, or expired after {self.lease_ttl_s} s)")
+        if lease.chain_index is not None and self._jffc is not None:
+            following = self._jffc.complete(lease.chain_index)
+            if following is not None:
+                self._start(str(following), lease.chain_index, now_s)
+        return lease
+
+    def expire(self, now_s: float) -> list[Lease]:
+        """Releases every lease not renewed within `lease_ttl_s`; gives them."""
+        stale = [lease_id for lease_id, lease in self._leases.items() if now_s - lease.renewed_s > self.lease_ttl_s]
+        return [self.release(lease_id, now_s) for lease_id in stale]
+
+    @property
+    def leases(self) -> int:
+        return len(self._leases)

@@ -1,0 +1,438 @@
+"""`swarm-orchestrator`'s service: places blocks on the servers that follow it and dispatches every session by JFFC.
+
+Every `refresh_period_s` it reads the model's servers from the DHT, keeps those that name it (`--orchestrator`),
+measures its RTT to each new one, and estimates the arrival rate and the mean job from the sessions it served
+(`orchestrator.observed_load`). From these it builds the policies' model (`orchestrator.live_model`) and composes the
+swarm with the very functions `swarm-sim` runs: c tuned (`orchestrator.tuning`), GBP-CR (+ spare chains), GCA. It
+re-plans when a follower joins or leaves, and when the tuned c for the observed rate differs from the plan's and
+that rate moved by more than `rate_hysteresis` since the plan. A re-plan hands each role to the server of that kind
+that keeps most of its blocks, and moves servers in an order that keeps every block served
+(`orchestrator.replan`); dispatch pauses while blocks move. Sessions ask for a chain (`acquire`) and get a lease by
+JFFC at once, or wait in the one queue (`orchestrator.service.leases`).
+
+Its state lives in the DHT and the servers, not in a file: a restarted orchestrator reads the servers' ranges and
+plans from them, moving as little as it can. Of several orchestrators of one model, the one that started first is
+active; the others answer `NotActiveOrchestrator` and take over when its record expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from orchestrator.allocation import gca
+from orchestrator.live_model import JobSizes, server_spec, swarm_model
+from orchestrator.observed_load import ObservedLoad
+from orchestrator.replan import Range, match_roles, move_order, placement_ranges
+from orchestrator.service.leases import LeaseTable, LiveChain
+from orchestrator.swarm_model import Chain, Placement, SwarmModel, per_ms
+from orchestrator.tuning import (
+    TunedPlan,
+    TuningMethod,
+    capacity_limit,
+    plan_for_capacity,
+    response_bounds_ms,
+    tune_capacity,
+)
+from swarm.dht import announce_orchestrator_async, lookup_orchestrators_async, lookup_servers_async
+from swarm.errors import MalformedFrame, NoRouteFound, ServerBusy, SwarmError
+from swarm.model import resolve_model
+from swarm.records import SOFTWARE_VERSION, OrchestratorRecord, ServerRecord, ServerState, active_orchestrator
+from swarm.rpc import CallContext, RpcConnection, RpcServer, dial
+
+log = logging.getLogger(__name__)
+
+TUNING: dict[str, TuningMethod] = {"proposed": "lower_bound", "proposed-spare": "overflow"}
+VARIANTS = tuple(TUNING)
+KIND_STEP = 1.25  # servers whose memory and times are within this factor of each other are of one kind
+MAX_WAIT_S = 3600.0
+
+
+class NotActiveOrchestrator(SwarmError):
+    """This orchestrator stands by: another one of the model is active (ask that one)."""
+
+
+@dataclass
+class OrchestratorConfig:
+    """What `swarm-orchestrator` serves and how it behaves; every period and timeout is a setting."""
+
+    model: str
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity: Path | None = None
+    variant: str = "proposed-spare"  # "proposed": the paper's Alg. 1, c by the lower bound; "-spare": spare chains,
+    # c by the overflow estimate (see orchestrator.sim.methods)
+    rho_bar: float = 0.7
+    prior_rate_per_s: float = 0.2
+    prior_prompt_tokens: float = 128.0
+    prior_output_tokens: float = 128.0
+    rate_window_s: float = 60.0
+    rate_hysteresis: float = 0.25
+    refresh_period_s: float = 5.0
+    announce_period_s: float = 10.0
+    record_ttl_s: float = 30.0
+    lease_ttl_s: float = 30.0
+    request_timeout_s: float = 15.0
+    block_change_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class LivePlan:
+    """The plan the swarm runs: c, the ranges assigned, the chains and their response bounds."""
+
+    c: int
+    method: str
+    ranges: dict[str, Range]
+    chains: tuple[LiveChain, ...]
+    lower_ms: float
+    upper_ms: float
+    rate_per_s: float
+    servers: frozenset[str]  # the followers it was made for
+
+
+def _chains_over(model: SwarmModel, ranges: dict[str, Range]) -> list[Chain]:
+    """Gives GCA's chains over the ranges the servers actually serve (none if they cannot hold them as modelled)."""
+    placement = Placement({peer: (start + 1, end - start) for peer, (start, end) in ranges.items()})
+    try:
+        return gca(model, placement) if ranges else []
+    except ValueError as error:  # a server serves more blocks than the model says its memory holds
+        log.warning("no chains over %s: %s", ranges, error)
+        return []
+
+
+def _kind(record: ServerRecord, swarm: SwarmModel) -> tuple[int, int, int]:
+    spec = swarm.server(record.peer_id)
+
+    def bucket(value: float) -> int:
+        return round(math.log(max(value, 1e-9)) / math.log(KIND_STEP))
+
+    return bucket(spec.memory_gb), bucket(spec.tau_p_ms), bucket(spec.tau_c_ms + 1e-3)
+
+
+class Orchestrator:
+    """The live orchestrator of one model: DHT node, RPC methods, and the refresh, announce and lease loops."""
+
+    def __init__(self, config: OrchestratorConfig) -> None:
+        if config.variant not in VARIANTS:
+            raise ValueError(f"unknown variant {config.variant!r}; choose from {', '.join(VARIANTS)}")
+        self.config = config
+        source = resolve_model(config.model)
+        self.model_id, self.num_blocks = source.model_id, source.num_blocks
+        self.load = ObservedLoad(
+            config.prior_rate_per_s, JobSizes(config.prior_prompt_tokens, config.prior_output_tokens),
+            window_s=config.rate_window_s, started_s=time.monotonic(),
+        )
+        self.leases = LeaseTable(config.lease_ttl_s)
+        self.plan: LivePlan | None = None
+        self.followers: dict[str, ServerRecord] = {}
+        self.rtt_ms: dict[str, tuple[float, float]] = {}  # peer -> (rtt, measured at)
+        self.active = False
+        self.dht: hivemind.DHT | None = None
+        self.rpc: RpcServer | None = None
+        self._started_at = 0.0
+        self._addrs: list[str] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._connections: dict[str, RpcConnection] = {}
+        self._refreshed = asyncio.Event()
+
+    @property
+    def peer_id(self) -> str:
+        assert self.dht is not None
+        return self.dht.peer_id.to_base58()
+
+    def record(self) -> OrchestratorRecord:
+        return OrchestratorRecord(peer_id=self.peer_id, model_id=self.model_id, started_at=self._started_at,
+                                  version=SOFTWARE_VERSION, addrs=self._addrs)
+
+    async def start(self) -> None:
+        """Joins the DHT, serves its RPC methods, announces itself and starts its loops."""
+        self.dht = hivemind.DHT(
+            initial_peers=self.config.initial_peers, host_maddrs=self.config.host_maddrs,
+            announce_maddrs=self.config.announce_maddrs or None,
+            identity_path=str(self.config.identity) if self.config.identity else None, start=True,
+        )
+        self._started_at = get_dht_time()
+        self._addrs = [str(addr) for addr in self.dht.get_visible_maddrs()][:16]
+        self.p2p = await self.dht.replicate_p2p()
+        self.rpc = RpcServer(self.p2p)
+        for name, method in {"acquire": self._acquire, "renew": self._renew, "release": self._release,
+                             "plan": self._plan, "info": self._plan}.items():
+            self.rpc.add_method(name, method)
+        await self.rpc.start()
+        await self._announce()
+        for loop, name in ((self._announce_loop, "announce"), (self._refresh_loop, "refresh"),
+                           (self._expire_loop, "expire-leases")):
+            self._tasks.append(asyncio.create_task(loop(), name=name))
+
+    async def shutdown(self) -> None:
+        """Stops the loops, the RPC endpoint and the DHT node (leases simply end with it)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for connection in self._connections.values():
+            await connection.close()
+        if self.rpc is not None:
+            await self.rpc.stop()
+        if self.dht is not None:
+            self.dht.shutdown()
+
+    async def wait_refreshed(self, timeout_s: float) -> bool:
+        """Gives whether a refresh finished within `timeout_s` (for callers that need a first plan)."""
+        self._refreshed.clear()
+        try:
+            await asyncio.wait_for(self._refreshed.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    # ---- loops ----
+
+    async def _announce(self) -> None:
+        assert self.dht is not None
+        try:
+            await announce_orchestrator_async(self.dht, self.record(), ttl_s=self.config.record_ttl_s)
+        except SwarmError as error:
+            log.warning("could not announce the orchestrator: %s", error.message)
+
+    async def _announce_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.announce_period_s)
+            await self._announce()
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.2, self.config.lease_ttl_s / 4))
+            for lease in self.leases.expire(time.monotonic()):
+                log.info("lease %s expired (its client stopped renewing it)", lease.lease_id)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # a failed round must not end the loop: the next one retries
+                log.exception("refresh failed")
+            self._refreshed.set()
+            await asyncio.sleep(self.config.refresh_period_s)
+
+    async def refresh(self) -> None:
+        """Reads the swarm, decides whether this orchestrator is active, and re-plans when the rule says so."""
+        assert self.dht is not None
+        timeout_s = self.config.request_timeout_s
+        orchestrators = await lookup_orchestrators_async(self.dht, self.model_id, timeout_s=timeout_s)
+        orchestrators[self.peer_id] = self.record()
+        active = active_orchestrator(orchestrators)
+        was_active, self.active = self.active, active is not None and active.peer_id == self.peer_id
+        if not self.active:
+            if was_active:
+                log.info("standing by: orchestrator %s is active", active.peer_id if active else None)
+            return
+        records = await lookup_servers_async(self.dht, self.model_id, timeout_s=timeout_s)
+        announced = [record for record in records.values()
+                     if self.peer_id in record.orchestrators and record.state != ServerState.draining]
+        followers = await self._probe(announced)
+        self.followers = followers
+        now_s = time.monotonic()
+        rate_per_s = self.load.rate_per_s(now_s)
+        if self._should_replan(followers, rate_per_s, now_s, became_active=not was_active):
+            await self.replan(followers, rate_per_s, now_s)
+
+    async def _probe(self, announced: list[ServerRecord]) -> dict[str, ServerRecord]:
+        """Gives the fresh records of the announced followers that answer an `info` call, measuring the RTT on the
+        same call (over a stream kept open between rounds: the DHT's copy of a record lags behind a move)."""
+        results = await asyncio.gather(*(self._info(record) for record in announced), return_exceptions=True)
+        fresh: dict[str, ServerRecord] = {}
+        for record, result in zip(announced, results, strict=True):
+            if isinstance(result, BaseException):
+                log.info("server %s did not answer: %s", record.peer_id, result)
+                self.rtt_ms.pop(record.peer_id, None)
+                connection = self._connections.pop(record.peer_id, None)
+                if connection is not None:
+                    await connection.close()
+                continue
+            rtt_ms, reply = result
+            previous = self.rtt_ms.get(record.peer_id)
+            smoothed = rtt_ms if previous is None else 0.7 * previous[0] + 0.3 * rtt_ms
+            self.rtt_ms[record.peer_id] = (smoothed, time.monotonic())
+            fresh[record.peer_id] = reply
+        return fresh
+
+    async def _info(self, record: ServerRecord) -> tuple[float, ServerRecord]:
+        connection = self._connections.get(record.peer_id)
+        if connection is None or connection.is_closed:
+            connection = self._connections[record.peer_id] = await self._dial(record)
+            await connection.call("info", {}, timeout=self.config.request_timeout_s)  # the first call warms the stream
+        started = time.perf_counter()
+        reply = await connection.call("info", {}, timeout=self.config.request_timeout_s)
+        rtt_ms = (time.perf_counter() - started) * 1000
+        fresh = ServerRecord.from_wire(reply.get("record"))
+        if fresh is None or fresh.peer_id != record.peer_id:
+            raise MalformedFrame(f"server {record.peer_id} answered `info` with no valid record of itself")
+        return rtt_ms, fresh
+
+    async def _dial(self, record: ServerRecord) -> RpcConnection:
+        return await dial(self.p2p, record.peer_id, list(record.addrs), timeout=self.config.request_timeout_s)
+
+    def _should_replan(
+        self, followers: dict[str, ServerRecord], rate_per_s: float, now_s: float, *, became_active: bool
+    ) -> bool:
+        if not followers:
+            return False
+        if self.plan is None or became_active or set(followers) != self.plan.servers:
+            return True
+        if any((record.block_start, record.block_end) != self.plan.ranges[peer]
+               for peer, record in followers.items() if peer in self.plan.ranges):
+            return True  # a server lost its range (it restarted)
+        moved = abs(rate_per_s - self.plan.rate_per_s) > self.config.rate_hysteresis * self.plan.rate_per_s
+        if not moved:
+            return False
+        tuned = self._compose(self._model(followers, now_s), rate_per_s)
+        return tuned is not None and tuned.c != self.plan.c
+
+    def _model(self, followers: dict[str, ServerRecord], now_s: float) -> SwarmModel:
+        rtt = {peer: value for peer, (value, _) in self.rtt_ms.items()}
+        return swarm_model(followers, rtt, self.load.jobs(now_s), self.num_blocks)
+
+    def _compose(self, model: SwarmModel, rate_per_s: float) -> TunedPlan | None:
+        """Gives the tuned plan for `rate_per_s`; when no c keeps the swarm stable at that rate, the plan of most
+        throughput (it serves as much as the servers can); None when no server holds a block and a job's cache."""
+        spare, method = self.config.variant == "proposed-spare", TUNING[self.config.variant]
+        try:
+            return tune_capacity(model, per_ms(rate_per_s), self.config.rho_bar, method=method, spare_chains=spare)
+        except ValueError as error:
+            log.info("tuning c at %.3f jobs/s: %s; planning for the most throughput", rate_per_s, error)
+        if capacity_limit(model) < 1:
+            return None
+        plans = [plan_for_capacity(model, c, per_ms(rate_per_s), self.config.rho_bar, spare_chains=spare)
+                 for c in range(1, capacity_limit(model) + 1)]
+        plans = [plan for plan in plans if plan.chains]
+        return max(plans, key=lambda plan: (plan.total_rate_per_ms, -plan.c), default=None)
+
+    async def replan(self, followers: dict[str, ServerRecord], rate_per_s: float, now_s: float) -> None:
+        """Composes the swarm anew, moves the servers that must move (in a safe order), and installs the chains."""
+        model = self._model(followers, now_s)
+        tuned = self._compose(model, rate_per_s)
+        if tuned is None:
+            log.warning("no plan: no follower holds one block and one job's cache")
+            return
+        current = {peer: (record.block_start, record.block_end) for peer, record in followers.items()
+                   if record.block_end > record.block_start}
+        kinds = {peer: _kind(record, model) for peer, record in followers.items()}
+        target = match_roles(placement_ranges(tuned.placement), current, kinds)
+        order = move_order(current, target, self.num_blocks)
+        if order:
+            log.info("re-plan (c=%d, %.3f jobs/s): moving %s", tuned.c, rate_per_s,
+                     ", ".join(f"{peer}: {current.get(peer)} -> {target[peer]}" for peer in order))
+            self.leases.pause()
+        actual = dict(current)
+        try:
+            for peer in order:
+                try:
+                    actual[peer] = await self._assign(followers[peer], target[peer])
+                except (SwarmError, OSError) as error:
+                    log.warning("server %s did not take blocks %s: %s", peer, target[peer], error)
+        finally:
+            ranges = {peer: actual[peer] for peer in followers if peer in actual}
+            policy_chains = _chains_over(model, ranges)
+            chains = tuple(LiveChain.of(chain) for chain in policy_chains)
+            lower_ms, upper_ms = response_bounds_ms(per_ms(rate_per_s), policy_chains)
+            method = f"{self.config.variant}, c by {TUNING[self.config.variant]}"
+            self.plan = LivePlan(tuned.c, method, ranges, chains, lower_ms, upper_ms, rate_per_s, frozenset(followers))
+            self.leases.install(list(chains), time.monotonic())
+        log.info("plan installed: c=%d, %d chain(s), capacities %s", tuned.c, len(chains),
+                 [chain.capacity for chain in chains])
+
+    async def _assign(self, record: ServerRecord, blocks: Range) -> Range:
+        connection = await self._dial(record)
+        try:
+            timeout_s = self.config.block_change_timeout_s
+            reply = await connection.call("assign", {"blocks": list(blocks)}, timeout=timeout_s)
+        finally:
+            await connection.close()
+        start, end = reply["blocks"]
+        return int(start), int(end)
+
+    # ---- RPC methods ----
+
+    def _check_active(self) -> None:
+        if not self.active:
+            raise NotActiveOrchestrator(f"orchestrator {self.peer_id} stands by; ask the active one of the model")
+
+    async def _acquire(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        """Gives a lease on a chain by JFFC, at once or after waiting in the queue (at most `wait_s`)."""
+        self._check_active()
+        prompt_tokens = payload.get("prompt_tokens", 0)
+        wait_s = payload.get("wait_s", MAX_WAIT_S)
+        if not isinstance(prompt_tokens, int) or isinstance(prompt_tokens, bool) or prompt_tokens < 0:
+            raise MalformedFrame(f"'prompt_tokens' must be a non-negative integer, got {prompt_tokens!r:.50}")
+        if not isinstance(wait_s, int | float) or isinstance(wait_s, bool) or not 0 <= wait_s <= MAX_WAIT_S:
+            raise MalformedFrame(f"'wait_s' must be a number in 0..{MAX_WAIT_S}, got {wait_s!r:.50}")
+        if not self.leases.chains and not self.leases.paused:
+            raise NoRouteFound(f"orchestrator {self.peer_id} has no chain through every block yet")
+        now_s = time.monotonic()
+        self.load.arrive(now_s)
+        job_id, started = self.leases.request(prompt_tokens, now_s)
+        ctx.add_close_callback(lambda: self.leases.withdraw(job_id))
+        try:
+            lease = await asyncio.wait_for(asyncio.shield(started), wait_s)
+        except TimeoutError:
+            self.leases.withdraw(job_id)
+            raise ServerBusy(f"every chain stayed full for {wait_s} s; {self.leases.queued} session(s) wait") from None
+        return {"lease_id": lease.lease_id, "spans": [span.to_wire() for span in lease.chain.spans],
+                "lease_ttl_s": self.config.lease_ttl_s, "waited_ms": (time.monotonic() - now_s) * 1000}
+
+    async def _renew(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        lease_id = payload.get("lease_id")
+        if not isinstance(lease_id, str):
+            raise MalformedFrame("'lease_id' must be a string")
+        self.leases.renew(lease_id, time.monotonic())
+        return {"lease_ttl_s": self.config.lease_ttl_s}
+
+    async def _release(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        lease_id, tokens = payload.get("lease_id"), payload.get("tokens", 0)
+        if not isinstance(lease_id, str) or not isinstance(tokens, int) or isinstance(tokens, bool):
+            raise MalformedFrame("'lease_id' must be a string and 'tokens' an integer")
+        now_s = time.monotonic()
+        lease = self.leases.release(lease_id, now_s)
+        self.load.end(now_s, prompt_tokens=lease.prompt_tokens, output_tokens=tokens - lease.prompt_tokens)
+        return {}
+
+    async def _plan(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        """Gives the live state: c, method, blocks, chains, arrival rate, queue, sessions dispatched, bounds."""
+        return self.state()
+
+    def state(self) -> dict[str, Any]:
+        """Gives what `swarm-orchestrator plan` prints (JSON-safe)."""
+        plan, now_s = self.plan, time.monotonic()
+
+        def finite(value: float) -> float | None:
+            return value if math.isfinite(value) else None
+
+        chains = [] if plan is None else [
+            {"servers": [span.peer_id for span in chain.spans], "blocks": [[s.start, s.end] for s in chain.spans],
+             "capacity": chain.capacity, "in_use": self.leases.in_use(index),
+             "service_time_ms": chain.service_time_ms}
+            for index, chain in enumerate(plan.chains)
+        ]
+        jobs = self.load.jobs(now_s)
+        return {
+            "orchestrator": self.peer_id, "active": self.active, "model": self.model_id,
+            "c": None if plan is None else plan.c, "method": None if plan is None else plan.method,
+            "blocks": {} if plan is None else {peer: list(span) for peer, span in sorted(plan.ranges.items())},
+            "chains": chains, "arrival_rate": self.load.rate_per_s(now_s), "queued": self.leases.queued,
+            "dispatched": self.leases.dispatched, "leases": self.leases.leases,
+            "bounds": {"lower_ms": None if plan is None else finite(plan.lower_ms),
+                       "upper_ms": None if plan is None else finite(plan.upper_ms)},
+            "jobs": {"prompt_tokens": jobs.prompt_tokens, "output_tokens": jobs.output_tokens},
+            "servers": {peer: {"rtt_ms": self.rtt_ms.get(peer, (None, 0))[0],
+                               "tau_p_ms": server_spec(record, self.rtt_ms.get(peer, (0.0, 0))[0], jobs).tau_p_ms}
+                        for peer, record in sorted(self.followers.items())},
+        }

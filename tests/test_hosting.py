@@ -1,0 +1,149 @@
+"""The hosting core: a server's blocks load and unload while sessions run; leaving blocks take no new sessions and
+return their pages once their sessions end; outputs stay those of transformers' layers throughout."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from server.hosting import Hosting
+from server.scheduler import StepScheduler
+from server.sessions import Session, SessionTable, Step, StepResult
+from swarm.errors import BlocksNotHosted, InvalidBlockRange, OutOfPages
+from swarm.memory import PagePool, ParamsOwner
+from swarm.model import BlockRange, resolve_model
+from tests.reference import ReferenceBlocks
+
+HIDDEN = 64
+PAGE_TOKENS = 16
+
+
+class Core:
+    """A server's hosting core without the network: pool, blocks, sessions, scheduler and Hosting."""
+
+    def __init__(self, model: Path, start: int, end: int, *, pool_blocks: float, kv_pages: int = 0) -> None:
+        self.source = resolve_model(str(model))
+        probe = BlockRange(self.source, 0, 1)
+        self.page_bytes = PAGE_TOKENS * probe.kv_bytes_per_token()
+        self.pages_per_block = -(-probe.block_bytes(0) // self.page_bytes) + 1  # aligned packing may need one more
+        pages = int(pool_blocks * self.pages_per_block) + kv_pages
+        self.pool = PagePool(pages * self.page_bytes, self.page_bytes)
+        self.blocks = BlockRange(
+            self.source, start, end, adopt=lambda index, tensors: self.pool.adopt(ParamsOwner(index), tensors)
+        )
+        kv = self.blocks.paged_kv(self.pool.storage, self.page_bytes)
+        self.sessions = SessionTable(block_start=start, block_end=end, pool=self.pool,
+                                     tokens_per_page=kv.tokens_per_page, max_length=256, headroom_tokens=0)
+        self.scheduler = StepScheduler(self.blocks, kv, self.sessions, max_batch_tokens=64, inline_step_ms=0,
+                                       block_compute_ms=1.0, on_steps_done=lambda steps: None)
+        self.hosting = Hosting(self.blocks, self.pool, self.sessions, load_timeout_s=30)
+        self.changes: list[tuple[tuple[int, int], tuple[int, int]]] = []
+        self.hosting.add_listener(lambda old, new: self.changes.append((old, new)))
+        self.references: dict[str, ReferenceBlocks] = {}
+        self.generator = torch.Generator().manual_seed(0)
+
+    def open(self, name: str, start: int, end: int) -> Session:
+        session = self.sessions.open(name, start, end, batch=1, max_length=256)
+        self.references[name] = ReferenceBlocks(self.source, start, end)
+        return session
+
+    async def step_exactly(self, session: Session, tokens: int) -> None:
+        """Runs a step of random hidden states and checks its output against transformers' layers."""
+        hidden = torch.randn(1, tokens, HIDDEN, generator=self.generator)
+        self.sessions.grow(session, session.position + tokens)
+        result: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+        step = Step(session, f"{session.position}", hidden, result)
+        session.running = step
+        self.scheduler.submit(step)
+        output = (await result).output
+        torch.testing.assert_close(output, self.references[session.session_id](hidden), rtol=1e-5, atol=1e-5)
+
+    def params_pages(self) -> dict[int, int]:
+        return {owner.block: len(pages) for owner, pages in self.pool.owners().items()
+                if isinstance(owner, ParamsOwner)}
+
+
+def run(body: Callable[[], object]) -> None:
+    async def main() -> None:
+        try:
+            await body()  # type: ignore[misc]
+        finally:
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+    asyncio.run(main())
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached in time")
+
+
+def test_a_range_grows_shrinks_and_moves_while_its_sessions_keep_computing_exactly(tiny_llama: Path) -> None:
+    async def body() -> None:
+        core = Core(tiny_llama, 0, 4, pool_blocks=12, kv_pages=64)
+        core.scheduler.start()
+        old = core.open("old", 0, 4)
+        await core.step_exactly(old, 5)
+
+        await core.hosting.change(2, 8)  # shrink at the start, grow at the end
+        assert core.hosting.serving == (2, 8) and core.hosting.retiring == [0, 1]
+        assert core.changes == [((0, 4), (2, 4)), ((2, 4), (2, 8))]
+        with pytest.raises(BlocksNotHosted):
+            core.open("late", 0, 4)  # leaving blocks take no new session
+        new = core.open("new", 2, 8)
+        await core.step_exactly(new, 3)
+        await core.step_exactly(old, 1)  # the running session finishes where it started
+        await core.step_exactly(new, 1)
+        assert sorted(core.params_pages()) == list(range(8))
+        core.sessions.close("old")
+        await until(lambda: core.hosting.retiring == [])
+        assert sorted(core.params_pages()) == list(range(2, 8))
+
+        await core.hosting.change(0, 2)  # a move: nothing in common, both loaded while `new` runs
+        assert core.hosting.serving == (0, 2) and core.hosting.retiring == list(range(2, 8))
+        await core.step_exactly(new, 1)
+        moved = core.open("moved", 0, 2)
+        await core.step_exactly(moved, 4)
+        core.sessions.close_all()
+        await until(lambda: core.hosting.retiring == [])
+        assert sorted(core.params_pages()) == [0, 1]
+        stats = core.pool.stats()
+        assert stats.pages_kv == 0 and stats.pages_params == 2 * max(core.params_pages().values())
+        core.pool.check_invariants()
+
+    run(body)
+
+
+def test_new_blocks_wait_for_leaving_ones_to_free_their_pages(tiny_llama: Path) -> None:
+    async def body() -> None:
+        core = Core(tiny_llama, 0, 4, pool_blocks=4.5, kv_pages=8)
+        core.scheduler.start()
+        session = core.open("a", 0, 4)
+        await core.step_exactly(session, 2)
+        change = asyncio.create_task(core.hosting.change(2, 6))
+        await until(lambda: core.hosting.serving == (2, 4))
+        await asyncio.sleep(0.3)
+        assert not change.done(), "a block was loaded into pages the running session's blocks still hold"
+        await core.step_exactly(session, 1)
+        core.sessions.close("a")
+        await asyncio.wait_for(change, 10)
+        assert core.hosting.serving == (2, 6) and sorted(core.params_pages()) == [2, 3, 4, 5]
+        core.pool.check_invariants()
+
+        with pytest.raises(OutOfPages):
+            await core.hosting.change(0, 8)  # can never fit
+        assert core.hosting.serving == (2, 6)
+        with pytest.raises(InvalidBlockRange):
+            await core.hosting.change(4, 99)
+        core.pool.check_invariants()
+
+    run(body)
