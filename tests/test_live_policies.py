@@ -1,0 +1,152 @@
+"""The live orchestrator's pure parts: records -> policy model, few moves in a safe order, Petals-style self-chosen
+blocks with hysteresis, the windowed load estimate, JFFC leases and the queue."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from orchestrator.block_selection import HostedSpan, better_start, blocks_that_fit, choose_start
+from orchestrator.dispatch import JFFC
+from orchestrator.live_model import JobSizes, swarm_model
+from orchestrator.observed_load import ObservedLoad
+from orchestrator.replan import blocks_moved, match_roles, move_order, placement_ranges
+from orchestrator.service.leases import LeaseNotFound, LeaseTable, LiveChain, Span
+from orchestrator.swarm_model import Chain, Placement
+from swarm.records import BatchTiming, ServerRecord
+
+MIB = 1 << 20
+
+
+def record(peer_id: str, *, pages_total: int = 100, block_bytes: int = 3 * MIB + 1, decode_ms: float = 2.0,
+           start: int = 0, end: int = 0) -> ServerRecord:
+    return ServerRecord(
+        peer_id=peer_id, model_id="m", block_start=start, block_end=end, state="joining" if end == start else "online",
+        pages_total=pages_total, pages_params=0, pages_kv=0, pages_free=pages_total, sessions_fit=0, page_bytes=MIB,
+        kv_bytes_per_token=4096, block_bytes=block_bytes, block_compute_ms=decode_ms,
+        block_decode_ms=[BatchTiming(batch=1, ms=decode_ms), BatchTiming(batch=8, ms=4 * decode_ms)],
+        network_mbps=None, session_count=0, max_length=2048, dtype="float32", quant="none", version="test",
+        public_name=None, addrs=[],
+    )
+
+
+def test_records_become_the_policy_model_in_whole_pages_and_per_job_times() -> None:
+    jobs = JobSizes(prompt_tokens=100, output_tokens=28)
+    model = swarm_model({"b": record("b", pages_total=40), "a": record("a", decode_ms=1.0)}, {"a": 5.0}, jobs, 32)
+    assert [server.name for server in model.servers] == ["a", "b"]
+    a, b = model.servers
+    assert model.model.blocks == 32
+    assert model.model.block_gb == pytest.approx(4 * MIB / 1e9)  # 3 MiB + 1 byte takes 4 pages
+    assert model.model.cache_gb == pytest.approx(1 * MIB / 1e9)  # 128 tokens x 4096 B = 512 KiB: one page
+    assert a.memory_gb == pytest.approx(100 * MIB / 1e9) and b.memory_gb == pytest.approx(40 * MIB / 1e9)
+    # tau_p = prompt x (batch-8 step / 8) + output x (batch-1 step); tau_c = (output + 1) x RTT
+    assert a.tau_p_ms == pytest.approx(100 * 4.0 / 8 + 28 * 1.0)
+    assert a.tau_c_ms == pytest.approx(29 * 5.0)
+    assert b.tau_c_ms == pytest.approx(29 * 5.0)  # never measured: the largest RTT measured
+
+
+def test_roles_go_to_the_servers_of_a_kind_that_keep_most_blocks() -> None:
+    target = placement_ranges(Placement({"a": (1, 4), "b": (5, 4), "c": (1, 8)}))
+    assert target == {"a": (0, 4), "b": (4, 8), "c": (0, 8)}
+    current = {"a": (4, 8), "b": (0, 4), "c": (0, 8)}
+    kinds = {"a": "small", "b": "small", "c": "large"}
+    matched = match_roles(target, current, kinds)
+    assert matched == current and blocks_moved(current, matched) == 0
+    assert blocks_moved(current, target) == 8  # handing out the roles as placed would move 8 blocks
+
+
+def test_moves_go_in_an_order_that_keeps_every_block_served() -> None:
+    # b must move from 4:8 to 0:4 and a from 0:4 to 4:8: whoever goes first uncovers half the model, unless c (now
+    # 0:2) first grows to cover it; a safe order exists and is found.
+    current = {"a": (0, 4), "b": (4, 8), "c": (0, 2)}
+    target = {"a": (4, 8), "b": (0, 4), "c": (0, 8)}
+    order = move_order(current, target, 8)
+    assert order[0] == "c" and sorted(order) == ["a", "b", "c"]
+    serving = dict(current)
+    for name in order:  # while `name` moves it serves only what both ranges share
+        old, new = serving[name], target[name]
+        during = {**serving, name: (max(old[0], new[0]), min(old[1], new[1]))}
+        assert all(any(s <= block < e for s, e in during.values()) for block in range(8)), name
+        serving[name] = new
+
+
+def test_self_chosen_blocks_fill_the_least_served_span_and_moves_need_a_clear_gain() -> None:
+    spans = {"a": HostedSpan(0, 4, 1.0)}
+    assert choose_start(spans, 8, 4) == 4
+    spans["b"] = HostedSpan(4, 8, 1.0)
+    assert better_start(spans, 8, "a") is None and better_start(spans, 8, "b") is None
+    crowded = {"a": HostedSpan(0, 4, 1.0), "b": HostedSpan(0, 4, 1.0), "c": HostedSpan(4, 8, 1.0)}
+    assert better_start(crowded, 8, "b") is None  # moving b would leave 0:4 as served as 4:8 is now: no gain
+    lopsided = {"a": HostedSpan(0, 4, 1.0), "b": HostedSpan(0, 4, 1.0), "c": HostedSpan(0, 4, 1.0),
+                "d": HostedSpan(4, 8, 1.0)}
+    start = better_start(lopsided, 8, "c")
+    assert start == 4
+    moved = {**lopsided, "c": HostedSpan(4, 8, 1.0)}
+    assert better_start(moved, 8, "c") is None and better_start(moved, 8, "a") is None  # no chasing back
+    assert blocks_that_fit(100 * MIB, 4 * MIB, 1 * MIB, 32) == 20
+    assert blocks_that_fit(10 * MIB, 40 * MIB, 0, 32) == 1
+
+
+def test_the_arrival_rate_counts_a_sliding_window_and_jobs_are_means_of_ended_ones() -> None:
+    load = ObservedLoad(0.2, JobSizes(128, 128), window_s=10.0, min_arrivals=3, started_s=0.0)
+    load.arrive(1.0)
+    assert load.rate_per_s(1.0) == 0.2  # the prior until 3 arrived
+    load.arrive(2.0)
+    load.arrive(3.0)
+    assert load.rate_per_s(5.0) == pytest.approx(3 / 5)  # run for 5 s, less than a window
+    assert load.rate_per_s(11.5) == pytest.approx(2 / 10)  # the first left the window
+    assert load.rate_per_s(100.0) == pytest.approx(0.01)  # the floor
+    for time_s in (20.0, 21.0, 22.0):
+        load.end(time_s, prompt_tokens=10, output_tokens=30)
+    assert load.jobs(22.0) == JobSizes(10, 30)
+    assert load.jobs(40.0) == JobSizes(128, 128)  # all left the window: the prior again
+
+
+def test_jffc_withdraws_a_queued_job_and_counts_carried_over_jobs() -> None:
+    chains = [Chain(("a",), (8,), 1, 10.0), Chain(("b",), (8,), 2, 20.0)]
+    jffc = JFFC(chains)
+    assert [jffc.arrive(job) for job in "xyzw"] == [0, 1, 1, None]
+    assert jffc.withdraw("w") and not jffc.withdraw("w") and jffc.queue_length == 0
+    fresh = JFFC(chains)
+    fresh.occupy(0)
+    fresh.occupy(0)  # one more than its capacity: carried over from an older plan
+    assert fresh.arrive("p") == 1 and fresh.arrive("q") == 1 and fresh.arrive("r") is None
+    assert fresh.complete(0) is None  # still at its capacity: the queue waits for a chain below it
+    assert fresh.complete(0) == "r"
+
+
+def chain(*peers: str, capacity: int = 1, time_ms: float = 10.0) -> LiveChain:
+    width = 8 // len(peers)
+    return LiveChain(tuple(Span(peer, i * width, (i + 1) * width) for i, peer in enumerate(peers)), capacity, time_ms)
+
+
+def test_leases_start_at_once_queue_when_full_and_pass_on_release_or_expiry() -> None:
+    async def body() -> None:
+        table = LeaseTable(lease_ttl_s=5.0)
+        fast, slow = chain("a", "b", time_ms=10.0), chain("c", time_ms=30.0)
+        table.install([fast, slow], 0.0)
+        _, first = table.request(9, 0.0)
+        _, second = table.request(9, 0.0)
+        waiting_id, third = table.request(9, 0.0)
+        gone_id, fourth = table.request(9, 0.0)
+        assert (await first).chain == fast and (await second).chain == slow
+        assert not third.done() and table.queued == 2
+        table.withdraw(gone_id)  # its client went away while queued
+        lease = table.release((await first).lease_id, 1.0)
+        assert lease.prompt_tokens == 9 and (await third).chain == fast and not fourth.done()
+        with pytest.raises(LeaseNotFound):
+            table.release(lease.lease_id, 1.0)
+        table.renew((await third).lease_id, 4.0)
+        expired = table.expire(6.5)  # the second (renewed at 0) expired; the third was renewed at 4
+        assert [e.lease_id for e in expired] == [(await second).lease_id]
+        assert table.in_use(0) == 1 and table.in_use(1) == 0 and table.dispatched == 3
+        table.pause()
+        _, later = table.request(9, 7.0)
+        assert not later.done()
+        table.install([fast], 7.0)  # the lease on `fast` carries over: the new request waits for it
+        assert table.in_use(0) == 1 and not later.done()
+        table.release((await third).lease_id, 8.0)
+        assert (await later).chain == fast
+
+    asyncio.run(body())
