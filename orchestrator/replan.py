@@ -1,8 +1,9 @@
 """Turning a new placement into block moves on a running swarm: few blocks moved, every block served meanwhile.
 
-- Roles: GBP-CR places servers by their speed and memory, so servers of the same kind are interchangeable within a
-  placement. `match_roles` hands each role (a block range) to the server of that kind whose current range overlaps
-  it most, so that as few blocks as possible are loaded anew.
+- Roles: GBP-CR places servers by their speed and memory, so similar servers (memory that holds as many blocks,
+  about the same time per block) are interchangeable within a placement. `match_roles` hands each role (a block
+  range) to a similar server whose current range overlaps it most, so that as few blocks as possible are loaded
+  anew. The chains are then allocated (GCA) over the ranges as handed out.
 - Order: a server that changes its range stops taking new sessions on the blocks it leaves at once, so a block
   stays served only while another server serves it. `move_order` applies first the moves whose leaving blocks are
   served elsewhere, updating the coverage after each; moves that would leave a block unserved go last, those that
@@ -13,7 +14,7 @@ Pure: ranges in (0-based, end exclusive, as servers announce them), ranges and a
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Mapping
 
 from orchestrator.swarm_model import Placement
 
@@ -32,27 +33,29 @@ def overlap(first: Range | None, second: Range) -> int:
     return max(0, min(first[1], second[1]) - max(first[0], second[0]))
 
 
-def match_roles(target: Mapping[str, Range], current: Mapping[str, Range], kind: Mapping[str, Hashable]) -> dict[
-    str, Range
-]:
-    """Gives `target`'s ranges handed out again among servers of one kind, each to the one that keeps most of its
-    current blocks (greedy: the largest overlap first; ties by server name). Servers `target` leaves out stay out."""
+def match_roles(
+    target: Mapping[str, Range], current: Mapping[str, Range], similar: Callable[[str, str], bool]
+) -> dict[str, Range]:
+    """Gives `target`'s ranges handed out again: each server may take the role placed on a server `similar` to it,
+    and takes the one that keeps most of its current blocks (greedy: the largest overlap first; ties by name).
+    A server left without a similar role keeps its own. Servers `target` leaves out stay out."""
+    holders = sorted(target)
+    pairs = sorted(
+        ((overlap(current.get(name), target[holder]), name, holder)
+         for name in holders for holder in holders if name == holder or similar(name, holder)),
+        key=lambda pair: (-pair[0], pair[1] != pair[2], pair[1], pair[2]),
+    )
     result: dict[str, Range] = {}
-    kinds: dict[Hashable, list[str]] = {}
-    for name in sorted(kind):
-        kinds.setdefault(kind[name], []).append(name)
-    for names in kinds.values():
-        roles = [target[name] for name in names if name in target]
-        pairs = sorted(
-            ((overlap(current.get(name), role), name, index) for name in names for index, role in enumerate(roles)),
-            key=lambda pair: (-pair[0], pair[1], pair[2]),
-        )
-        taken_roles: set[int] = set()
-        for _, name, index in pairs:
-            if name in result or index in taken_roles:
-                continue
-            result[name] = roles[index]
-            taken_roles.add(index)
+    taken: set[str] = set()
+    for _, name, holder in pairs:
+        if name not in result and holder not in taken:
+            result[name] = target[holder]
+            taken.add(holder)
+    for name in holders:  # the greedy pass left it no similar role: it takes a free one, its own first
+        if name not in result:
+            holder = name if name not in taken else next(h for h in holders if h not in taken)
+            result[name] = target[holder]
+            taken.add(holder)
     return result
 
 

@@ -127,6 +127,14 @@ class SwarmProcesses:
     def wait_ready(self, proc: Proc) -> None:
         self._wait_for_line(proc, "ready peer_id=")
 
+    def run_in_background(self, args: list[str], name: str | None = None) -> Proc:
+        """Starts a Python process with `args` (e.g. a client script); `close()` stops it like the others."""
+        return self._spawn(name or f"run-{len(self.procs)}", args)
+
+    def wait_for_line(self, proc: Proc, prefix: str, timeout_s: float = START_TIMEOUT_S) -> str:
+        """Gives the first line of `proc`'s output that starts with `prefix`, waiting for it."""
+        return self._wait_for_line(proc, prefix, timeout_s)
+
     def run_to_exit(self, args: list[str], timeout_s: float = 120.0) -> tuple[int, str]:
         """Runs a command to completion; gives its exit code and output."""
         proc = self._spawn(f"run-{len(self.procs)}", args)

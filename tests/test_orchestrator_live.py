@@ -4,6 +4,8 @@ a server follows no one but the orchestrator it names."""
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,9 +18,10 @@ from transformers import AutoModelForCausalLM
 from client import ClientConfig, DistributedModelForCausalLM
 from swarm.dht import lookup_orchestrators_async
 from swarm.errors import AssignmentRefused
-from swarm.local_swarm import SwarmProcesses
+from swarm.local_swarm import Proc, SwarmProcesses
 from swarm.records import ServerRecord, active_orchestrator
 from swarm.rpc import dial
+from tests.test_failover import ActAfterTokens
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 30.0
@@ -68,11 +71,24 @@ def llama_local(tiny_llama: Path) -> AutoModelForCausalLM:
 
 
 @pytest.fixture(scope="module")
-def orchestrated(swarm_factory: SwarmProcesses, tiny_llama: Path) -> Iterator[DistributedModelForCausalLM]:
+def orchestrators(swarm_factory: SwarmProcesses, tiny_llama: Path) -> list[Proc]:
+    """The active orchestrator and its standby (started later), both named by every following server."""
     swarm_factory.start_dht()
-    orchestrator = swarm_factory.start_orchestrator(tiny_llama, *ORCHESTRATOR_ARGS)
+    active = swarm_factory.start_orchestrator(tiny_llama, *ORCHESTRATOR_ARGS, name="orchestrator-active")
+    standby = swarm_factory.start_orchestrator(tiny_llama, *ORCHESTRATOR_ARGS, name="orchestrator-standby")
+    return [active, standby]
+
+
+def start_follower(swarm: SwarmProcesses, model: Path, orchestrators: list[Proc]) -> Proc:
+    return swarm.start_server(model, None, "--orchestrator", *(o.peer_id for o in orchestrators), *SERVER_ARGS)
+
+
+@pytest.fixture(scope="module")
+def orchestrated(
+    swarm_factory: SwarmProcesses, tiny_llama: Path, orchestrators: list[Proc]
+) -> Iterator[DistributedModelForCausalLM]:
     for _ in range(3):
-        swarm_factory.start_server(tiny_llama, None, "--orchestrator", orchestrator.peer_id, *SERVER_ARGS)
+        start_follower(swarm_factory, tiny_llama, orchestrators)
     model = DistributedModelForCausalLM.from_pretrained(
         str(tiny_llama), initial_peers=swarm_factory.initial_peers, client_config=ClientConfig(orchestrator="auto")
     )
@@ -138,3 +154,104 @@ def test_a_server_follows_only_the_orchestrator_it_names(
         assign(independent.peer_id)
     with pytest.raises(AssignmentRefused, match="follows orchestrator"):
         assign(follower)
+
+
+HOLDER = """
+import sys, time
+from client import DistributedModelForCausalLM
+model = DistributedModelForCausalLM.from_pretrained(sys.argv[1], initial_peers=sys.argv[2:])
+session = model.inference_session(max_length=32, prompt_tokens=4)
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_session_waits_in_the_queue_while_every_slot_is_taken_and_a_dead_clients_lease_expires(
+    orchestrated: DistributedModelForCausalLM, swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    state = orchestrator_state(orchestrated)
+    slots = sum(chain["capacity"] for chain in state["chains"])
+    holder = swarm_factory.run_in_background(["-c", HOLDER, str(tiny_llama), *swarm_factory.initial_peers])
+    sessions = []
+    try:
+        swarm_factory.wait_for_line(holder, "holding")
+        sessions = [orchestrated.inference_session(max_length=32, prompt_tokens=4) for _ in range(slots - 1)]
+        assert orchestrator_state(orchestrated)["leases"] == slots
+        queued: list[object] = []
+        waiter = threading.Thread(
+            target=lambda: queued.append(orchestrated.inference_session(max_length=32, prompt_tokens=4)), daemon=True
+        )
+        waiter.start()
+        wait_for(lambda: orchestrator_state(orchestrated)["queued"] == 1, "the session to queue")
+        time.sleep(1.0)
+        assert not queued, "a session started although every slot was taken"
+        swarm_factory.kill(holder)  # its lease is no longer renewed: it expires within the lease TTL (3 s)
+        waiter.join(timeout=60)
+        assert queued, "the queued session did not get the freed slot"
+        sessions.append(queued[0])  # type: ignore[arg-type]
+        final = orchestrator_state(orchestrated)
+        assert final["queued"] == 0 and final["leases"] == slots
+    finally:
+        for session in sessions:
+            session.close()  # type: ignore[attr-defined]
+    wait_for(lambda: orchestrator_state(orchestrated)["leases"] == 0, "every lease to be released")
+
+
+def test_a_server_joins_one_leaves_the_orchestrator_replans_and_sessions_fail_over_exactly(
+    orchestrated: DistributedModelForCausalLM, llama_local: AutoModelForCausalLM, swarm_factory: SwarmProcesses,
+    tiny_llama: Path, orchestrators: list[Proc],
+) -> None:
+    before = orchestrator_state(orchestrated)
+    joined = start_follower(swarm_factory, tiny_llama, orchestrators)
+    wait_for(lambda: joined.peer_id in orchestrator_state(orchestrated)["blocks"], "a plan with the new server")
+    replanned = orchestrator_state(orchestrated)
+    kept = {peer: span for peer, span in before["blocks"].items() if replanned["blocks"].get(peer) == span}
+    assert kept == before["blocks"], "the re-plan moved servers it did not need to move"
+    assert covers_every_block(replanned, 8)
+
+    by_peer = {proc.peer_id: proc for proc in swarm_factory.procs if proc.name.startswith("server-auto")}
+    input_ids = prompt(7, 10)
+    expected = llama_local.generate(input_ids, max_new_tokens=16, do_sample=False)
+    left: list[str] = []
+    with orchestrated.inference_session(max_length=64, prompt_tokens=10) as session:
+
+        def leave() -> None:
+            peer_id = session.route[-1].peer_id
+            left.append(peer_id)
+            swarm_factory.kill(by_peer[peer_id], signal.SIGKILL)
+            by_peer[peer_id].popen.wait(timeout=30)
+
+        actual = orchestrated.generate(input_ids, session=session, max_new_tokens=16, do_sample=False,
+                                       streamer=ActAfterTokens({4: leave}))
+        assert session.failovers >= 1 and left[0] not in {span.peer_id for span in session.route}
+    assert actual.tolist() == expected.tolist()
+    wait_for(lambda: left[0] not in orchestrator_state(orchestrated)["blocks"], "a re-plan without the lost server")
+    after = orchestrator_state(orchestrated)
+    assert covers_every_block(after, 8)
+    if after["c"] == replanned["c"]:  # the servers left still cover every block: nothing needs to move
+        assert after["blocks"] == {peer: span for peer, span in replanned["blocks"].items() if peer != left[0]}
+
+
+def test_with_the_orchestrator_killed_clients_fall_back_and_the_standby_takes_over(
+    orchestrated: DistributedModelForCausalLM, llama_local: AutoModelForCausalLM, swarm_factory: SwarmProcesses,
+    orchestrators: list[Proc],
+) -> None:
+    active, standby = orchestrators
+    assert orchestrator_state(orchestrated)["orchestrator"] == active.peer_id
+    swarm_factory.kill(active)
+    active.popen.wait(timeout=30)
+    input_ids = prompt(11)
+    expected = llama_local.generate(input_ids, max_new_tokens=8, do_sample=False)
+    assert orchestrated.generate(input_ids, max_new_tokens=8, do_sample=False).tolist() == expected.tolist()
+
+    def standby_serves() -> bool:
+        try:
+            state = orchestrator_state(orchestrated)
+        except Exception:  # the dead one's record may still be found until it expires
+            return False
+        return state["orchestrator"] == standby.peer_id and state["active"] and covers_every_block(state, 8)
+
+    wait_for(standby_serves, "the standby to take over")
+    dispatched = orchestrator_state(orchestrated)["dispatched"]
+    assert orchestrated.generate(input_ids, max_new_tokens=8, do_sample=False).tolist() == expected.tolist()
+    assert orchestrator_state(orchestrated)["dispatched"] == dispatched + 1

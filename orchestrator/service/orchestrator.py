@@ -21,6 +21,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,11 @@ log = logging.getLogger(__name__)
 
 TUNING: dict[str, TuningMethod] = {"proposed": "lower_bound", "proposed-spare": "overflow"}
 VARIANTS = tuple(TUNING)
-KIND_STEP = 1.25  # servers whose memory and times are within this factor of each other are of one kind
+# Servers may swap roles in a re-plan when their memory is within 25% (it sets how many blocks a role holds) and their
+# compute time per block within 2x. Their RTTs may differ: a swap changes which chains are the fastest, which GCA and
+# JFFC then account for, while moving blocks costs loading them; and a measured RTT moves by 2x from round to round
+# on a busy host.
+SIMILAR_MEMORY, SIMILAR_TIME = 1.25, 2.0
 MAX_WAIT_S = 3600.0
 
 
@@ -109,13 +114,17 @@ def _chains_over(model: SwarmModel, ranges: dict[str, Range]) -> list[Chain]:
         return []
 
 
-def _kind(record: ServerRecord, swarm: SwarmModel) -> tuple[int, int, int]:
-    spec = swarm.server(record.peer_id)
+def _similar(swarm: SwarmModel) -> Callable[[str, str], bool]:
+    """Gives whether two servers of `swarm` may swap roles in a placement."""
 
-    def bucket(value: float) -> int:
-        return round(math.log(max(value, 1e-9)) / math.log(KIND_STEP))
+    def within(first: float, second: float, factor: float) -> bool:
+        return max(first, second) <= factor * max(min(first, second), 1e-9)
 
-    return bucket(spec.memory_gb), bucket(spec.tau_p_ms), bucket(spec.tau_c_ms + 1e-3)
+    def similar(name: str, other: str) -> bool:
+        a, b = swarm.server(name), swarm.server(other)
+        return within(a.memory_gb, b.memory_gb, SIMILAR_MEMORY) and within(a.tau_p_ms, b.tau_p_ms, SIMILAR_TIME)
+
+    return similar
 
 
 class Orchestrator:
@@ -325,8 +334,7 @@ class Orchestrator:
             return
         current = {peer: (record.block_start, record.block_end) for peer, record in followers.items()
                    if record.block_end > record.block_start}
-        kinds = {peer: _kind(record, model) for peer, record in followers.items()}
-        target = match_roles(placement_ranges(tuned.placement), current, kinds)
+        target = match_roles(placement_ranges(tuned.placement), current, _similar(model))
         order = move_order(current, target, self.num_blocks)
         if order:
             log.info("re-plan (c=%d, %.3f jobs/s): moving %s", tuned.c, rate_per_s,
