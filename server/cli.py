@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="threads one step's operators use (default 0: torch's choice, one per core); 1 suits several servers "
         "sharing a few cores",
     )
+    parser.add_argument(
+        "--emulate-gpu", metavar="PROFILE",
+        help="for experiments only: hold each batch for the time this GPU profile takes and size the pool by its "
+        "memory (a100-3g.40gb, a100-2g.20gb, or a JSON file; see server/emulated_gpu.py)",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -126,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         num_blocks=args.num_blocks,
         balance_quality=args.balance_quality,
         rebalance_period_s=args.rebalance_period,
+        emulate_gpu=args.emulate_gpu,
         memory=args.memory,
         page_bytes=parse_size(args.page_size),
         initial_peers=args.initial_peers,

@@ -23,6 +23,7 @@ class ServerConfig:
     # throughput (that of its slowest block) by more than 1 / balance_quality (Petals' rule and default)
     rebalance_period_s: float = 60.0  # how often a self-choosing server checks whether to move
     block_change_timeout_s: float = 120.0  # how long a range change may wait for leaving blocks to free pages
+    emulate_gpu: str | None = None  # a GPU profile (server.emulated_gpu) whose times and memory this server plays
     memory: str | None = None
     page_bytes: int = DEFAULT_PAGE_BYTES
     initial_peers: list[str] = field(default_factory=list)

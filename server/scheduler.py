@@ -71,9 +71,12 @@ class StepScheduler:
         inline_step_ms: float,
         block_compute_ms: float,
         on_steps_done: Callable[[list[Step]], None],
+        hold_ms: Callable[[PagedBatch], float] | None = None,
     ) -> None:
         """`on_steps_done(steps)` runs once the steps a batch completed are committed, before their results are set
-        (the server pushes them on, those bound for one next server together)."""
+        (the server pushes them on, those bound for one next server together). `hold_ms(batch)`, if given, is how
+        long a batch must take: an emulated GPU server's profile (`server.emulated_gpu`); the compute thread waits out
+        what the real computation left of it."""
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
         self.blocks, self.kv, self.sessions = blocks, kv, sessions
@@ -81,6 +84,7 @@ class StepScheduler:
         self.inline_step_ms = inline_step_ms
         self.block_compute_ms = block_compute_ms  # one token through one block; refined by lone decode steps
         self.on_steps_done = on_steps_done
+        self.hold_ms = hold_ms
         self.stats = BatchStats()
         self.computing = False
         self._queue: list[Step] = []
@@ -340,6 +344,10 @@ class StepScheduler:
         output = forward_pass.hidden
         if output.device.type == "cuda":
             torch.cuda.synchronize(output.device)
+        if self.hold_ms is not None:
+            remaining_s = self.hold_ms(forward_pass.batch) / 1000 - (time.perf_counter() - started)
+            if remaining_s > 0:
+                time.sleep(remaining_s)
         return output, (time.perf_counter() - started) * 1000
 
     def _computes_inline(self, batch: list[tuple[Step, int]]) -> bool:

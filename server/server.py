@@ -14,8 +14,9 @@ import hivemind
 import torch
 
 from orchestrator.block_selection import HostedSpan, better_start, blocks_that_fit, choose_start
-from server.compute import cached_block_decode_ms
+from server.compute import DECODE_BATCHES, cached_block_decode_ms
 from server.config import ServerConfig
+from server.emulated_gpu import load_profile
 from server.hosting import Hosting
 from server.push import Pusher
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS, StepScheduler
@@ -78,12 +79,19 @@ class SwarmServer:
         start, end = parse_block_range(config.blocks, self.source.num_blocks) if config.blocks else (0, 0)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
-        budget = parse_size(config.memory) if config.memory else default_budget_bytes(self.device)
+        self.gpu_profile = load_profile(config.emulate_gpu) if config.emulate_gpu else None
+        min_block_pages = 1
+        if self.gpu_profile is not None:  # the profile's memory, in the served model's scale (server.emulated_gpu)
+            kv_bytes = BlockRange(self.source, 0, 0, dtype=self.dtype, device=self.device).kv_bytes_per_token()
+            budget = self.gpu_profile.pool_bytes(kv_bytes)
+            min_block_pages = -(-self.gpu_profile.block_bytes(kv_bytes) // config.page_bytes)
+        else:
+            budget = parse_size(config.memory) if config.memory else default_budget_bytes(self.device)
         self.pool = PagePool(budget, config.page_bytes, device=self.device)
         try:
             self.blocks = BlockRange(
                 self.source, start, end, dtype=self.dtype, device=self.device, quant=config.quant,
-                adopt=lambda index, tensors: self.pool.adopt(ParamsOwner(index), tensors),
+                adopt=lambda index, tensors: self.pool.adopt(ParamsOwner(index), tensors, min_pages=min_block_pages),
             )
         except OutOfPages as error:
             message = f"--memory {config.memory or budget} cannot hold blocks {start}:{end}: {error}"
@@ -100,14 +108,18 @@ class SwarmServer:
         probe = self.blocks if self.blocks.loaded else BlockRange(
             self.source, 0, 1, dtype=self.dtype, device=self.device, quant=config.quant
         )
-        self.block_bytes = probe.block_bytes(probe.start)
-        self.block_decode_ms = cached_block_decode_ms(probe, self.source.model_id)
+        self.block_bytes = max(probe.block_bytes(probe.start), min_block_pages * config.page_bytes)
+        if self.gpu_profile is not None:  # announced as the profile's, never measured
+            self.block_decode_ms = {batch: self.gpu_profile.decode_ms(batch) for batch in DECODE_BATCHES}
+        else:
+            self.block_decode_ms = cached_block_decode_ms(probe, self.source.model_id)
         del probe
         self.max_batch_tokens = config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(self.device.type, 128)
         self.scheduler = StepScheduler(
             self.blocks, self.kv, self.sessions, max_batch_tokens=self.max_batch_tokens,
-            inline_step_ms=config.inline_step_ms, block_compute_ms=self.block_decode_ms[1],
-            on_steps_done=self._push_on,
+            # an emulated server holds each batch on the compute thread: never on the event loop
+            inline_step_ms=0 if self.gpu_profile else config.inline_step_ms, block_compute_ms=self.block_decode_ms[1],
+            on_steps_done=self._push_on, hold_ms=self.gpu_profile.batch_ms if self.gpu_profile else None,
         )
         self.state = ServerState.joining
         self.ready = asyncio.Event()  # set once the server serves its first blocks
@@ -153,6 +165,7 @@ class SwarmServer:
             public_name=self.config.public_name,
             addrs=self._addrs,
             orchestrators=list(self.config.orchestrators),
+            emulated_gpu=self.gpu_profile.name if self.gpu_profile else None,
         )
 
     async def start(self) -> None:

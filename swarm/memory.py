@@ -249,14 +249,15 @@ class PagePool:
             raise ValueError(f"{owner} does not hold one run of pages")
         return self.storage[first * self.page_bytes : (first + len(pages)) * self.page_bytes]
 
-    def adopt(self, owner: Owner, tensors: list[torch.Tensor]) -> tuple[int, ...]:
-        """Gives the pages that now hold `tensors`: allocates them, copies each tensor in and repoints it there.
+    def adopt(self, owner: Owner, tensors: list[torch.Tensor], *, min_pages: int = 1) -> tuple[int, ...]:
+        """Gives the pages that now hold `tensors` (at least `min_pages`): allocates them, copies each tensor in and
+        repoints it there.
 
         Each tensor (a parameter or buffer) keeps its identity, dtype and shape; only its storage moves into the
         pool, so a module that holds it computes from pool memory from now on.
         """
         offsets, nbytes = _packed_layout(tensors)
-        pages = self.allocate(owner, max(1, self.pages_needed(nbytes)))
+        pages = self.allocate(owner, max(1, min_pages, self.pages_needed(nbytes)))
         run = self.buffer(owner)
         for tensor, offset in zip(tensors, offsets, strict=True):
             size = tensor.numel() * tensor.element_size()

@@ -87,6 +87,9 @@ class ServerRecord(BaseModel):
     version: str = Field(min_length=1, max_length=MAX_VERSION_CHARS)
     public_name: str | None = Field(max_length=MAX_PUBLIC_NAME_CHARS)
     addrs: list[AddrText] = Field(max_length=MAX_ADDRS)
+    emulated_gpu: str | None = Field(
+        default=None, max_length=MAX_TAG_CHARS, description="the GPU profile an emulated server plays (experiments)"
+    )
     orchestrators: list[Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]] = Field(
         default_factory=list, max_length=MAX_ORCHESTRATORS,
         description="peer ids of the orchestrators whose block assignments this server follows",
