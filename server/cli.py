@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         "than 1 / this (Petals' rule)",
     )
     parser.add_argument("--rebalance-period", type=float, default=60.0, help="seconds between checks to move")
+    parser.add_argument("--block-change-timeout", type=float, default=120.0,
+                        help="seconds a change of blocks may wait for leaving blocks to free their pages")
     parser.add_argument("--memory", type=size, help="memory budget for parameters + KV, e.g. 2GB (default: derived)")
     parser.add_argument("--page-size", type=size, default=str(DEFAULT_PAGE_BYTES), help="bytes per memory page")
     parser.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of any peers already in the swarm")
@@ -132,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         balance_quality=args.balance_quality,
         rebalance_period_s=args.rebalance_period,
         emulate_gpu=args.emulate_gpu,
+        block_change_timeout_s=args.block_change_timeout,
         memory=args.memory,
         page_bytes=parse_size(args.page_size),
         initial_peers=args.initial_peers,

@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--identity", type=Path, help="private key file for a stable peer id (created if missing)")
     parser.add_argument("--variant", choices=VARIANTS, default="proposed-spare",
                         help="proposed: the paper's GBP-CR with c tuned by the lower bound; proposed-spare: spare "
-                        "chains from the servers GBP-CR leaves over, c by the overflow estimate")
+                        "chains from the servers GBP-CR leaves over, c by the overflow estimate; jffc-only: the "
+                        "paper's baseline, the whole model on every server that fits it")
     parser.add_argument("--rho-bar", type=float, default=0.7, help="GBP-CR's target load per chain")
     parser.add_argument("--prior-rate", type=float, default=0.2, help="jobs/s assumed until 5 sessions arrived")
     parser.add_argument("--prior-prompt-tokens", type=float, default=128.0, help="mean prompt assumed at first")

@@ -30,6 +30,8 @@ import hivemind
 from hivemind.utils import get_dht_time
 
 from orchestrator.allocation import gca
+from orchestrator.baselines.jffc import whole_model_chains
+from orchestrator.dispatch_policy import NoFeasiblePlan
 from orchestrator.live_model import JobSizes, server_spec, swarm_model
 from orchestrator.observed_load import ObservedLoad
 from orchestrator.replan import Range, match_roles, move_order, placement_ranges
@@ -52,7 +54,7 @@ from swarm.rpc import CallContext, RpcConnection, RpcServer, dial
 log = logging.getLogger(__name__)
 
 TUNING: dict[str, TuningMethod] = {"proposed": "lower_bound", "proposed-spare": "overflow"}
-VARIANTS = tuple(TUNING)
+VARIANTS = (*TUNING, "jffc-only")  # jffc-only: the paper's baseline, the whole model on every server that fits it
 # Servers may swap roles in a re-plan when their memory is within 25% (it sets how many blocks a role holds) and their
 # compute time per block within 2x. Their RTTs may differ: a swap changes which chains are the fastest, which GCA and
 # JFFC then account for, while moving blocks costs loading them; and a measured RTT moves by 2x from round to round
@@ -313,6 +315,14 @@ class Orchestrator:
     def _compose(self, model: SwarmModel, rate_per_s: float) -> TunedPlan | None:
         """Gives the tuned plan for `rate_per_s`; when no c keeps the swarm stable at that rate, the plan of most
         throughput (it serves as much as the servers can); None when no server holds a block and a job's cache."""
+        if self.config.variant == "jffc-only":
+            try:
+                placement, chains = whole_model_chains(model)
+            except NoFeasiblePlan as error:
+                log.info("jffc-only: %s", error)
+                return None
+            lower_ms, upper_ms = response_bounds_ms(per_ms(rate_per_s), chains)
+            return TunedPlan(max(chain.capacity for chain in chains), placement, tuple(chains), lower_ms, upper_ms)
         spare, method = self.config.variant == "proposed-spare", TUNING[self.config.variant]
         try:
             return tune_capacity(model, per_ms(rate_per_s), self.config.rho_bar, method=method, spare_chains=spare)
@@ -352,7 +362,9 @@ class Orchestrator:
             policy_chains = _chains_over(model, ranges)
             chains = tuple(LiveChain.of(chain) for chain in policy_chains)
             lower_ms, upper_ms = response_bounds_ms(per_ms(rate_per_s), policy_chains)
-            method = f"{self.config.variant}, c by {TUNING[self.config.variant]}"
+            method = self.config.variant
+            if method in TUNING:
+                method += f", c by {TUNING[method]}"
             self.plan = LivePlan(tuned.c, method, ranges, chains, lower_ms, upper_ms, rate_per_s, frozenset(followers))
             self.leases.install(list(chains), time.monotonic())
         log.info("plan installed: c=%d, %d chain(s), capacities %s", tuned.c, len(chains),

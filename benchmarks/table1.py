@@ -1,0 +1,272 @@
+"""Table 1 of the chain-composition paper on the emulated WAN: the proposed method against PETALS and "JFFC only".
+
+The paper's testbed, reproduced with the shipped code:
+- 9 servers, each in its own emulated host: 3 fast (`--emulate-gpu a100-3g.40gb`) and 6 slow (`a100-2g.20gb`),
+  playing LLaMA-2-7B's 32 blocks with a tiny random 32-block Llama (hidden 64: real tensors, computed in
+  microseconds; each batch is held for the profile's time; pools in LLaMA-2-7B's geometry, see
+  `server/emulated_gpu.py`);
+- RTTs between all hosts derived from the RIPE Atlas EU anchors (`netem.ripe`, the paper's derivation);
+- requests from the Azure LLM inference 2023 conversation trace (`shared/data/azure_llm_inference_2023_conv.csv`):
+  the first `--requests` of it, their arrival times time-scaled to the paper's 2.57 requests/s (keeping the trace's
+  burstiness), their prompt lengths as recorded, their output lengths divided by `--output-scale` (default 8.4, which
+  brings the conversation trace's mean of ~235 generated tokens to the paper's 28: without it a job would run ~235
+  decode steps over WAN RTTs, minutes per job, and this 2-core machine would have to drive ~100 concurrent sessions);
+- one client host replays the requests, one thread each, and records arrival, start (session open: after JFFC's
+  queue, or after PETALS' retries with exponential backoff while no chain has room) and end.
+Methods, same trace, seed and topology:
+- proposed: `swarm-orchestrator --variant proposed` (c tuned by the lower bound, GBP-CR, GCA, JFFC);
+- PETALS: servers choose their blocks (`--num-blocks`: 24 fast, 12 slow, the paper's footnote), clients route
+  min-latency over DHT records;
+- jffc-only: `swarm-orchestrator --variant jffc-only` (the whole model on every server that fits it, JFFC).
+Next to each: the paper's numbers and what `swarm-sim` predicts for the same swarm model and trace.
+
+    sudo .venv/bin/python benchmarks/table1.py [--requests 200] [--rate 2.57] [--methods proposed,petals,jffc-only]
+
+Targets: proposed <= 0.2x PETALS' mean response and P99 <= 0.25x; the simulator within 15% of the measured mean for
+each method. Never asserts. Needs root (network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import numpy as np
+
+from netem import ripe
+from netem.network import EmulatedNetwork
+from netem.topology import Topology
+from orchestrator.live_model import JobSizes
+from orchestrator.sim.runner import run_policy
+from orchestrator.sim.workload import load_azure_trace, trace_workload
+from orchestrator.swarm_model import ModelSpec, ServerSpec, SwarmModel, per_ms
+from server.emulated_gpu import PROFILES
+from swarm.local_swarm import SwarmProcesses
+from swarm.memory import kv_pages_for
+
+REPO = Path(__file__).resolve().parents[1]
+TRACE = REPO.parent / "shared" / "data" / "azure_llm_inference_2023_conv.csv"
+SERVERS = tuple(f"s{i}" for i in range(1, 10))
+FAST = SERVERS[:3]
+HOSTS = ("dht", "orch", "client", *SERVERS)
+PROFILE_OF = {server: "a100-3g.40gb" if server in FAST else "a100-2g.20gb" for server in SERVERS}
+PETALS_BLOCKS = {"a100-3g.40gb": 24, "a100-2g.20gb": 12}  # the paper's footnote
+NUM_BLOCKS = 32
+PAGE_BYTES = 64 << 10
+KV_BYTES_PER_TOKEN = 2 * 2 * 16 * 4  # the tiny model: 2 KV heads x 16, keys and values, float32
+SERVER_ARGS = ("--page-size", str(PAGE_BYTES), "--max-length", "8192", "--torch-threads", "1",
+               "--session-timeout", "900", "--kv-headroom-tokens", "0")
+PAPER = {  # seconds: response mean / median / P95 / P99, waiting mean, service mean (Table 1)
+    "petals": (31.4, 27.8, 68.5, 89.3, 24.2, 7.2),
+    "jffc-only": (10.0, 8.5, 22.1, 29.6, 1.5, 8.5),
+    "proposed": (7.3, 6.5, 15.2, 21.4, 0.6, 6.7),
+}
+
+
+def write_model(path: Path) -> Path:
+    from tests.tiny_models import write_tiny_checkpoint
+
+    if not (path / "config.json").is_file():
+        write_tiny_checkpoint("llama", path, seed=0, num_hidden_layers=NUM_BLOCKS, max_position_embeddings=8192)
+    return path
+
+
+def trace_requests(count: int, rate_per_s: float, output_scale: float) -> list[dict]:
+    """Gives the first `count` requests of the conversation trace, time-scaled to `rate_per_s`."""
+    trace = load_azure_trace(TRACE)
+    seconds = trace.seconds[:count] - trace.seconds[0]
+    native = (count - 1) / float(seconds[-1])
+    return [
+        {"id": index, "at_s": float(seconds[index] * native / rate_per_s),
+         "prompt_tokens": int(max(1, min(4096, trace.context_tokens[index]))),
+         "output_tokens": int(max(1, round(trace.generated_tokens[index] / output_scale)))}
+        for index in range(count)
+    ]
+
+
+@dataclass
+class Measured:
+    method: str
+    response_s: list[float]
+    waiting_s: list[float]
+    service_s: list[float]
+    errors: int
+    note: str = ""
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(fraction * len(ordered)) - 1))] if ordered else math.nan
+
+
+def plan_state(network: EmulatedNetwork, model: Path, peers: list[str], path: Path) -> dict | None:
+    command = network.command("client", [sys.executable, "-m", "orchestrator.service.cli", "plan", "--model",
+                                         str(model), "--initial-peers", *peers, "--json", str(path)])
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run(command, capture_output=True, timeout=120, env=env, cwd=REPO, check=False)
+    return json.loads(path.read_text()) if result.returncode == 0 and path.is_file() else None
+
+
+def run_method(method: str, args: argparse.Namespace, topology: Topology, model: Path, requests: list[dict],
+               workdir: Path) -> Measured:
+    workdir.mkdir(parents=True, exist_ok=True)
+    requests_path = workdir / "requests.json"
+    requests_path.write_text(json.dumps(requests))
+    prompt_mean = statistics.mean(r["prompt_tokens"] for r in requests)
+    output_mean = statistics.mean(r["output_tokens"] for r in requests)
+    started = time.monotonic()
+    note = ""
+    with EmulatedNetwork(topology, run_id=f"t1{os.getpid()}{method[:3]}") as network, \
+            SwarmProcesses(workdir, announce_period_s=2.0, record_ttl_s=8.0) as swarm:
+        swarm.start_dht(host=network.address("dht"), launcher=network.command("dht", []))
+
+        def server(host: str, *extra: str, wait: bool = True):  # type: ignore[no-untyped-def]
+            return swarm.start_server(model, None, "--emulate-gpu", PROFILE_OF[host], *SERVER_ARGS, *extra,
+                                      name=host, host=network.address(host), launcher=network.command(host, []),
+                                      wait=wait)
+
+        if method == "petals":
+            for host in SERVERS:  # one by one, as volunteers join: each sees the others' records
+                server(host, "--num-blocks", str(PETALS_BLOCKS[PROFILE_OF[host]]), "--rebalance-period", "30")
+        else:
+            variant = "proposed" if method == "proposed" else "jffc-only"
+            orchestrator = swarm.start_orchestrator(
+                model, "--variant", variant, "--prior-rate", str(args.rate), "--prior-prompt-tokens",
+                f"{prompt_mean:.1f}", "--prior-output-tokens", f"{output_mean:.1f}", "--refresh-period", "2",
+                "--rate-window", "120", name="orch", host=network.address("orch"),
+                launcher=network.command("orch", []),
+            )
+            procs = [server(host, "--orchestrator", orchestrator.peer_id, wait=False) for host in SERVERS]
+            for proc in procs:
+                swarm.wait_for_line(proc, "started peer_id=")
+            deadline = time.monotonic() + 300
+            state = None
+            while time.monotonic() < deadline:
+                state = plan_state(network, model, swarm.initial_peers, workdir / "plan.json")
+                covered = {b for start, end in (state or {}).get("blocks", {}).values() for b in range(start, end)}
+                if state and len(state["blocks"]) == len(SERVERS) and covered == set(range(NUM_BLOCKS)) \
+                        and state["chains"]:
+                    break
+                time.sleep(3)
+            if state:
+                note = (f"c={state['c']}, {len(state['chains'])} chains, capacities "
+                        f"{[chain['capacity'] for chain in state['chains']]}")
+        print(f"  {method}: swarm up in {time.monotonic() - started:.0f} s {note}", flush=True)
+        out = workdir / "results.jsonl"
+        client = network.spawn(
+            "client", [sys.executable, str(REPO / "benchmarks" / "table1_client.py"), "--model", str(model),
+                       "--initial-peers", *swarm.initial_peers, "--requests", str(requests_path), "--out", str(out),
+                       "--orchestrator", "none" if method == "petals" else "auto"],
+            name="client", log_dir=workdir, env={"OMP_WAIT_POLICY": "PASSIVE"},
+        )
+        try:
+            client.wait_for_line("ready", 300)
+            client.wait_for_line("done", args.timeout)
+        finally:
+            client.stop()
+        if method != "petals":
+            final = plan_state(network, model, swarm.initial_peers, workdir / "plan-final.json")
+            if final:
+                note += f"; dispatched {final['dispatched']}, arrival rate seen {final['arrival_rate']:.2f}/s"
+    records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    done = [r for r in records if "ended_s" in r]
+    return Measured(
+        method, [r["ended_s"] - r["arrival_s"] for r in done], [r["started_s"] - r["arrival_s"] for r in done],
+        [r["ended_s"] - r["started_s"] for r in done], len(records) - len(done) + len(requests) - len(records), note,
+    )
+
+
+def sim_model(topology: Topology, jobs: JobSizes) -> SwarmModel:
+    """Gives the chain-composition model the live orchestrator builds for these emulated servers (see
+    `orchestrator.live_model`), with the client's RTTs from the topology."""
+    block_pages = -(-PROFILES["a100-3g.40gb"].block_bytes(KV_BYTES_PER_TOKEN) // PAGE_BYTES)
+    job_pages = kv_pages_for(jobs.total_tokens, PAGE_BYTES // KV_BYTES_PER_TOKEN)
+    servers = []
+    for host in SERVERS:
+        profile = PROFILES[PROFILE_OF[host]]
+        pages = profile.pool_bytes(KV_BYTES_PER_TOKEN) // PAGE_BYTES
+        tau_p = jobs.prompt_tokens * profile.decode_ms(32) / 32 + jobs.output_tokens * profile.decode_ms(1)
+        tau_c = (jobs.output_tokens + 1) * topology.rtt("client", host)
+        servers.append(ServerSpec(host, pages * PAGE_BYTES / 1e9, tau_c, tau_p))
+    return SwarmModel(ModelSpec(NUM_BLOCKS, block_pages * PAGE_BYTES / 1e9, job_pages * PAGE_BYTES / 1e9),
+                      tuple(servers))
+
+
+def simulate(method: str, model: SwarmModel, args: argparse.Namespace) -> float:
+    """Gives swarm-sim's mean response (s) for `method` on the same trace prefix and rate."""
+    trace = load_azure_trace(TRACE)
+    workload = trace_workload(trace, jobs=args.requests, rate_per_ms=per_ms(args.rate), sizes="trace",
+                              rng=np.random.default_rng(args.seed))
+    result = run_policy(method, model, workload, per_ms(args.rate), 0.7, args.seed, warmup_jobs=0)
+    if isinstance(result, Exception):
+        return math.nan
+    return float(np.mean(result.end_ms - result.arrivals_ms)) / 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--rate", type=float, default=2.57, help="requests/s the trace is time-scaled to")
+    parser.add_argument("--output-scale", type=float, default=8.4)
+    parser.add_argument("--methods", default="proposed,petals,jffc-only")
+    parser.add_argument("--seed", type=int, default=0, help="which RIPE anchors the hosts get")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one method's replay may take")
+    parser.add_argument("--workdir", type=Path)
+    args = parser.parse_args(argv)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="table1-"))
+    model = write_model(workdir / "tiny-llama-32")
+    topology = ripe.from_ripe_atlas(len(HOSTS), seed=args.seed, hosts=list(HOSTS))
+    requests = trace_requests(args.requests, args.rate, args.output_scale)
+    jobs = JobSizes(statistics.mean(r["prompt_tokens"] for r in requests),
+                    statistics.mean(r["output_tokens"] for r in requests))
+    print(f"# chainswarm Table 1 benchmark, {datetime.datetime.now().isoformat(timespec='seconds')}")
+    print(f"machine: {platform.platform()}, cpu_count={os.cpu_count()}; workdir {workdir}")
+    print(f"topology: {topology.source}")
+    print("client RTTs ms: " + ", ".join(f"{host} {topology.rtt('client', host):.0f}" for host in SERVERS))
+    print(f"requests: {len(requests)} of the conversation trace at {args.rate} req/s, mean prompt "
+          f"{jobs.prompt_tokens:.0f}, mean output {jobs.output_tokens:.1f} tokens (trace / {args.output_scale})")
+    model_spec = sim_model(topology, jobs)
+    measured: dict[str, Measured] = {}
+    for method in args.methods.split(","):
+        measured[method] = run_method(method, args, topology, model, requests, workdir / method)
+    print("\n| method | response mean / median / P95 / P99 s | waiting mean / P95 s | service mean s | errors | "
+          "paper response mean / P99 s | swarm-sim mean s | sim / measured |")
+    print("|---|---|---|---|---|---|---|---|")
+    for method, row in measured.items():
+        sim_mean = simulate(method, model_spec, args)
+        mean = statistics.mean(row.response_s) if row.response_s else math.nan
+        paper = PAPER.get(method)
+        response = row.response_s
+        print(f"| {method} | {mean:.2f} / {percentile(response, 0.5):.2f} / {percentile(response, 0.95):.2f}"
+              f" / {percentile(response, 0.99):.2f} | {statistics.mean(row.waiting_s or [math.nan]):.2f} / "
+              f"{percentile(row.waiting_s, 0.95):.2f} | {statistics.mean(row.service_s or [math.nan]):.2f} | "
+              f"{row.errors} | {f'{paper[0]} / {paper[3]}' if paper else '-'} | {sim_mean:.2f} | "
+              f"{sim_mean / mean:.2f} |")
+    for method, row in measured.items():
+        if row.note:
+            print(f"{method}: {row.note}")
+    if "proposed" in measured and "petals" in measured:
+        proposed, petals = measured["proposed"], measured["petals"]
+        mean_ratio = statistics.mean(proposed.response_s) / statistics.mean(petals.response_s)
+        p99_ratio = percentile(proposed.response_s, 0.99) / percentile(petals.response_s, 0.99)
+        verdict = "PASS" if mean_ratio <= 0.2 and p99_ratio <= 0.25 else "FAIL"
+        print(f"verdict: {verdict}: proposed / PETALS mean response {mean_ratio:.3f}x (target <= 0.2, paper 0.232), "
+              f"P99 {p99_ratio:.3f}x (target <= 0.25)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The client side of `benchmarks/table1.py`: replays a request list against a swarm, one thread per request.
+
+    python benchmarks/table1_client.py --model PATH --initial-peers MADDR... --requests REQ.json --out OUT.jsonl
+        [--orchestrator auto|none]
+
+Each request `{id, at_s, prompt_tokens, output_tokens}` starts `at_s` after the replay starts: it opens a session
+(through the orchestrator's JFFC queue, or by routing over DHT records with Petals' retry and exponential backoff
+while no server has room) and generates exactly `output_tokens` greedy tokens. One JSON line per request:
+`{id, arrival_s, started_s, ended_s, failovers, route, error}`: waiting = started - arrival, service = ended -
+started. Prints `ready` once connected and `done` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from client import ClientConfig, DistributedModelForCausalLM
+from swarm.errors import NoRouteFound, ServerBusy
+
+START_DELAY_S = 2.0
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 8.0  # Petals' client retries a full swarm with exponential backoff
+
+
+def serve_request(model: DistributedModelForCausalLM, request: dict, started_at: float, out, lock) -> None:
+    arrival_s = time.perf_counter() - started_at
+    prompt, output = int(request["prompt_tokens"]), int(request["output_tokens"])
+    input_ids = torch.randint(3, model.config.vocab_size, (1, prompt),
+                              generator=torch.Generator().manual_seed(int(request["id"])))
+    record: dict = {"id": request["id"], "arrival_s": arrival_s}
+    backoff_s = BACKOFF_FIRST_S
+    try:
+        while True:
+            try:
+                session = model.inference_session(max_length=prompt + output, prompt_tokens=prompt)
+                break
+            except (NoRouteFound, ServerBusy):
+                time.sleep(backoff_s)
+                backoff_s = min(BACKOFF_MAX_S, backoff_s * 2)
+        record["started_s"] = time.perf_counter() - started_at
+        with session:
+            model.generate(input_ids, session=session, max_new_tokens=output, min_new_tokens=output,
+                           do_sample=False)
+            record["failovers"] = session.failovers
+            record["route"] = [span.peer_id for span in session.route]
+        record["ended_s"] = time.perf_counter() - started_at
+    except Exception as error:  # recorded, the replay goes on
+        record["error"] = f"{type(error).__name__}: {error}"
+    with lock:
+        out.write(json.dumps(record) + "\n")
+        out.flush()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--initial-peers", nargs="+", required=True)
+    parser.add_argument("--requests", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--orchestrator", default="auto")
+    args = parser.parse_args()
+    requests = json.loads(args.requests.read_text())
+    config = ClientConfig(orchestrator=None if args.orchestrator == "none" else args.orchestrator,
+                          request_timeout_s=600.0, orchestrator_queue_timeout_s=3600.0, max_failovers=16)
+    model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,
+                                                        client_config=config)
+    print("ready", flush=True)
+    lock = threading.Lock()
+    threads = []
+    with args.out.open("w") as out:
+        started_at = time.perf_counter() + START_DELAY_S
+        for request in requests:
+            delay_s = started_at + float(request["at_s"]) - time.perf_counter()
+            if delay_s > 0:
+                time.sleep(delay_s)
+            thread = threading.Thread(target=serve_request, args=(model, request, started_at, out, lock), daemon=True)
+            thread.start()
+            threads.append(thread)
+        for thread in threads:
+            thread.join()
+    print("done", flush=True)
+    model.shutdown()
+
+
+if __name__ == "__main__":
+    main()
