@@ -67,8 +67,13 @@ PETALS_BLOCKS = {"a100-3g.40gb": 24, "a100-2g.20gb": 12}  # the paper's footnote
 NUM_BLOCKS = 32
 PAGE_BYTES = 64 << 10
 KV_BYTES_PER_TOKEN = 2 * 2 * 16 * 4  # the tiny model: 2 KV heads x 16, keys and values, float32
+MAX_SEQUENCE = 2048  # the paper reserves KV for this many tokens per job (static allocation, as Petals does)
+REFERENCE_BLOCK_GB, REFERENCE_KV_GB_PER_TOKEN = 0.404, 2 * 32 * 128 * 2 / 1e9  # LLaMA-2-7B, fp16
+PETALS_CACHE_JOBS = 2  # Petals' attention cache: 2 sessions of the maximum length (as swarm-sim's PETALS)
+# Every server reserves KV for a session's whole max_length as it opens (a headroom of --max-length tokens: a
+# session's expected pages are those of min(max_length, position + 8192)), as the paper's and Petals' servers do.
 SERVER_ARGS = ("--page-size", str(PAGE_BYTES), "--max-length", "8192", "--torch-threads", "1",
-               "--session-timeout", "900", "--kv-headroom-tokens", "0")
+               "--session-timeout", "900", "--kv-headroom-tokens", "8192")
 PAPER = {  # seconds: response mean / median / P95 / P99, waiting mean, service mean (Table 1)
     "petals": (31.4, 27.8, 68.5, 89.3, 24.2, 7.2),
     "jffc-only": (10.0, 8.5, 22.1, 29.6, 1.5, 8.5),
@@ -130,23 +135,25 @@ def run_method(method: str, args: argparse.Namespace, topology: Topology, model:
     started = time.monotonic()
     note = ""
     with EmulatedNetwork(topology, run_id=f"t1{os.getpid()}{method[:3]}") as network, \
-            SwarmProcesses(workdir, announce_period_s=2.0, record_ttl_s=8.0) as swarm:
+            SwarmProcesses(workdir, announce_period_s=10.0, record_ttl_s=30.0) as swarm:
         swarm.start_dht(host=network.address("dht"), launcher=network.command("dht", []))
 
         def server(host: str, *extra: str, wait: bool = True):  # type: ignore[no-untyped-def]
-            return swarm.start_server(model, None, "--emulate-gpu", PROFILE_OF[host], *SERVER_ARGS, *extra,
-                                      name=host, host=network.address(host), launcher=network.command(host, []),
-                                      wait=wait)
+            profile = () if "--emulate-gpu" in extra else ("--emulate-gpu", PROFILE_OF[host])
+            return swarm.start_server(model, None, *profile, *SERVER_ARGS, *extra, name=host,
+                                      host=network.address(host), launcher=network.command(host, []), wait=wait)
 
         if method == "petals":
             for host in SERVERS:  # one by one, as volunteers join: each sees the others' records
-                server(host, "--num-blocks", str(PETALS_BLOCKS[PROFILE_OF[host]]), "--rebalance-period", "30")
+                blocks = PETALS_BLOCKS[PROFILE_OF[host]]
+                server(host, "--emulate-gpu", str(petals_profile(host, workdir)), "--num-blocks", str(blocks),
+                       "--rebalance-period", "30")
         else:
             variant = "proposed" if method == "proposed" else "jffc-only"
             orchestrator = swarm.start_orchestrator(
                 model, "--variant", variant, "--prior-rate", str(args.rate), "--prior-prompt-tokens",
-                f"{prompt_mean:.1f}", "--prior-output-tokens", f"{output_mean:.1f}", "--refresh-period", "2",
-                "--rate-window", "120", name="orch", host=network.address("orch"),
+                f"{prompt_mean:.1f}", "--prior-output-tokens", f"{output_mean:.1f}", "--refresh-period", "5",
+                "--rate-window", "120", "--cache-tokens", str(MAX_SEQUENCE), name="orch", host=network.address("orch"),
                 launcher=network.command("orch", []),
             )
             procs = [server(host, "--orchestrator", orchestrator.peer_id, wait=False) for host in SERVERS]
@@ -189,15 +196,34 @@ def run_method(method: str, args: argparse.Namespace, topology: Topology, model:
     )
 
 
-def sim_model(topology: Topology, jobs: JobSizes) -> SwarmModel:
+def petals_memory_gb(host: str) -> float:
+    """Gives what a PETALS server of `host` uses: its blocks and Petals' attention cache (2 maximum-length jobs per
+    block), in LLaMA-2-7B's terms; the rest of its GPU stays unused, as a Petals server leaves it."""
+    blocks = PETALS_BLOCKS[PROFILE_OF[host]]
+    return blocks * (REFERENCE_BLOCK_GB + PETALS_CACHE_JOBS * MAX_SEQUENCE * REFERENCE_KV_GB_PER_TOKEN)
+
+
+def petals_profile(host: str, workdir: Path) -> Path:
+    """Gives a profile file: `host`'s GPU times with a PETALS server's memory."""
+    profile = PROFILES[PROFILE_OF[host]]
+    path = workdir / f"petals-{host}.json"
+    path.write_text(json.dumps({"memory_gb": petals_memory_gb(host), "prefill_ms_per_token":
+                                profile.prefill_ms_per_token, "decode_ms_base": profile.decode_ms_base,
+                                "decode_ms_per_row": profile.decode_ms_per_row}))
+    return path
+
+
+def sim_model(topology: Topology, jobs: JobSizes, *, petals: bool = False) -> SwarmModel:
     """Gives the chain-composition model the live orchestrator builds for these emulated servers (see
-    `orchestrator.live_model`), with the client's RTTs from the topology."""
+    `orchestrator.live_model`, s_c at the maximum length), with the client's RTTs from the topology; with
+    `petals`, each server's memory is what a PETALS server uses."""
     block_pages = -(-PROFILES["a100-3g.40gb"].block_bytes(KV_BYTES_PER_TOKEN) // PAGE_BYTES)
-    job_pages = kv_pages_for(jobs.total_tokens, PAGE_BYTES // KV_BYTES_PER_TOKEN)
+    job_pages = kv_pages_for(MAX_SEQUENCE, PAGE_BYTES // KV_BYTES_PER_TOKEN)
     servers = []
     for host in SERVERS:
         profile = PROFILES[PROFILE_OF[host]]
-        pages = profile.pool_bytes(KV_BYTES_PER_TOKEN) // PAGE_BYTES
+        memory_gb = petals_memory_gb(host) if petals else profile.memory_gb
+        pages = int(memory_gb * 1e9 * profile.scale(KV_BYTES_PER_TOKEN)) // PAGE_BYTES
         tau_p = jobs.prompt_tokens * profile.decode_ms(32) / 32 + jobs.output_tokens * profile.decode_ms(1)
         tau_c = (jobs.output_tokens + 1) * topology.rtt("client", host)
         servers.append(ServerSpec(host, pages * PAGE_BYTES / 1e9, tau_c, tau_p))
@@ -238,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     print("client RTTs ms: " + ", ".join(f"{host} {topology.rtt('client', host):.0f}" for host in SERVERS))
     print(f"requests: {len(requests)} of the conversation trace at {args.rate} req/s, mean prompt "
           f"{jobs.prompt_tokens:.0f}, mean output {jobs.output_tokens:.1f} tokens (trace / {args.output_scale})")
-    model_spec = sim_model(topology, jobs)
+    model_spec, petals_spec = sim_model(topology, jobs), sim_model(topology, jobs, petals=True)
     measured: dict[str, Measured] = {}
     for method in args.methods.split(","):
         measured[method] = run_method(method, args, topology, model, requests, workdir / method)
@@ -246,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
           "paper response mean / P99 s | swarm-sim mean s | sim / measured |")
     print("|---|---|---|---|---|---|---|---|")
     for method, row in measured.items():
-        sim_mean = simulate(method, model_spec, args)
+        sim_mean = simulate(method, petals_spec if method == "petals" else model_spec, args)
         mean = statistics.mean(row.response_s) if row.response_s else math.nan
         paper = PAPER.get(method)
         response = row.response_s

@@ -8,6 +8,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from swarm.records import ServerRecord
 from swarm.rpc import RpcConnection
 
 log = logging.getLogger(__name__)
@@ -20,6 +21,7 @@ class LeasedSpan:
     peer_id: str
     start: int
     end: int
+    record: ServerRecord | None = None  # the server's record as the orchestrator last read it (saves a DHT lookup)
 
 
 class ChainLease:
@@ -46,7 +48,10 @@ class ChainLease:
                 raise ValueError(f"a lease span needs peer_id, start and end, got {item!r:.100}")
             if start != expected_start or end <= start:
                 raise ValueError(f"lease spans must follow each other from block 0, got {obj!r:.200}")
-            spans.append(LeasedSpan(peer_id, start, end))
+            record = ServerRecord.from_wire(item["record"]) if "record" in item else None
+            if record is not None and record.peer_id != peer_id:
+                raise ValueError(f"a lease span's record is of {record.peer_id}, not {peer_id}")
+            spans.append(LeasedSpan(peer_id, start, end, record))
             expected_start = end
         return spans
 

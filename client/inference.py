@@ -113,11 +113,11 @@ class RemoteInferenceSession:
 
     async def _open_leased(self, lease: ChainLease) -> list[_SpanSession]:
         """Gives open sessions on the servers of a leased chain, or raises (having closed what it opened)."""
-        servers = await self.client.servers()
+        servers = {} if all(span.record for span in lease.spans) else await self.client.servers()
         opened: list[_SpanSession] = []
         try:
             for leased in lease.spans:
-                record = servers.get(leased.peer_id)
+                record = leased.record or servers.get(leased.peer_id)
                 if record is None:
                     raise BlocksNotHosted(f"leased server {leased.peer_id} is not online in the DHT")
                 opened.append(await self._open_span(Span(leased.peer_id, leased.start, leased.end, record)))

@@ -16,7 +16,7 @@ from client.routing import DEFAULT_RTT_MS, Span, find_route, servers_of
 from client.step_frames import StepFrames
 from swarm.dht import lookup_async, lookup_orchestrators_async
 from swarm.errors import SwarmError
-from swarm.records import ServerRecord, active_orchestrator
+from swarm.records import OrchestratorRecord, ServerRecord, active_orchestrator
 from swarm.rpc import RpcConnection, dial
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ class ClientConfig:
     # ask one (route by DHT records); a peer id: that orchestrator only
     orchestrator_timeout_s: float = 5.0  # to find and reach the orchestrator; past it, the client routes by itself
     orchestrator_queue_timeout_s: float = 600.0  # how long a session may wait in the orchestrator's queue
+    orchestrator_lookup_s: float = 10.0  # how long the orchestrator found in the DHT is asked before looking again
 
 
 class SwarmClient:
@@ -55,6 +56,7 @@ class SwarmClient:
         self._rtt_ms: dict[str, tuple[float, float]] = {}  # peer -> (rtt, measured at)
         self._banned_until: dict[str, float] = {}
         self.step_frames = StepFrames()  # decode steps of this client's sessions, one frame per server
+        self._orchestrator: tuple[OrchestratorRecord | None, float] | None = None  # (record, looked up at)
 
     def run(self, coroutine, timeout: float | None = None):  # type: ignore[no-untyped-def]
         """Runs a coroutine on the client's loop and gives its result."""
@@ -119,6 +121,20 @@ class SwarmClient:
                 rtt_ms[record.peer_id] = result
         return find_route(servers, start, end, rtt_ms=rtt_ms, max_length=max_length, batch=batch, banned=self.banned())
 
+    async def _orchestrator_record(self) -> OrchestratorRecord | None:
+        """Gives the orchestrator this client asks (the model's active one, or the one named), looked up in the DHT at
+        most every `orchestrator_lookup_s` seconds: sessions that start together share one lookup."""
+        now = time.monotonic()
+        if self._orchestrator is not None and now - self._orchestrator[1] < self.config.orchestrator_lookup_s:
+            return self._orchestrator[0]
+        records = await lookup_orchestrators_async(
+            self.dht, self.model_id, timeout_s=self.config.orchestrator_timeout_s
+        )
+        choice = self.config.orchestrator
+        record = active_orchestrator(records) if choice == "auto" else records.get(str(choice))
+        self._orchestrator = (record, now)
+        return record
+
     async def acquire_chain(self, *, prompt_tokens: int) -> ChainLease | None:
         """Gives a chain leased from the orchestrator (waiting in its queue while every chain is full), or None when
         this client uses none or cannot reach it within `orchestrator_timeout_s` (it then routes by itself)."""
@@ -127,13 +143,13 @@ class SwarmClient:
             return None
         timeout_s = config.orchestrator_timeout_s
         try:
-            records = await lookup_orchestrators_async(self.dht, self.model_id, timeout_s=timeout_s)
-            record = active_orchestrator(records) if config.orchestrator == "auto" else records.get(config.orchestrator)
+            record = await self._orchestrator_record()
             if record is None:
                 return None
             connection = await dial(self.p2p, record.peer_id, list(record.addrs), timeout=timeout_s)
         except (SwarmError, OSError, TimeoutError) as error:
             log.info("No orchestrator reachable (%s); routing by DHT records", error)
+            self._orchestrator = None
             return None
         try:
             payload = {"prompt_tokens": prompt_tokens, "wait_s": config.orchestrator_queue_timeout_s}

@@ -6,8 +6,8 @@ GBP-CR, GCA, the tuning of c and JFFC take (spec: `shared/specs/chain-compositio
 - M_j: the server's whole pool, `pages_total * page_bytes` (the placement decides what holds parameters);
 - s_m: one block's parameters in whole pages (the largest over the servers, so that a plan fits each of them);
 - s_c: one job's KV in one block in whole pages, at the observed mean prompt + output tokens. The paper reserves
-  the maximum sequence length; with paged KV a job holds pages only for its length, and each server's headroom
-  rule turns away what does not fit (the client then fails over);
+  the maximum sequence length (`cache_tokens` plans for that); with paged KV a job holds pages only for its length,
+  and each server's headroom rule turns away what does not fit (the client then fails over);
 - tau_p[j]: one job through one block: prompt tokens x the prefill time per token (the largest measured batch's
   decode step per token, the nearest to a chunk's per-token cost the record carries) + output tokens x the decode
   step at batch 1;
@@ -55,10 +55,10 @@ def block_pages_bytes(record: ServerRecord) -> int:
     return kv_pages_for(record.block_bytes, record.page_bytes) * record.page_bytes
 
 
-def job_cache_bytes(record: ServerRecord, jobs: JobSizes) -> int:
-    """Gives the bytes one mean job's KV takes in one block on `record`'s server, in whole pages."""
+def job_cache_bytes(record: ServerRecord, tokens: int) -> int:
+    """Gives the bytes `tokens` of one job's KV take in one block on `record`'s server, in whole pages."""
     tokens_per_page = max(1, record.page_bytes // max(1, record.kv_bytes_per_token))
-    return kv_pages_for(jobs.total_tokens, tokens_per_page) * record.page_bytes
+    return kv_pages_for(tokens, tokens_per_page) * record.page_bytes
 
 
 def decode_step_ms(record: ServerRecord, batch: int = 1) -> float:
@@ -92,10 +92,12 @@ def server_spec(record: ServerRecord, rtt_ms: float, jobs: JobSizes) -> ServerSp
 
 
 def swarm_model(
-    records: Mapping[str, ServerRecord], rtt_ms: Mapping[str, float], jobs: JobSizes, num_blocks: int
+    records: Mapping[str, ServerRecord], rtt_ms: Mapping[str, float], jobs: JobSizes, num_blocks: int,
+    *, cache_tokens: int | None = None,
 ) -> SwarmModel:
     """Gives the chain-composition model of the servers in `records` (peer ids in sorted order) for `num_blocks`
-    blocks and the mean job; a server never measured gets the largest RTT measured (or 0 if none is)."""
+    blocks and the mean job; a server never measured gets the largest RTT measured (or 0 if none is). s_c is the
+    mean job's KV unless `cache_tokens` fixes the tokens a job is planned to hold (the paper: the maximum length)."""
     if not records:
         raise ValueError("no servers to model")
     fallback_rtt = max(rtt_ms.values(), default=0.0)
@@ -103,7 +105,7 @@ def swarm_model(
     model = ModelSpec(
         blocks=num_blocks,
         block_gb=max(block_pages_bytes(record) for record in ordered) / GB,
-        cache_gb=max(job_cache_bytes(record, jobs) for record in ordered) / GB,
+        cache_gb=max(job_cache_bytes(record, cache_tokens or jobs.total_tokens) for record in ordered) / GB,
     )
     servers = tuple(server_spec(record, rtt_ms.get(record.peer_id, fallback_rtt), jobs) for record in ordered)
     return SwarmModel(model, servers)

@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prior-prompt-tokens", type=float, default=128.0, help="mean prompt assumed at first")
     parser.add_argument("--prior-output-tokens", type=float, default=128.0, help="mean output assumed at first")
     parser.add_argument("--rate-window", type=float, default=60.0, help="seconds of arrivals the rate counts")
+    parser.add_argument("--cache-tokens", type=int, help="KV tokens a job is planned to hold in each block (default: "
+                        "the observed mean job's prompt + output; the paper reserves the maximum length, 2048)")
     parser.add_argument("--refresh-period", type=float, default=5.0, help="seconds between reading the swarm")
     parser.add_argument("--announce-period", type=float, default=10.0, help="seconds between DHT announcements")
     parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds the record lives unless refreshed")
@@ -75,7 +77,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         model=args.model, initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
         announce_maddrs=args.announce_maddrs, identity=args.identity, variant=args.variant, rho_bar=args.rho_bar,
         prior_rate_per_s=args.prior_rate, prior_prompt_tokens=args.prior_prompt_tokens,
-        prior_output_tokens=args.prior_output_tokens, rate_window_s=args.rate_window,
+        prior_output_tokens=args.prior_output_tokens, rate_window_s=args.rate_window, cache_tokens=args.cache_tokens,
         refresh_period_s=args.refresh_period, announce_period_s=args.announce_period, record_ttl_s=args.record_ttl,
         lease_ttl_s=args.lease_ttl,
     )

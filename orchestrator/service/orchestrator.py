@@ -83,6 +83,7 @@ class OrchestratorConfig:
     prior_prompt_tokens: float = 128.0
     prior_output_tokens: float = 128.0
     rate_window_s: float = 60.0
+    cache_tokens: int | None = None  # KV tokens a job is planned to hold per block; None: the observed mean job
     rate_hysteresis: float = 0.25
     refresh_period_s: float = 5.0
     announce_period_s: float = 10.0
@@ -310,7 +311,8 @@ class Orchestrator:
 
     def _model(self, followers: dict[str, ServerRecord], now_s: float) -> SwarmModel:
         rtt = {peer: value for peer, (value, _) in self.rtt_ms.items()}
-        return swarm_model(followers, rtt, self.load.jobs(now_s), self.num_blocks)
+        jobs, cache_tokens = self.load.jobs(now_s), self.config.cache_tokens
+        return swarm_model(followers, rtt, jobs, self.num_blocks, cache_tokens=cache_tokens)
 
     def _compose(self, model: SwarmModel, rate_per_s: float) -> TunedPlan | None:
         """Gives the tuned plan for `rate_per_s`; when no c keeps the swarm stable at that rate, the plan of most
@@ -406,7 +408,9 @@ class Orchestrator:
         except TimeoutError:
             self.leases.withdraw(job_id)
             raise ServerBusy(f"every chain stayed full for {wait_s} s; {self.leases.queued} session(s) wait") from None
-        return {"lease_id": lease.lease_id, "spans": [span.to_wire() for span in lease.chain.spans],
+        spans = [{**span.to_wire(), "record": self.followers[span.peer_id].to_wire()}
+                 if span.peer_id in self.followers else span.to_wire() for span in lease.chain.spans]
+        return {"lease_id": lease.lease_id, "spans": spans,
                 "lease_ttl_s": self.config.lease_ttl_s, "waited_ms": (time.monotonic() - now_s) * 1000}
 
     async def _renew(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
