@@ -4,6 +4,7 @@ blocks with hysteresis, the windowed load estimate, JFFC leases and the queue.""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,9 @@ from orchestrator.live_model import JobSizes, swarm_model
 from orchestrator.observed_load import ObservedLoad
 from orchestrator.replan import blocks_moved, match_roles, move_order, placement_ranges
 from orchestrator.service.leases import LeaseNotFound, LeaseTable, LiveChain, Span
+from orchestrator.service.orchestrator import Orchestrator, OrchestratorConfig
 from orchestrator.swarm_model import Chain, Placement
+from orchestrator.tuning import tune_capacity
 from swarm.records import BatchTiming, ServerRecord
 
 MIB = 1 << 20
@@ -150,3 +153,15 @@ def test_leases_start_at_once_queue_when_full_and_pass_on_release_or_expiry() ->
         assert (await later).chain == fast
 
     asyncio.run(body())
+
+
+def test_the_orchestrator_composes_with_the_simulators_functions_for_each_variant(tiny_llama: Path) -> None:
+
+    records = {name: record(name, pages_total=pages) for name, pages in (("a", 120), ("b", 60), ("c", 60))}
+    model = swarm_model(records, {"a": 5.0, "b": 8.0, "c": 8.0}, JobSizes(100, 28), 8)
+    proposed = Orchestrator(OrchestratorConfig(model=str(tiny_llama), variant="proposed"))._compose(model, 0.5)
+    expected = tune_capacity(model, 0.5 / 1000, 0.7, method="lower_bound")
+    assert proposed is not None and (proposed.c, proposed.placement) == (expected.c, expected.placement)
+    whole = Orchestrator(OrchestratorConfig(model=str(tiny_llama), variant="jffc-only"))._compose(model, 0.5)
+    assert whole is not None and set(whole.placement.blocks.values()) == {(1, 8)}
+    assert [chain.servers for chain in whole.chains] == [("a",), ("b",), ("c",)]

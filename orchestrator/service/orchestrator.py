@@ -61,6 +61,7 @@ VARIANTS = (*TUNING, "jffc-only")  # jffc-only: the paper's baseline, the whole 
 # on a busy host.
 SIMILAR_MEMORY, SIMILAR_TIME = 1.25, 2.0
 MAX_WAIT_S = 3600.0
+MAX_MISSES = 3  # refreshes in a row a follower may miss before the plan drops it (its DHT record may live on)
 
 
 class NotActiveOrchestrator(SwarmError):
@@ -154,6 +155,7 @@ class Orchestrator:
         self._addrs: list[str] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._connections: dict[str, RpcConnection] = {}
+        self._misses: dict[str, int] = {}  # consecutive refreshes a follower did not answer
         self._refreshed = asyncio.Event()
 
     @property
@@ -264,12 +266,17 @@ class Orchestrator:
         fresh: dict[str, ServerRecord] = {}
         for record, result in zip(announced, results, strict=True):
             if isinstance(result, BaseException):
-                log.info("server %s did not answer: %s", record.peer_id, result)
-                self.rtt_ms.pop(record.peer_id, None)
+                misses = self._misses[record.peer_id] = self._misses.get(record.peer_id, 0) + 1
+                log.info("server %s did not answer (%d time(s) in a row): %s", record.peer_id, misses, result)
                 connection = self._connections.pop(record.peer_id, None)
                 if connection is not None:
                     await connection.close()
+                if misses < MAX_MISSES and record.peer_id in self.followers:  # one lost answer moves no blocks
+                    fresh[record.peer_id] = self.followers[record.peer_id]
+                else:
+                    self.rtt_ms.pop(record.peer_id, None)
                 continue
+            self._misses.pop(record.peer_id, None)
             rtt_ms, reply = result
             previous = self.rtt_ms.get(record.peer_id)
             smoothed = rtt_ms if previous is None else 0.7 * previous[0] + 0.3 * rtt_ms
