@@ -8,7 +8,8 @@ The paper's testbed, reproduced with the shipped code:
 - RTTs between all hosts derived from the RIPE Atlas EU anchors (`netem.ripe`, the paper's derivation);
 - requests from the Azure LLM inference 2023 conversation trace (`shared/data/azure_llm_inference_2023_conv.csv`):
   the first `--requests` of it, their arrival times time-scaled to the paper's 2.57 requests/s (keeping the trace's
-  burstiness), their prompt lengths as recorded, their output lengths divided by `--output-scale` (default 8.4, which
+  burstiness), their prompt lengths as recorded but cut to the paper's longest sequence (2048 tokens with the
+  output; 15 of the first 200 reach it), their output lengths divided by `--output-scale` (default 8.4, which
   brings the conversation trace's mean of ~235 generated tokens to the paper's 28: without it a job would run ~235
   decode steps over WAN RTTs, minutes per job, and this 2-core machine would have to drive ~100 concurrent sessions);
 - one client host replays the requests, one thread each, and records arrival, start (session open: after JFFC's
@@ -100,12 +101,13 @@ def trace_requests(count: int, rate_per_s: float, output_scale: float) -> list[d
     trace = load_azure_trace(TRACE)
     seconds = trace.seconds[:count] - trace.seconds[0]
     native = (count - 1) / float(seconds[-1])
-    return [
-        {"id": index, "at_s": float(seconds[index] * native / rate_per_s),
-         "prompt_tokens": int(max(1, min(4096, trace.context_tokens[index]))),
-         "output_tokens": int(max(1, round(trace.generated_tokens[index] / output_scale)))}
-        for index in range(count)
-    ]
+    requests = []
+    for index in range(count):
+        output = int(max(1, round(trace.generated_tokens[index] / output_scale)))
+        prompt = int(max(1, min(MAX_SEQUENCE - output, trace.context_tokens[index])))  # the paper's longest sequence
+        requests.append({"id": index, "at_s": float(seconds[index] * native / rate_per_s), "prompt_tokens": prompt,
+                         "output_tokens": output})
+    return requests
 
 
 @dataclass

@@ -27,6 +27,7 @@ from client import ClientConfig, DistributedModelForCausalLM
 from swarm.errors import NoRouteFound, ServerBusy
 
 START_DELAY_S = 2.0
+MAX_WAIT_S = 1200.0  # a request that found no room this long is recorded as an error (no run hangs on one)
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 8.0  # Petals' client retries a full swarm with exponential backoff
 
 
@@ -43,6 +44,8 @@ def serve_request(model: DistributedModelForCausalLM, request: dict, started_at:
                 session = model.inference_session(max_length=prompt + output, prompt_tokens=prompt)
                 break
             except (NoRouteFound, ServerBusy):
+                if time.perf_counter() - started_at - arrival_s > MAX_WAIT_S:
+                    raise
                 time.sleep(backoff_s)
                 backoff_s = min(BACKOFF_MAX_S, backoff_s * 2)
         record["started_s"] = time.perf_counter() - started_at

@@ -156,12 +156,21 @@ async def lookup_servers_async(
     dht: hivemind.DHT, model_id: str, *, timeout_s: float = DEFAULT_DHT_TIMEOUT_S
 ) -> dict[str, ServerRecord]:
     """Gives the valid records (peer_id -> record) of every server of the model, with or without blocks yet."""
-    key = servers_key(model_id)
+    return await _lookup_records(dht, servers_key(model_id), model_id, ServerRecord.from_wire, timeout_s)
+
+
+RecordT = TypeVar("RecordT", ServerRecord, OrchestratorRecord)
+
+
+async def _lookup_records(
+    dht: hivemind.DHT, key: str, model_id: str, parse: Callable[[object], RecordT | None], timeout_s: float
+) -> dict[str, RecordT]:
+    """Gives the records under `key` that validate, are of `model_id` and sit under their own peer id's subkey."""
     future = dht.run_coroutine(partial(_get_latest_subkeys, keys=[key]), return_future=True)
     entries = (await _await_dht(future, timeout_s)).get(key, {})
-    records: dict[str, ServerRecord] = {}
+    records: dict[str, RecordT] = {}
     for subkey, value in entries.items():
-        record = ServerRecord.from_wire(value)
+        record = parse(value)
         if record is not None and record.peer_id == subkey and record.model_id == model_id:
             records[record.peer_id] = record
     return records
@@ -187,15 +196,7 @@ async def lookup_orchestrators_async(
     dht: hivemind.DHT, model_id: str, *, timeout_s: float = DEFAULT_DHT_TIMEOUT_S
 ) -> dict[str, OrchestratorRecord]:
     """Gives the valid, live orchestrator records (peer_id -> record) of a model."""
-    key = orchestrator_key(model_id)
-    future = dht.run_coroutine(partial(_get_latest_subkeys, keys=[key]), return_future=True)
-    entries = (await _await_dht(future, timeout_s)).get(key, {})
-    records: dict[str, OrchestratorRecord] = {}
-    for subkey, value in entries.items():
-        record = OrchestratorRecord.from_wire(value)
-        if record is not None and record.peer_id == subkey and record.model_id == model_id:
-            records[record.peer_id] = record
-    return records
+    return await _lookup_records(dht, orchestrator_key(model_id), model_id, OrchestratorRecord.from_wire, timeout_s)
 
 
 async def lookup_block_async(
