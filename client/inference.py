@@ -100,16 +100,20 @@ class RemoteInferenceSession:
         """Opens a session on every server of a chain over blocks [0, L): the chain the orchestrator leases, if the
         swarm has one, else (or if a leased server refuses) the min-latency chain routed here."""
         self.lease = await self.client.acquire_chain(prompt_tokens=self.prompt_tokens)
-        if self.lease is not None:
-            try:
-                self.spans = await self._open_leased(self.lease)
-                return
-            except RECOVERABLE_AT_OPEN as error:
-                log.warning("A server of the leased chain refused a session (%s: %s); routing by DHT records",
-                            type(error).__name__, error.message)
+        try:
+            if self.lease is not None:
+                try:
+                    self.spans = await self._open_leased(self.lease)
+                    return
+                except RECOVERABLE_AT_OPEN as error:
+                    log.warning("A server of the leased chain refused a session (%s: %s); routing by DHT records",
+                                type(error).__name__, error.message)
+            self.spans = await self._open_chain(0, self.client.num_blocks)
+        except BaseException:  # no session: the slot goes back now, not when its renewals would have stopped
+            if self.lease is not None:
                 await self.lease.release(0)
                 self.lease = None
-        self.spans = await self._open_chain(0, self.client.num_blocks)
+            raise
 
     async def _open_leased(self, lease: ChainLease) -> list[_SpanSession]:
         """Gives open sessions on the servers of a leased chain, or raises (having closed what it opened)."""

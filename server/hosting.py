@@ -80,7 +80,7 @@ class Hosting:
             self._ensure_retire_task()
             # nearest to the kept range first: below it downwards, then above it upwards
             pivot = kept_start if kept_start < kept_end else start
-            arriving = [i for i in range(pivot - 1, start - 1, -1)] + [i for i in range(pivot, end)]
+            arriving = [*range(pivot - 1, start - 1, -1), *range(pivot, end)]
             loaded_now = []
             try:
                 for index in arriving:

@@ -56,6 +56,14 @@ def _step_list(payload: dict[str, Any]) -> list[Any]:
     return steps
 
 
+def _block_pair(payload: dict[str, Any]) -> tuple[int, int]:
+    """Gives the `blocks` field, [start, end], of a request; raises MalformedFrame unless it is two integers."""
+    blocks = field(payload, "blocks", list)
+    if len(blocks) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+        raise MalformedFrame(f"request field 'blocks' must be [start, end] integers, got {blocks!r:.100}")
+    return blocks[0], blocks[1]
+
+
 def field(payload: dict[str, Any], name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
     """Gives payload[name] if it has the expected type; raises MalformedFrame naming the field otherwise."""
     if name not in payload:
@@ -81,18 +89,21 @@ class SwarmServer:
         self.dtype = pick_dtype(config.dtype, self.device)
         self.gpu_profile = load_profile(config.emulate_gpu) if config.emulate_gpu else None
         min_block_pages = 1
+        # Blocks load one by one into the pool's pages (`adopt`), the first ones below, more as the range changes.
+        self.blocks = BlockRange(
+            self.source, 0, 0, dtype=self.dtype, device=self.device, quant=config.quant,
+            adopt=lambda index, tensors: self.pool.adopt(ParamsOwner(index), tensors, min_pages=min_block_pages),
+        )
         if self.gpu_profile is not None:  # the profile's memory, in the served model's scale (server.emulated_gpu)
-            kv_bytes = BlockRange(self.source, 0, 0, dtype=self.dtype, device=self.device).kv_bytes_per_token()
+            kv_bytes = self.blocks.kv_bytes_per_token()
             budget = self.gpu_profile.pool_bytes(kv_bytes)
             min_block_pages = -(-self.gpu_profile.block_bytes(kv_bytes) // config.page_bytes)
         else:
             budget = parse_size(config.memory) if config.memory else default_budget_bytes(self.device)
         self.pool = PagePool(budget, config.page_bytes, device=self.device)
         try:
-            self.blocks = BlockRange(
-                self.source, start, end, dtype=self.dtype, device=self.device, quant=config.quant,
-                adopt=lambda index, tensors: self.pool.adopt(ParamsOwner(index), tensors, min_pages=min_block_pages),
-            )
+            for index in range(start, end):
+                self.blocks.load_block(index)
         except OutOfPages as error:
             message = f"--memory {config.memory or budget} cannot hold blocks {start}:{end}: {error}"
             raise OutOfPages(message) from None
@@ -250,11 +261,9 @@ class SwarmServer:
                 f"assignment from {ctx.peer_id}, but server {self.peer_id} follows orchestrator(s) "
                 f"{', '.join(self.config.orchestrators)} only"
             )
-        blocks = field(payload, "blocks", list)
-        if len(blocks) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
-            raise MalformedFrame(f"request field 'blocks' must be [start, end] integers, got {blocks!r:.100}")
+        start, end = _block_pair(payload)
         self._check_serving()
-        await self.change_blocks(*blocks)
+        await self.change_blocks(start, end)
         return {"blocks": [self.hosting.start, self.hosting.end], "retiring": self.hosting.retiring}
 
     async def _choose_blocks_loop(self) -> None:
@@ -312,6 +321,7 @@ class SwarmServer:
         if not await self.scheduler.wait_idle(self.config.drain_timeout_s):
             log.warning("%d step(s) still running after %.0f s", self.scheduler.pending, self.config.drain_timeout_s)
         await self.scheduler.stop()
+        await self.hosting.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -350,10 +360,7 @@ class SwarmServer:
         session_id = field(payload, "session_id", str, optional=True) or uuid.uuid4().hex
         if len(session_id) > 128:
             raise MalformedFrame("session_id is longer than 128 characters")
-        blocks = field(payload, "blocks", list)
-        if len(blocks) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
-            raise MalformedFrame(f"request field 'blocks' must be [start, end] integers, got {blocks!r:.100}")
-        start, end = blocks
+        start, end = _block_pair(payload)
         max_length = field(payload, "max_length", int)
         batch = field(payload, "batch", int, optional=True) or 1
         self.sessions.open(session_id, start, end, batch=batch, max_length=max_length)

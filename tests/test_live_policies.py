@@ -16,7 +16,7 @@ from orchestrator.replan import blocks_moved, match_roles, move_order, placement
 from orchestrator.service.leases import LeaseNotFound, LeaseTable, LiveChain, Span
 from orchestrator.service.orchestrator import Orchestrator, OrchestratorConfig
 from orchestrator.swarm_model import Chain, Placement
-from orchestrator.tuning import tune_capacity
+from orchestrator.tuning import plan_for_capacity, tune_capacity
 from swarm.records import BatchTiming, ServerRecord
 
 MIB = 1 << 20
@@ -165,3 +165,14 @@ def test_the_orchestrator_composes_with_the_simulators_functions_for_each_varian
     whole = Orchestrator(OrchestratorConfig(model=str(tiny_llama), variant="jffc-only"))._compose(model, 0.5)
     assert whole is not None and set(whole.placement.blocks.values()) == {(1, 8)}
     assert [chain.servers for chain in whole.chains] == [("a",), ("b",), ("c",)]
+
+
+def test_past_every_stable_c_the_orchestrator_plans_for_the_most_throughput(tiny_llama: Path) -> None:
+    records = {name: record(name, pages_total=pages) for name, pages in (("a", 120), ("b", 60))}
+    model = swarm_model(records, {"a": 5.0, "b": 8.0}, JobSizes(100, 28), 8)
+    with pytest.raises(ValueError):
+        tune_capacity(model, 1e6 / 1000, 0.7, method="lower_bound")  # a million jobs/s: no c is stable
+    plan = Orchestrator(OrchestratorConfig(model=str(tiny_llama), variant="proposed"))._compose(model, 1e6)
+    assert plan is not None and plan.chains and not plan.stable
+    others = [plan_for_capacity(model, c, 1e6 / 1000, 0.7) for c in (1, 2, 4, 8, 16)]
+    assert plan.total_rate_per_ms >= max(other.total_rate_per_ms for other in others if other.chains)

@@ -323,7 +323,8 @@ class Orchestrator:
 
     def _compose(self, model: SwarmModel, rate_per_s: float) -> TunedPlan | None:
         """Gives the tuned plan for `rate_per_s`; when no c keeps the swarm stable at that rate, the plan of most
-        throughput (it serves as much as the servers can); None when no server holds a block and a job's cache."""
+        throughput among c = 1, 2, 4, ... (it serves as much as the servers can; powers of two keep this to a few GCA
+        runs where c_max is in the thousands); None when no server holds a block and a job's cache."""
         if self.config.variant == "jffc-only":
             try:
                 placement, chains = whole_model_chains(model)
@@ -337,10 +338,10 @@ class Orchestrator:
             return tune_capacity(model, per_ms(rate_per_s), self.config.rho_bar, method=method, spare_chains=spare)
         except ValueError as error:
             log.info("tuning c at %.3f jobs/s: %s; planning for the most throughput", rate_per_s, error)
-        if capacity_limit(model) < 1:
-            return None
+        limit = capacity_limit(model)
+        candidates = sorted({*(1 << power for power in range(limit.bit_length())), limit} - {0})
         plans = [plan_for_capacity(model, c, per_ms(rate_per_s), self.config.rho_bar, spare_chains=spare)
-                 for c in range(1, capacity_limit(model) + 1)]
+                 for c in candidates]
         plans = [plan for plan in plans if plan.chains]
         return max(plans, key=lambda plan: (plan.total_rate_per_ms, -plan.c), default=None)
 
