@@ -20,6 +20,13 @@ from client.inference import InferenceSession
 from client.swarm_client import ClientConfig, SwarmClient
 from swarm.model import DEFAULT_MODEL, ClientHead, ModelSource, resolve_model
 
+Chain = tuple[tuple[str, int, int], ...]
+
+
+def chain_of(session: InferenceSession) -> Chain:
+    """Gives the chain `session` runs on now: its servers and their blocks, the batched head's group."""
+    return tuple((span.peer_id, span.start, span.end) for span in session.route)
+
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     """A causal LM whose blocks are served by a swarm found through `initial_peers`."""
@@ -103,30 +110,36 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             new_ids = input_ids[:, seen:]
             if new_ids.shape[1] == 0:
                 raise ValueError("forward called without new tokens for the active session")
-            hidden = self._step(session, new_ids)
+            hidden, sent_on = self._step(session, new_ids)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(logits=self.batched_head.logits(hidden))
+        if session is None:
+            return CausalLMOutputWithPast(logits=self.batched_head.logits(hidden))
+        # a decode step's row joins the pass of the chain it was counted on (even if it failed over on the way)
+        group = sent_on if sent_on is not None else chain_of(session)
+        return CausalLMOutputWithPast(logits=self.batched_head.logits(hidden, group, sent=sent_on is not None))
 
-    def _step(self, session: InferenceSession, new_ids: torch.Tensor) -> torch.Tensor:
-        """Gives the swarm's output for `new_ids`; a decode step is announced to the batched head, which keeps the
-        threads of this process in step."""
+    def _step(self, session: InferenceSession, new_ids: torch.Tensor) -> tuple[torch.Tensor, Chain | None]:
+        """Gives the swarm's output for `new_ids`, and for a decode step the chain it was announced on to the batched
+        head, which keeps the threads of this process that use one chain in step."""
         if new_ids.shape[1] != 1:
-            return session.step(self.head.embed(new_ids))
+            return session.step(self.head.embed(new_ids)), None
         returned = False
+        group = chain_of(session)
 
         def on_output() -> None:
             nonlocal returned
             returned = True
-            self.batched_head.step_returned()
+            self.batched_head.step_returned(group)
 
-        gate = self.batched_head.step_sent()
+        gate = self.batched_head.step_sent(group)
         try:
-            return session.step(self.head.embed(new_ids), on_output=on_output,
-                                before_send=gate.wait if gate is not None else None)
+            hidden = session.step(self.head.embed(new_ids), on_output=on_output,
+                                  before_send=gate.wait if gate is not None else None)
         except BaseException:
-            self.batched_head.step_failed(returned=returned)
+            self.batched_head.step_failed(group, returned=returned)
             raise
+        return hidden, group
 
     def generate(  # type: ignore[override]
         self, inputs: torch.Tensor | None = None, *, session: InferenceSession | None = None, **kwargs: object

@@ -60,7 +60,7 @@ def test_rows_of_sessions_on_their_way_compute_in_one_pass(head: BatchedHead) ->
     def session(index: int) -> torch.Tensor:
         time.sleep(0.01 * index)  # their outputs come back one after another
         head.step_returned()
-        return head.logits(rows[index])
+        return head.logits(rows[index], sent=True)
 
     results = in_threads(6, session)
     assert head.passes == 1 and head.rows == 6
@@ -76,7 +76,7 @@ def test_a_step_that_never_comes_back_is_waited_for_only_so_long(
     head.step_sent()
     head.step_returned()
     started = time.monotonic()
-    head.logits(torch.ones(1, 1, 64))
+    head.logits(torch.ones(1, 1, 64), sent=True)
     assert time.monotonic() - started >= 0.2  # it waited for the lost step until the deadline, then went on
 
 
@@ -86,7 +86,7 @@ def test_a_failed_step_is_not_waited_for(head: BatchedHead, monkeypatch: pytest.
     head.step_sent()
     head.step_returned()
     head.step_failed(returned=False)
-    assert isinstance(in_threads(1, lambda _: head.logits(torch.ones(1, 1, 64)))[0], torch.Tensor)
+    assert isinstance(in_threads(1, lambda _: head.logits(torch.ones(1, 1, 64), sent=True))[0], torch.Tensor)
 
 
 def test_a_failing_pass_fails_every_caller_in_it(head: BatchedHead, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -101,12 +101,31 @@ def test_a_failing_pass_fails_every_caller_in_it(head: BatchedHead, monkeypatch:
     def session(index: int) -> str:
         head.step_returned()
         try:
-            head.logits(torch.ones(1, 1, 64))
+            head.logits(torch.ones(1, 1, 64), sent=True)
         except RuntimeError as error:
             return str(error)
         return "no error"
 
     assert in_threads(3, session) == ["out of memory"] * 3
+
+
+def test_a_pass_waits_only_for_the_steps_of_its_own_chain(head: BatchedHead, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batched_head, "MAX_GANG_WAIT_S", 600.0)  # a wait would hold the call past the join below
+    head.step_sent("slow chain")  # a session on another chain: its step is still in the swarm
+    head.step_sent("fast chain")
+    head.step_sent("fast chain")
+
+    def session(index: int) -> torch.Tensor:
+        time.sleep(0.01 * index)
+        head.step_returned("fast chain")
+        return head.logits(torch.full((1, 1, 64), float(index)), "fast chain", sent=True)
+
+    results = in_threads(2, session)
+    assert all(isinstance(logits, torch.Tensor) for logits in results), "the fast chain waited for the slow one"
+    assert head.passes == 1 and head.rows == 2  # the fast chain's two sessions still went in one pass
+    head.step_returned("slow chain")
+    assert isinstance(in_threads(1, lambda _: head.logits(torch.ones(1, 1, 64), "slow chain", sent=True))[0],
+                      torch.Tensor)
 
 
 @pytest.fixture
@@ -127,7 +146,7 @@ def test_the_sessions_of_one_pass_send_their_next_steps_together(
     monkeypatch.setattr(batched_head, "MAX_SEND_WAIT_S", 600.0)  # however slowly this machine runs the threads
     assert head.step_sent() is None  # no pass yet: a lone session's step leaves at once
     head.step_returned()
-    head.logits(torch.ones(1, 1, 64))
+    head.logits(torch.ones(1, 1, 64), sent=True)
     for _ in range(4):
         head.step_sent()
     events: list[str] = []
@@ -138,7 +157,7 @@ def test_the_sessions_of_one_pass_send_their_next_steps_together(
 
     def session(index: int) -> None:
         head.step_returned()
-        head.logits(torch.ones(1, 1, 64))
+        head.logits(torch.ones(1, 1, 64), sent=True)
         time.sleep(0.002 * index)  # each thread has a little work before its next step
         events.append("ready")
         gate = head.step_sent()
@@ -159,7 +178,7 @@ def test_a_gate_does_not_wait_for_a_session_that_stopped(
 
     def session(index: int) -> bool:
         head.step_returned()
-        head.logits(torch.ones(1, 1, 64))
+        head.logits(torch.ones(1, 1, 64), sent=True)
         if index == 2:
             return True  # its generation ended: it sends nothing more
         gate = head.step_sent()
