@@ -8,9 +8,8 @@ GBP-CR, GCA, the tuning of c and JFFC take (spec: `shared/specs/chain-compositio
 - s_c: one job's KV in one block in whole pages, at the observed mean prompt + output tokens. The paper reserves
   the maximum sequence length (`cache_tokens` plans for that); with paged KV a job holds pages only for its length,
   and each server's headroom rule turns away what does not fit (the client then fails over);
-- tau_p[j]: one job through one block: prompt tokens x the prefill time per token (the largest measured batch's
-  decode step per token, the nearest to a chunk's per-token cost the record carries) + output tokens x the decode
-  step at batch 1;
+- tau_p[j]: one job through one block: prompt tokens x the measured prefill time per token (of a chunk) + output
+  tokens x the decode step at batch 1;
 - tau_c[j]: one job's communication with server j: one round trip per output token plus one for the prompt
   (every step of a job crosses the link), at the measured RTT. The paper counts one RTT + 18 ms per job, which
   fits its relayed setting; ours is what a job's steps actually wait for.
@@ -74,7 +73,10 @@ def decode_step_ms(record: ServerRecord, batch: int = 1) -> float:
 
 
 def prefill_ms_per_token(record: ServerRecord) -> float:
-    """Gives one block's prefill time per prompt token: the largest measured decode batch's time per token."""
+    """Gives one block's prefill time per prompt token: as measured on a prefill chunk, else (a server that does not
+    announce it) the largest measured decode batch's time per token."""
+    if record.block_prefill_ms_per_token is not None:
+        return max(record.block_prefill_ms_per_token, MIN_TIME_MS)
     if not record.block_decode_ms:
         return max(record.block_compute_ms, MIN_TIME_MS)
     largest = max(record.block_decode_ms, key=lambda timing: timing.batch)

@@ -1,5 +1,5 @@
-"""Measured compute speed of hosted blocks: a decode step through one block at batch 1, 8 and 32, measured once per
-setup and cached."""
+"""Measured compute speed of hosted blocks: a decode step through one block at batch 1, 8 and 32, and a prefill
+chunk's time per token, measured once per setup and cached."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 
 DECODE_BATCHES = (1, 8, 32)
 HISTORY_TOKENS = 16  # each measured sequence attends over this much history
+PREFILL_CHUNK_TOKENS = 128  # a prompt chunk as the scheduler cuts them by default (--max-batch-tokens)
 ENGINE = "paged-v1"  # bump when the block implementation changes what a measurement means
 
 
@@ -35,18 +37,41 @@ def _cache_key(blocks: BlockRange, model_id: str) -> str:
     return "|".join(parts)
 
 
-def measure_block_decode_ms(
-    blocks: BlockRange, *, batches: tuple[int, ...] = DECODE_BATCHES, repeats: int = 7
-) -> dict[int, float]:
+@dataclass(frozen=True)
+class BlockSpeed:
+    """One block's measured speed: a decode step by batch size, and a prefill chunk's time per prompt token (ms)."""
+
+    decode_ms: dict[int, float]
+    prefill_ms_per_token: float
+
+
+def measure_block_speed(
+    blocks: BlockRange, *, batches: tuple[int, ...] = DECODE_BATCHES, chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+    repeats: int = 7,
+) -> BlockSpeed:
     """Gives, per batch size, the fastest of `repeats` decode steps (one token per session, short history) through
-    one block, in ms. The minimum, not the median: other processes starting at the same time only ever inflate a
-    sample."""
+    one block, and the fastest prefill of a `chunk_tokens` chunk per token, in ms. The minimum, not the median:
+    other processes starting at the same time only ever inflate a sample."""
     index = blocks.start
-    tokens_per_page = HISTORY_TOKENS + 2
+    tokens_per_page = max(HISTORY_TOKENS + 2, chunk_tokens)
     page_bytes = tokens_per_page * blocks.kv_bytes_per_token()
     pool = PagePool(max(batches) * page_bytes, page_bytes, device=blocks.device)
     kv = blocks.paged_kv(pool.storage, page_bytes)
     generator = torch.Generator().manual_seed(0)
+
+    def fastest(hidden: torch.Tensor, batch: PagedBatch) -> float:
+        blocks(hidden, batch, kv)  # warm-up: first calls pay for allocation and kernel selection
+        samples = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            blocks(hidden, batch, kv)
+            if blocks.device.type == "cuda":
+                torch.cuda.synchronize(blocks.device)
+            samples.append((time.perf_counter() - started) * 1000)
+        return min(samples)
+
+    chunk = PagedBatch((SequenceChunk(0, chunk_tokens, 0, index, index + 1, {index: [0]}),))
+    prefill_ms = fastest(torch.randn(chunk_tokens, blocks.hidden_size, generator=generator), chunk)
     timings: dict[int, float] = {}
     for batch in batches:
         prefill = PagedBatch(tuple(
@@ -57,21 +82,12 @@ def measure_block_decode_ms(
         decode = PagedBatch(tuple(
             SequenceChunk(row, 1, HISTORY_TOKENS, index, index + 1, {index: [row]}) for row in range(batch)
         ))
-        hidden = torch.randn(batch, blocks.hidden_size, generator=generator)
-        blocks(hidden, decode, kv)  # warm-up: first calls pay for allocation and kernel selection
-        samples = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            blocks(hidden, decode, kv)
-            if blocks.device.type == "cuda":
-                torch.cuda.synchronize(blocks.device)
-            samples.append((time.perf_counter() - started) * 1000)
-        timings[batch] = min(samples)
-    return timings
+        timings[batch] = fastest(torch.randn(batch, blocks.hidden_size, generator=generator), decode)
+    return BlockSpeed(timings, prefill_ms / chunk_tokens)
 
 
-def cached_block_decode_ms(blocks: BlockRange, model_id: str, *, path: Path | None = None) -> dict[int, float]:
-    """Gives the measured per-block decode times by batch size, measuring only when this setup has none cached."""
+def cached_block_speed(blocks: BlockRange, model_id: str, *, path: Path | None = None) -> BlockSpeed:
+    """Gives the measured per-block speed, measuring only when this setup has none cached."""
     path = path or cache_root() / "block_compute_ms.json"
     key = _cache_key(blocks, model_id)
     try:
@@ -79,14 +95,18 @@ def cached_block_decode_ms(blocks: BlockRange, model_id: str, *, path: Path | No
     except (OSError, ValueError):
         cached = {}
     entry = cached.get(key)
-    if isinstance(entry, dict) and all(isinstance(entry.get(str(b)), int | float) for b in DECODE_BATCHES):
-        return {batch: float(entry[str(batch)]) for batch in DECODE_BATCHES}
-    timings = measure_block_decode_ms(blocks)
-    cached[key] = {str(batch): ms for batch, ms in timings.items()}
+    if isinstance(entry, dict) and all(isinstance(entry.get(name), int | float)
+                                       for name in (*map(str, DECODE_BATCHES), "prefill_per_token")):
+        return BlockSpeed({batch: float(entry[str(batch)]) for batch in DECODE_BATCHES},
+                          float(entry["prefill_per_token"]))
+    speed = measure_block_speed(blocks)
+    cached[key] = {**{str(batch): ms for batch, ms in speed.decode_ms.items()},
+                   "prefill_per_token": speed.prefill_ms_per_token}
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f"{path.name}.{os.getpid()}")
     staging.write_text(json.dumps(cached, indent=1, sort_keys=True))
     staging.replace(path)
-    log.info("Measured a block's decode step: %s (%s)",
-             ", ".join(f"{ms:.2f} ms at batch {batch}" for batch, ms in timings.items()), key)
-    return timings
+    log.info("Measured a block: %s, prefill %.3f ms per token (%s)",
+             ", ".join(f"{ms:.2f} ms at batch {batch}" for batch, ms in speed.decode_ms.items()),
+             speed.prefill_ms_per_token, key)
+    return speed

@@ -1,8 +1,10 @@
 """Emulated GPU servers, for experiments with many GPU servers on one machine (`swarm-server --emulate-gpu`).
 
 A CPU cannot play nine GPUs. An emulated server computes the real tensors of its blocks (a tiny model, so that costs
-little) and then holds each batch until the profile's time for it has passed; its pool is the profile's memory in
-the reference model's geometry, scaled down to the served model. Never the default; its record says it is emulated.
+little) and holds each batch, block by block, until the profile's time for the blocks done has passed (so steps
+still join a batch between two blocks, as on the real engine, and pay for the blocks they catch up through); its
+pool is the profile's memory in the reference model's geometry, scaled down to the served model. Never the default;
+its record says it is emulated.
 
 Profile: per block of the reference model (LLaMA-2-7B, fp16: 0.404 GB of parameters, 16 KiB of KV per token),
 - `prefill_ms_per_token`: a prompt token through one block;
@@ -50,18 +52,19 @@ class GpuProfile:
         """Gives a decode step of `rows` sessions through one block."""
         return self.decode_ms_base + self.decode_ms_per_row * rows
 
+    def block_ms(self, batch: PagedBatch, block: int) -> float:
+        """Gives the time the profile's GPU takes for `batch` through `block`: its decode rows' step there and its
+        prefill tokens (chunks that do not pass through `block` cost nothing)."""
+        through = [chunk for chunk in batch.chunks if chunk.block_start <= block < chunk.block_end]
+        decode_rows = sum(1 for chunk in through if chunk.tokens == 1)
+        prefill_tokens = sum(chunk.tokens for chunk in through if chunk.tokens > 1)
+        return (self.decode_ms(decode_rows) if decode_rows else 0.0) + prefill_tokens * self.prefill_ms_per_token
+
     def batch_ms(self, batch: PagedBatch) -> float:
-        """Gives the time the profile's GPU takes for `batch`: per block, its decode rows' step and its prefill
-        tokens."""
+        """Gives the time the profile's GPU takes for `batch` through all its blocks."""
         first = min(chunk.block_start for chunk in batch.chunks)
         end = max(chunk.block_end for chunk in batch.chunks)
-        total = 0.0
-        for block in range(first, end):
-            through = [chunk for chunk in batch.chunks if chunk.block_start <= block < chunk.block_end]
-            decode_rows = sum(1 for chunk in through if chunk.tokens == 1)
-            prefill_tokens = sum(chunk.tokens for chunk in through if chunk.tokens > 1)
-            total += (self.decode_ms(decode_rows) if decode_rows else 0.0) + prefill_tokens * self.prefill_ms_per_token
-        return total
+        return sum(self.block_ms(batch, block) for block in range(first, end))
 
     def scale(self, kv_bytes_per_token: int) -> float:
         """Gives k: the served model's KV per token over the reference's."""

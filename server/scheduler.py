@@ -71,12 +71,12 @@ class StepScheduler:
         inline_step_ms: float,
         block_compute_ms: float,
         on_steps_done: Callable[[list[Step]], None],
-        hold_ms: Callable[[PagedBatch], float] | None = None,
+        hold_ms: Callable[[PagedBatch, int], float] | None = None,
     ) -> None:
         """`on_steps_done(steps)` runs once the steps a batch completed are committed, before their results are set
-        (the server pushes them on, those bound for one next server together). `hold_ms(batch)`, if given, is how
-        long a batch must take: an emulated GPU server's profile (`server.emulated_gpu`); the compute thread waits out
-        what the real computation left of it."""
+        (the server pushes them on, those bound for one next server together). `hold_ms(batch, block)`, if given, is
+        how long a batch must take through one block: an emulated GPU server's profile (`server.emulated_gpu`); after
+        each block the compute thread waits out what the real computation left of the blocks done so far."""
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
         self.blocks, self.kv, self.sessions = blocks, kv, sessions
@@ -325,6 +325,7 @@ class StepScheduler:
         two blocks it takes in the steps that `running` collected meanwhile."""
         started = time.perf_counter()
         forward_pass = ForwardPass(self.blocks, self.kv, hidden, batch)
+        held_ms = 0.0  # an emulated GPU's time for the blocks done so far
         while True:
             if running is not None:
                 with running.lock:
@@ -335,19 +336,25 @@ class StepScheduler:
                     with running.lock:
                         running.joining.extend(joining)
                 elif joining:  # every step that came since the last block catches up in one pass, then joins
-                    forward_pass.join(*_merged([(rows, chunks) for _, _, rows, chunks in joining]))
+                    rows, chunks = _merged([(rows, chunks) for _, _, rows, chunks in joining])
+                    if self.hold_ms is not None:
+                        held_ms += sum(self.hold_ms(chunks, block)
+                                       for block in range(forward_pass.first_block, forward_pass.next_block))
+                    forward_pass.join(rows, chunks)
                     running.items.extend((step, take) for step, take, _, _ in joining)
                 running.blocks_done = forward_pass.next_block - forward_pass.first_block
             if forward_pass.done:
                 break
+            block = forward_pass.next_block
             forward_pass.advance()
+            if self.hold_ms is not None:
+                held_ms += self.hold_ms(forward_pass.batch, block)
+                remaining_s = held_ms / 1000 - (time.perf_counter() - started)
+                if remaining_s > 0:
+                    time.sleep(remaining_s)
         output = forward_pass.hidden
         if output.device.type == "cuda":
             torch.cuda.synchronize(output.device)
-        if self.hold_ms is not None:
-            remaining_s = self.hold_ms(forward_pass.batch) / 1000 - (time.perf_counter() - started)
-            if remaining_s > 0:
-                time.sleep(remaining_s)
         return output, (time.perf_counter() - started) * 1000
 
     def _computes_inline(self, batch: list[tuple[Step, int]]) -> bool:

@@ -14,7 +14,7 @@ import hivemind
 import torch
 
 from orchestrator.block_selection import HostedSpan, better_start, blocks_that_fit, choose_start
-from server.compute import DECODE_BATCHES, cached_block_decode_ms
+from server.compute import DECODE_BATCHES, BlockSpeed, cached_block_speed
 from server.config import ServerConfig
 from server.emulated_gpu import load_profile
 from server.hosting import Hosting
@@ -121,16 +121,18 @@ class SwarmServer:
         )
         self.block_bytes = max(probe.block_bytes(probe.start), min_block_pages * config.page_bytes)
         if self.gpu_profile is not None:  # announced as the profile's, never measured
-            self.block_decode_ms = {batch: self.gpu_profile.decode_ms(batch) for batch in DECODE_BATCHES}
+            speed = BlockSpeed({batch: self.gpu_profile.decode_ms(batch) for batch in DECODE_BATCHES},
+                               self.gpu_profile.prefill_ms_per_token)
         else:
-            self.block_decode_ms = cached_block_decode_ms(probe, self.source.model_id)
+            speed = cached_block_speed(probe, self.source.model_id)
+        self.block_decode_ms, self.block_prefill_ms_per_token = speed.decode_ms, speed.prefill_ms_per_token
         del probe
         self.max_batch_tokens = config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(self.device.type, 128)
         self.scheduler = StepScheduler(
             self.blocks, self.kv, self.sessions, max_batch_tokens=self.max_batch_tokens,
             # an emulated server holds each batch on the compute thread: never on the event loop
             inline_step_ms=0 if self.gpu_profile else config.inline_step_ms, block_compute_ms=self.block_decode_ms[1],
-            on_steps_done=self._push_on, hold_ms=self.gpu_profile.batch_ms if self.gpu_profile else None,
+            on_steps_done=self._push_on, hold_ms=self.gpu_profile.block_ms if self.gpu_profile else None,
         )
         self.state = ServerState.joining
         self.ready = asyncio.Event()  # set once the server serves its first blocks
@@ -167,6 +169,7 @@ class SwarmServer:
             block_bytes=self.block_bytes,
             block_compute_ms=self.scheduler.block_compute_ms,
             block_decode_ms=[BatchTiming(batch=batch, ms=ms) for batch, ms in sorted(self.block_decode_ms.items())],
+            block_prefill_ms_per_token=self.block_prefill_ms_per_token,
             network_mbps=self.network_mbps,
             session_count=len(self.sessions),
             max_length=self.config.max_length,

@@ -79,6 +79,10 @@ class ServerRecord(BaseModel):
         default_factory=list, max_length=MAX_BATCH_TIMINGS,
         description="measured time of one block for a decode step of `batch` sessions, by batch size",
     )
+    block_prefill_ms_per_token: float | None = Field(
+        default=None, ge=0, allow_inf_nan=False,
+        description="measured time of one block per prompt token in a prefill chunk (None: not measured)",
+    )
     network_mbps: float | None = Field(ge=0, allow_inf_nan=False, description="measured inbound throughput")
     session_count: int = Field(ge=0)
     max_length: int = Field(gt=0)

@@ -31,6 +31,8 @@ def test_profiles_give_per_block_times_and_memory_in_the_served_models_scale(tmp
     # blocks 0-1: one decode row and 16 prefill tokens; blocks 2-3: two decode rows
     expected = 2 * (fast.decode_ms(1) + 16 * fast.prefill_ms_per_token) + 2 * fast.decode_ms(2)
     assert fast.batch_ms(batch) == pytest.approx(expected)
+    assert fast.block_ms(batch, 1) == pytest.approx(fast.decode_ms(1) + 16 * fast.prefill_ms_per_token)
+    assert fast.block_ms(batch, 3) == pytest.approx(fast.decode_ms(2)) and fast.block_ms(batch, 4) == 0
     custom = tmp_path / "tiny-gpu.json"
     custom.write_text(json.dumps({"memory_gb": 1, "prefill_ms_per_token": 0.5, "decode_ms_base": 2,
                                   "decode_ms_per_row": 0.25}))
@@ -47,6 +49,7 @@ def test_an_emulated_server_holds_its_batches_for_the_profiles_time(tiny_llama: 
     server = SwarmServer(config)
     profile = server.gpu_profile
     assert profile is not None and server.block_decode_ms == {1: 25.0, 8: 60.0, 32: 180.0}
+    assert server.block_prefill_ms_per_token == 1.0  # announced as the profile's
     kv_bytes = server.blocks.kv_bytes_per_token()
     assert server.pool.pages_total == profile.pool_bytes(kv_bytes) // 4096
     block_pages = len(server.pool.pages_of(ParamsOwner(0)))

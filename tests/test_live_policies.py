@@ -47,6 +47,10 @@ def test_records_become_the_policy_model_in_whole_pages_and_per_job_times() -> N
     assert a.tau_p_ms == pytest.approx(100 * 4.0 / 8 + 28 * 1.0)
     assert a.tau_c_ms == pytest.approx(29 * 5.0)
     assert b.tau_c_ms == pytest.approx(29 * 5.0)  # never measured: the largest RTT measured
+    # a server that announces its measured prefill chunk's time per token: that, not the decode proxy
+    measured = record("a", decode_ms=1.0).model_copy(update={"block_prefill_ms_per_token": 0.05})
+    (a,) = swarm_model({"a": measured}, {"a": 5.0}, jobs, 32).servers
+    assert a.tau_p_ms == pytest.approx(100 * 0.05 + 28 * 1.0)
 
 
 def test_roles_go_to_the_servers_of_a_kind_that_keep_most_blocks() -> None:
