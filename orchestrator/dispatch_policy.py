@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from orchestrator.swarm_model import Chain, Placement, SwarmModel
 
@@ -62,6 +62,20 @@ class DispatchPolicy(Protocol):
 
     def complete(self, job: int, now_ms: float) -> list[Start]:
         """Gives the jobs that start because `job` finished and freed its slots."""
+        ...
+
+
+@runtime_checkable
+class Waking(Protocol):
+    """A policy that also acts at times of its own (a client retrying after a backoff): the simulator calls `wake`
+    at `next_wake_ms()` unless an arrival or a completion comes first."""
+
+    def next_wake_ms(self) -> float | None:
+        """Gives when the policy wants to act next, None for never (until the next arrival or completion)."""
+        ...
+
+    def wake(self, now_ms: float) -> list[Start]:
+        """Gives the jobs that start at `now_ms`, the time `next_wake_ms` gave."""
         ...
 
 

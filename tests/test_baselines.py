@@ -15,12 +15,18 @@ from orchestrator.baselines.helix import helix
 from orchestrator.baselines.load_balancing import DedicatedQueues
 from orchestrator.baselines.parallax import greedy_pipelines, parallax, parallax_layout, water_fill
 from orchestrator.baselines.path_routing import PlacementGraph
-from orchestrator.baselines.petals import PetalsRouting, choose_best_start, petals_link_estimate_ms, petals_placement
+from orchestrator.baselines.petals import (
+    PetalsRetry,
+    PetalsRouting,
+    choose_best_start,
+    petals_link_estimate_ms,
+    petals_placement,
+)
 from orchestrator.dispatch_policy import NoFeasiblePlan
 from orchestrator.sim.engine import simulate
 from orchestrator.sim.methods import POLICIES, build_policy
 from orchestrator.sim.presets import paper_swarm, synthetic_rtt
-from orchestrator.sim.workload import poisson_workload
+from orchestrator.sim.workload import Workload, poisson_workload
 from orchestrator.swarm_model import Chain, ModelSpec, Placement, ServerSpec, SwarmModel
 
 
@@ -101,6 +107,18 @@ def test_petals_routes_by_its_own_estimate_rtt_half_plus_overhead():
     assert policy.graph.shortest_path(policy.base_cost)[0] == ("y1", "y2")  # what the true costs would pick
     policy.slots_free["x"] = 1  # x cannot hold the 2 slots the job needs now: the 10 s penalty moves it
     assert policy.choose(1, 0.0).servers == ("y1", "y2")
+
+
+def test_petals_retry_backs_off_and_takes_freed_slots_only_when_it_asks_again():
+    """As Petals' client: no room on the route, hold nothing, route again after 0.5 s, 1 s, 2 s, ..."""
+    swarm = SwarmModel(ModelSpec(1, 1.0, 1.0), (ServerSpec("one", 2.0, 0.0, 1000.0),))  # 1 slot; a job takes 1 s
+    policy = PetalsRetry(swarm, Placement({"one": (1, 1)}), backoff_ms=500.0, max_backoff_ms=8000.0)
+    workload = Workload(np.zeros(3), np.ones(3), "three jobs at once")
+    result = simulate(policy, workload, swarm)
+    # job 0 runs 0-1000; job 1 finds no room at 0 and 500, takes the slot at 1500 (not at 1000, when it freed);
+    # job 2 also tries at 500 and 1500 (job 1 was first), then 2 s later at 3500 (job 1 ended at 2500)
+    assert result.start_ms.tolist() == [0.0, 1500.0, 3500.0]
+    assert policy.waiting == 0
 
 
 def test_cgbp_fills_under_served_blocks_before_balancing():

@@ -17,22 +17,29 @@ the true tau_c[j] per hop (the orchestrator relays), so Petals' estimate underco
 would in that setting. The request waits on its path until its servers have room (`PathPolicy`). Idealizations in
 PETALS' favour: the router sees the true free slots at once (Petals reads them from DHT records that lag) and asks
 for m_ij slots (Petals checks the server's whole span). Petals' periodic rebalancing of servers is not modelled.
+
+"petals-retry" routes the same way but waits as Petals' client (and ours) does, not on its path: a request whose
+route has a server without room holds nothing and tries again after an exponential backoff (first `backoff_ms`,
+doubling up to `max_backoff_ms`), routing afresh each time; a slot that frees goes to whoever asks first, not to
+the oldest request. This is the PETALS that `benchmarks/table1.py` runs live.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
 
 from orchestrator.baselines.path_routing import PathPolicy
-from orchestrator.dispatch_policy import NoFeasiblePlan, Route
+from orchestrator.dispatch_policy import NoFeasiblePlan, Route, Start
 from orchestrator.placement import blocks_for_capacity
 from orchestrator.swarm_model import Placement, SwarmModel
 
 PETALS_CACHE_JOBS = 2  # attn_cache_tokens 4096 / max sequence 2048 (BLOOM has no grouped-query attention)
 PETALS_ALLOC_PENALTY_MS = 10_000.0
 PETALS_OVERHEAD_MS = 18.0  # Petals' overhead_delay (serialization), also the 18 ms in tau_c = RTT + 18 ms
+RETRY_BACKOFF_MS, RETRY_MAX_BACKOFF_MS = 500.0, 8000.0  # the client's backoff (benchmarks/table1_client.py)
 
 
 def petals_server_throughput(tau_c_ms: float, tau_p_ms: float, blocks: int) -> float:
@@ -110,6 +117,66 @@ class PetalsRouting(PathPolicy):
         return self.graph.route(found[0])
 
 
+class PetalsRetry(PetalsRouting):
+    """PETALS whose requests wait as its clients do: a request that finds no room on its route holds nothing and
+    routes again after an exponential backoff (a `Waking` policy)."""
+
+    name = "petals-retry"
+
+    def __init__(
+        self, swarm: SwarmModel, placement: Placement, backoff_ms: float = RETRY_BACKOFF_MS,
+        max_backoff_ms: float = RETRY_MAX_BACKOFF_MS,
+    ) -> None:
+        if not 0 < backoff_ms <= max_backoff_ms:
+            raise ValueError(f"backoff must satisfy 0 < first ({backoff_ms}) <= max ({max_backoff_ms})")
+        super().__init__(swarm, placement)
+        self.backoff_ms, self.max_backoff_ms = backoff_ms, max_backoff_ms
+        self._retries: list[tuple[float, int, int]] = []  # (when, job, attempts so far)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._retries)
+
+    def arrive(self, job: int, now_ms: float) -> list[Start]:
+        return self._attempt(job, 0, now_ms)
+
+    def complete(self, job: int, now_ms: float) -> list[Start]:
+        route = self._running.pop(job)
+        for name, count in zip(route.servers, route.blocks_per_server, strict=True):
+            self.slots_free[name] += count
+        self.finished(job, route, now_ms)
+        return []  # nobody is handed the freed slots: the next request to try takes them
+
+    def next_wake_ms(self) -> float | None:
+        return self._retries[0][0] if self._retries else None
+
+    def wake(self, now_ms: float) -> list[Start]:
+        starts: list[Start] = []
+        while self._retries and self._retries[0][0] <= now_ms:
+            _, job, attempts = heapq.heappop(self._retries)
+            starts += self._attempt(job, attempts, now_ms)
+        return starts
+
+    def _attempt(self, job: int, attempts: int, now_ms: float) -> list[Start]:
+        route = self.choose(job, now_ms)
+        if any(self.slots_free[name] < count for name, count in zip(route.servers, route.blocks_per_server,
+                                                                       strict=True)):
+            delay_ms = min(self.max_backoff_ms, self.backoff_ms * 2**attempts)
+            heapq.heappush(self._retries, (now_ms + delay_ms, job, attempts + 1))
+            return []
+        for name, count in zip(route.servers, route.blocks_per_server, strict=True):
+            self.slots_free[name] -= count
+        self._running[job] = route
+        self.started(job, route, now_ms)
+        return [Start(job, route)]
+
+
 def petals(swarm: SwarmModel, rng: np.random.Generator) -> PetalsRouting:
     """Gives the PETALS baseline: random join order placement and min-latency routing."""
     return PetalsRouting(swarm, petals_placement(swarm, rng))
+
+
+def petals_retry(swarm: SwarmModel, rng: np.random.Generator, backoff_ms: float = RETRY_BACKOFF_MS,
+                 max_backoff_ms: float = RETRY_MAX_BACKOFF_MS) -> PetalsRetry:
+    """Gives PETALS with its clients' retries: the same placement, requests back off and route again."""
+    return PetalsRetry(swarm, petals_placement(swarm, rng), backoff_ms, max_backoff_ms)

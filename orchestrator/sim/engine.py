@@ -1,8 +1,9 @@
 """The discrete-event engine: drives a `DispatchPolicy` through a workload and times every job.
 
-Events are arrivals (from the workload, in order) and completions (a heap keyed by time, then by start order), so a
-run is a pure function of the policy, the workload and the seed that made them. At equal times completions go
-first: a job that ends at t frees its slots for a job arriving at t. The engine checks every start: the job has
+Events are arrivals (from the workload, in order), completions (a heap keyed by time, then by start order) and the
+wake-ups a `Waking` policy asks for, so a run is a pure function of the policy, the workload and the seed that made
+them. At equal times completions go first (a job that ends at t frees its slots for a job arriving at t), then
+wake-ups, then arrivals. The engine checks every start: the job has
 arrived and not started before, its route covers blocks 1..L in order on the policy's placement and takes the time
 its hops take, a route that names a fixed chain is that chain's route, no server holds more cache slots than it has,
 and no fixed chain runs more jobs than its capacity.
@@ -16,7 +17,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchestrator.dispatch_policy import DispatchPolicy, Route, Start, hop_blocks, path_service_time_ms, server_slots
+from orchestrator.dispatch_policy import (
+    DispatchPolicy,
+    Route,
+    Start,
+    Waking,
+    hop_blocks,
+    path_service_time_ms,
+    server_slots,
+)
 from orchestrator.sim.metrics import RunResult
 from orchestrator.sim.workload import Workload
 from orchestrator.swarm_model import SwarmModel
@@ -73,15 +82,24 @@ def simulate(policy: DispatchPolicy, workload: Workload, swarm: SwarmModel, *, w
             heapq.heappush(completions, (float(end[job]), order, job))
             order += 1
 
+    waking = policy if isinstance(policy, Waking) else None
     next_arrival = 0
-    while next_arrival < jobs or completions:
-        if completions and (next_arrival >= jobs or completions[0][0] <= arrivals[next_arrival]):
+    while True:
+        arrival = float(arrivals[next_arrival]) if next_arrival < jobs else math.inf
+        completion = completions[0][0] if completions else math.inf
+        wake = waking.next_wake_ms() if waking is not None else None
+        wake = math.inf if wake is None else wake
+        if min(arrival, completion, wake) == math.inf:
+            break
+        if completion <= min(arrival, wake):
             now, _, job = heapq.heappop(completions)
             _release(ledger, routes.pop(job))
             begin(policy.complete(job, now), now)
+        elif wake <= arrival:
+            assert waking is not None
+            begin(waking.wake(wake), wake)
         else:
-            now = float(arrivals[next_arrival])
-            begin(policy.arrive(next_arrival, now), now)
+            begin(policy.arrive(next_arrival, arrival), arrival)
             next_arrival += 1
     if np.isnan(start).any():
         stuck = int(np.isnan(start).sum())

@@ -22,17 +22,18 @@ from orchestrator.baselines.helix import helix
 from orchestrator.baselines.jffc import jffc_only
 from orchestrator.baselines.load_balancing import RULES, DedicatedQueues
 from orchestrator.baselines.parallax import parallax
-from orchestrator.baselines.petals import petals
+from orchestrator.baselines.petals import petals, petals_retry
 from orchestrator.dispatch import JFFCPolicy
 from orchestrator.dispatch_policy import DispatchPolicy, NoFeasiblePlan
 from orchestrator.swarm_model import Chain, Placement, SwarmModel
 from orchestrator.tuning import TuningMethod, plan_for_capacity, tune_capacity
 
 BASELINES = ("petals", "bprr", "parallax", "helix", "jffc-only")
+CLIENT_MODELS = ("petals-retry",)  # a baseline as the live clients run it (not in the paper's figures)
 PROPOSED = ("proposed", "proposed-spare", "proposed-spare-lb")  # paper-exact Alg. 1; spare chains (two tunings)
 SPARE_TUNING: dict[str, TuningMethod] = {"proposed-spare": "overflow", "proposed-spare-lb": "lower_bound"}
 LOAD_BALANCERS = ("jffc", *RULES)
-POLICIES = (*PROPOSED, *BASELINES, *LOAD_BALANCERS)
+POLICIES = (*PROPOSED, *BASELINES, *CLIENT_MODELS, *LOAD_BALANCERS)
 FIG8_POLICIES = (*BASELINES, "proposed", "proposed-spare")
 POLICY_STREAM = 33  # the seed stream of a policy's own randomness (PETALS' join order, JSQ ties, ...)
 
@@ -89,6 +90,8 @@ def build_policy(
         return DedicatedQueues(plan.chains, plan.placement, name, rng)
     if name == "petals":
         return petals(swarm, rng)
+    if name == "petals-retry":
+        return petals_retry(swarm, rng)
     if name == "bprr":
         return bprr(swarm, arrival_rate_per_ms)
     if name == "parallax":
