@@ -59,8 +59,8 @@ from netem.network import EmulatedNetwork
 from netem.topology import Topology
 from orchestrator.live_model import JobSizes
 from orchestrator.sim.runner import run_policy
-from orchestrator.sim.workload import load_azure_trace, trace_workload
-from orchestrator.swarm_model import ModelSpec, ServerSpec, SwarmModel, per_ms
+from orchestrator.sim.workload import Workload, load_azure_trace
+from orchestrator.swarm_model import ModelSpec, ServerSpec, SwarmModel
 from server.emulated_gpu import PROFILES
 from swarm.local_swarm import SwarmProcesses
 from swarm.memory import kv_pages_for
@@ -77,6 +77,8 @@ PAGE_BYTES = 64 << 10
 KV_BYTES_PER_TOKEN = 2 * 2 * 16 * 4  # the tiny model: 2 KV heads x 16, keys and values, float32
 MAX_SEQUENCE = 2048  # the paper reserves KV for this many tokens per job (static allocation, as Petals does)
 REFERENCE_BLOCK_GB, REFERENCE_KV_GB_PER_TOKEN = 0.404, 2 * 32 * 128 * 2 / 1e9  # LLaMA-2-7B, fp16
+# swarm-sim's policy for each method: PETALS as the live clients wait (back off and route again, not queued on a path)
+SIM_POLICY = {"petals": "petals-retry"}
 PETALS_CACHE_JOBS = 2  # Petals' attention cache: 2 sessions of the maximum length (as swarm-sim's PETALS)
 # Every server reserves KV for a session's whole max_length as it opens (a headroom of --max-length tokens: a
 # session's expected pages are those of min(max_length, position + 8192)), as the paper's and Petals' servers do.
@@ -166,15 +168,18 @@ def run_method(method: str, args: argparse.Namespace, topology: Topology, model:
             procs = [server(host, "--orchestrator", orchestrator.peer_id, wait=False) for host in SERVERS]
             for proc in procs:
                 swarm.wait_for_line(proc, "started peer_id=")
+            # up once the plan covers every block with chains and stays the same over two looks (the plan may
+            # leave servers without blocks: Alg. 1 stops once its chains carry the load)
             deadline = time.monotonic() + 300
-            state = None
+            state, previous = None, None
             while time.monotonic() < deadline:
                 state = plan_state(network, model, swarm.initial_peers, workdir / "plan.json")
                 covered = {b for start, end in (state or {}).get("blocks", {}).values() for b in range(start, end)}
-                if state and len(state["blocks"]) == len(SERVERS) and covered == set(range(NUM_BLOCKS)) \
-                        and state["chains"]:
+                if state and covered == set(range(NUM_BLOCKS)) and state["chains"] and previous \
+                        and (state["blocks"], state["c"]) == (previous["blocks"], previous["c"]):
                     break
-                time.sleep(3)
+                previous = state
+                time.sleep(6)  # more than the orchestrator's refresh period: a look sees each refresh
             if state:
                 note = (f"c={state['c']}, {len(state['chains'])} chains, capacities "
                         f"{[chain['capacity'] for chain in state['chains']]}")
@@ -183,7 +188,8 @@ def run_method(method: str, args: argparse.Namespace, topology: Topology, model:
         client = network.spawn(
             "client", [sys.executable, str(REPO / "benchmarks" / "table1_client.py"), "--model", str(model),
                        "--initial-peers", *swarm.initial_peers, "--requests", str(requests_path), "--out", str(out),
-                       "--orchestrator", "none" if method == "petals" else "auto"],
+                       "--orchestrator", "none" if method == "petals" else "auto", "--dilation", str(args.dilation),
+                       "--servers-out", str(workdir / "servers.json")],
             name="client", log_dir=workdir, env={"OMP_WAIT_POLICY": "PASSIVE"},
         )
         try:
@@ -195,6 +201,9 @@ def run_method(method: str, args: argparse.Namespace, topology: Topology, model:
             final = plan_state(network, model, swarm.initial_peers, workdir / "plan-final.json")
             if final:
                 note += f"; dispatched {final['dispatched']}, arrival rate seen {final['arrival_rate']:.2f}/s"
+    servers_path = workdir / "servers.json"
+    if servers_path.is_file():
+        note += "; " + server_summary(json.loads(servers_path.read_text()), args.dilation)
     records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     done = [r for r in records if "ended_s" in r]
     scale = 1 / args.dilation  # back to emulated seconds
@@ -203,6 +212,20 @@ def run_method(method: str, args: argparse.Namespace, topology: Topology, model:
         [(r["started_s"] - r["arrival_s"]) * scale for r in done],
         [(r["ended_s"] - r["started_s"]) * scale for r in done], len(requests) - len(done), note,
     )
+
+
+def server_summary(stats: dict[str, dict], dilation: float) -> str:
+    """Gives, per server that computed, its batches, their mean time and a decode step's mean latency alone and
+    beside a prefill chunk (emulated ms), and how many steps joined a computing batch."""
+    parts = []
+    for peer_id, batches in sorted(stats.items(), key=lambda item: -item[1].get("batches", 0)):
+        if not batches.get("batches"):
+            continue
+        alone, beside = (batches["decode_step_ms"][kind]["mean_ms"] / dilation for kind in ("alone", "beside_prefill"))
+        batch_ms = batches["compute_ms"] / batches["batches"] / dilation
+        parts.append(f"..{peer_id[-4:]}: {batches['batches']} batches of {batch_ms:.0f} ms, decode {alone:.0f} / "
+                     f"{beside:.0f} ms alone / beside prefill, {batches['joined']} joined")
+    return "servers " + ", ".join(parts)
 
 
 def petals_memory_gb(host: str) -> float:
@@ -236,19 +259,29 @@ def sim_model(topology: Topology, jobs: JobSizes, *, petals: bool = False) -> Sw
         profile = PROFILES[PROFILE_OF[host]]
         memory_gb = petals_memory_gb(host) if petals else profile.memory_gb
         pages = int(memory_gb * 1e9 * profile.scale(KV_BYTES_PER_TOKEN)) // PAGE_BYTES
-        tau_p = jobs.prompt_tokens * profile.decode_ms(32) / 32 + jobs.output_tokens * profile.decode_ms(1)
+        tau_p = jobs.prompt_tokens * profile.prefill_ms_per_token + jobs.output_tokens * profile.decode_ms(1)
         tau_c = (jobs.output_tokens + 1) * topology.rtt("client", host)
         servers.append(ServerSpec(host, pages * PAGE_BYTES / 1e9, tau_c, tau_p))
     return SwarmModel(ModelSpec(NUM_BLOCKS, block_pages * PAGE_BYTES / 1e9, job_pages * PAGE_BYTES / 1e9),
                       tuple(servers))
 
 
-def simulate(method: str, model: SwarmModel, args: argparse.Namespace) -> float:
-    """Gives swarm-sim's mean response (s) for `method` on the same trace prefix and rate."""
-    trace = load_azure_trace(TRACE)
-    workload = trace_workload(trace, jobs=args.requests, rate_per_ms=per_ms(args.rate), sizes="trace",
-                              rng=np.random.default_rng(args.seed))
-    result = run_policy(method, model, workload, per_ms(args.rate), 0.7, args.seed, warmup_jobs=0)
+def sim_workload(requests: list[dict], topology: Topology) -> Workload:
+    """Gives the replayed requests as swarm-sim's workload, in emulated time: their arrivals, and sizes (mean 1) in
+    proportion to each job's time on a fast server at the mean client RTT (its prompt's prefill, then a decode step
+    and a round trip per output token), the per-job times `sim_model` builds the chains' service times from."""
+    profile = PROFILES["a100-3g.40gb"]
+    rtt_ms = statistics.mean(topology.rtt("client", host) for host in SERVERS)
+    work = np.array([NUM_BLOCKS * (r["prompt_tokens"] * profile.prefill_ms_per_token + r["output_tokens"]
+                                   * profile.decode_ms(1)) + (r["output_tokens"] + 1) * rtt_ms for r in requests])
+    arrivals = np.array([r["at_s"] * 1000 for r in requests])
+    return Workload(arrivals - arrivals[0], work / work.mean(), f"{len(requests)} replayed requests")
+
+
+def simulate(method: str, model: SwarmModel, workload: Workload, seed: int) -> float:
+    """Gives swarm-sim's mean response (s) for `method` on the replayed requests."""
+    rate_per_ms = (len(workload.arrivals_ms) - 1) / float(workload.arrivals_ms[-1])
+    result = run_policy(method, model, workload, rate_per_ms, 0.7, seed, warmup_jobs=0)
     if isinstance(result, Exception):
         return math.nan
     return float(np.mean(result.end_ms - result.arrivals_ms)) / 1000
@@ -280,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{jobs.prompt_tokens:.0f}, mean output {jobs.output_tokens:.1f} tokens (trace / {args.output_scale}); "
           f"time dilation {args.dilation:g} (times below are in emulated seconds)")
     model_spec, petals_spec = sim_model(topology, jobs), sim_model(topology, jobs, petals=True)
+    workload = sim_workload(trace_requests(args.requests, args.rate, args.output_scale), topology)
     measured: dict[str, Measured] = {}
     for method in args.methods.split(","):
         measured[method] = run_method(method, args, dilated, model, requests, workdir / method)
@@ -287,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
           "paper response mean / P99 s | swarm-sim mean s | sim / measured |")
     print("|---|---|---|---|---|---|---|---|")
     for method, row in measured.items():
-        sim_mean = simulate(method, petals_spec if method == "petals" else model_spec, args)
+        spec = petals_spec if method == "petals" else model_spec
+        sim_mean = simulate(SIM_POLICY.get(method, method), spec, workload, args.seed)
         mean = statistics.mean(row.response_s) if row.response_s else math.nan
         paper = PAPER.get(method)
         response = row.response_s
@@ -299,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     for method, row in measured.items():
         if row.note:
             print(f"{method}: {row.note}")
+    if "petals" in measured:
+        print(f"swarm-sim's petals-retry models the live clients; its paper PETALS, where a request waits on its path "
+              f"holding the slots it got, predicts {simulate('petals', petals_spec, workload, args.seed):.2f} s")
     if "proposed" in measured and "petals" in measured:
         proposed, petals = measured["proposed"], measured["petals"]
         mean_ratio = statistics.mean(proposed.response_s) / statistics.mean(petals.response_s)

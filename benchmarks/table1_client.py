@@ -1,13 +1,14 @@
 """The client side of `benchmarks/table1.py`: replays a request list against a swarm, one thread per request.
 
     python benchmarks/table1_client.py --model PATH --initial-peers MADDR... --requests REQ.json --out OUT.jsonl
-        [--orchestrator auto|none]
+        [--orchestrator auto|none] [--dilation F]
 
 Each request `{id, at_s, prompt_tokens, output_tokens}` starts `at_s` after the replay starts: it opens a session
 (through the orchestrator's JFFC queue, or by routing over DHT records with Petals' retry and exponential backoff
-while no server has room) and generates exactly `output_tokens` greedy tokens. One JSON line per request:
-`{id, arrival_s, started_s, ended_s, failovers, route, error}`: waiting = started - arrival, service = ended -
-started. Prints `ready` once connected and `done` at the end.
+while no server has room, its delays stretched by the run's time dilation) and generates exactly `output_tokens`
+greedy tokens. One JSON line per request: `{id, arrival_s, started_s, ended_s, failovers, route, error}`: waiting =
+started - arrival, service = ended - started. With `--servers-out`, each server's batch statistics at the end.
+Prints `ready` once connected and `done` at the end.
 """
 
 from __future__ import annotations
@@ -24,20 +25,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client import ClientConfig, DistributedModelForCausalLM
-from swarm.errors import NoRouteFound, ServerBusy
+from client.swarm_client import SwarmClient
+from swarm.errors import NoRouteFound, ServerBusy, SwarmError
 
 START_DELAY_S = 2.0
 MAX_WAIT_S = 1200.0  # a request that found no room this long is recorded as an error (no run hangs on one)
-BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 8.0  # Petals' client retries a full swarm with exponential backoff
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 8.0  # Petals' client retries a full swarm with exponential backoff (emulated s)
 
 
-def serve_request(model: DistributedModelForCausalLM, request: dict, started_at: float, out, lock) -> None:
+def serve_request(model: DistributedModelForCausalLM, request: dict, started_at: float, out, lock,
+                  dilation: float) -> None:
     arrival_s = time.perf_counter() - started_at
     prompt, output = int(request["prompt_tokens"]), int(request["output_tokens"])
     input_ids = torch.randint(3, model.config.vocab_size, (1, prompt),
                               generator=torch.Generator().manual_seed(int(request["id"])))
     record: dict = {"id": request["id"], "arrival_s": arrival_s}
-    backoff_s = BACKOFF_FIRST_S
+    backoff_s = BACKOFF_FIRST_S * dilation
     try:
         while True:
             try:
@@ -47,7 +50,7 @@ def serve_request(model: DistributedModelForCausalLM, request: dict, started_at:
                 if time.perf_counter() - started_at - arrival_s > MAX_WAIT_S:
                     raise
                 time.sleep(backoff_s)
-                backoff_s = min(BACKOFF_MAX_S, backoff_s * 2)
+                backoff_s = min(BACKOFF_MAX_S * dilation, backoff_s * 2)
         record["started_s"] = time.perf_counter() - started_at
         with session:
             model.generate(input_ids, session=session, max_new_tokens=output, min_new_tokens=output,
@@ -62,13 +65,27 @@ def serve_request(model: DistributedModelForCausalLM, request: dict, started_at:
         out.flush()
 
 
+async def server_batches(swarm: SwarmClient) -> dict[str, dict]:
+    """Gives each online server's batch statistics (`info`'s `batches`), by peer id."""
+    stats: dict[str, dict] = {}
+    for peer_id, record in (await swarm.servers()).items():
+        try:
+            connection = await swarm.connect(record)
+            stats[peer_id] = (await connection.call("info", {}, timeout=30.0))["batches"]
+        except SwarmError as error:
+            stats[peer_id] = {"error": error.message}
+    return stats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--initial-peers", nargs="+", required=True)
     parser.add_argument("--requests", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--servers-out", type=Path, help="where to write each server's batch statistics at the end")
     parser.add_argument("--orchestrator", default="auto")
+    parser.add_argument("--dilation", type=float, default=1.0, help="the swarm's time dilation: backoffs stretch too")
     args = parser.parse_args()
     requests = json.loads(args.requests.read_text())
     config = ClientConfig(orchestrator=None if args.orchestrator == "none" else args.orchestrator,
@@ -84,11 +101,14 @@ def main() -> None:
             delay_s = started_at + float(request["at_s"]) - time.perf_counter()
             if delay_s > 0:
                 time.sleep(delay_s)
-            thread = threading.Thread(target=serve_request, args=(model, request, started_at, out, lock), daemon=True)
+            thread = threading.Thread(target=serve_request, args=(model, request, started_at, out, lock, args.dilation),
+                                  daemon=True)
             thread.start()
             threads.append(thread)
         for thread in threads:
             thread.join()
+    if args.servers_out:
+        args.servers_out.write_text(json.dumps(model.swarm.run(server_batches(model.swarm), timeout=120)))
     print("done", flush=True)
     model.shutdown()
 
