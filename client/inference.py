@@ -29,6 +29,7 @@ from swarm.errors import (
     RpcTimeout,
     ServerBusy,
     ServerDraining,
+    SessionMoved,
     SessionNotFound,
     SwarmError,
 )
@@ -39,6 +40,7 @@ from swarm.wire import decode_tensor, encode_tensor
 log = logging.getLogger(__name__)
 
 PUSH_WAIT_MARGIN_MS = 500.0
+MAX_MOVES_PER_STEP = 8  # a session that keeps moving while one step waits is failed over instead
 
 # Errors after which another server may succeed; anything else (bad input, max length) goes to the caller.
 RECOVERABLE = (
@@ -94,6 +96,7 @@ class RemoteInferenceSession:
         self.timings: dict[str, SpanTimings] = {}
         self._step_started_s = 0.0
         self.failovers = 0
+        self.moves = 0  # spans that moved to another server with their KV (no replay)
         self.closed = False
 
     async def open(self) -> None:
@@ -150,15 +153,14 @@ class RemoteInferenceSession:
                         await span_session.connection.close()
         raise NoRouteFound(f"no chain over blocks {start}:{end} accepted a session of {self.max_length} tokens")
 
-    async def _open_span(self, span: Span) -> _SpanSession:
+    async def _open_span(self, span: Span, *, moved_from: str | None = None) -> _SpanSession:
         connection = await self.client.connect(span.record)
+        payload: dict[str, object] = {"session_id": uuid.uuid4().hex, "blocks": [span.start, span.end],
+                                      "max_length": self.max_length, "batch": self.batch}
+        if moved_from is not None:
+            payload["moved_from"] = moved_from
         try:
-            reply = await connection.call(
-                "open",
-                {"session_id": uuid.uuid4().hex, "blocks": [span.start, span.end], "max_length": self.max_length,
-                 "batch": self.batch},
-                timeout=self.client.config.request_timeout_s,
-            )
+            reply = await connection.call("open", payload, timeout=self.client.config.request_timeout_s)
         except BaseException:
             await connection.close()
             raise
@@ -176,13 +178,19 @@ class RemoteInferenceSession:
         self._step_started_s = time.perf_counter()
         if self.client.config.server_push and len(self.spans) > 1 and new_tokens == 1:
             hidden, index = await self._pushed_step(hidden)
-        failovers_this_step = 0
+        failovers_this_step = moves_this_step = 0
         while index < len(self.spans):  # one span at a time: a step's start, or what the pushed step left over
             span_session = self.spans[index]
             try:
                 # No push here: a prefill would cross each link twice (push and client), and a pushed step that
                 # stopped midway goes on from the client anyway.
                 output = await self._call_step(span_session, hidden, step_id=f"{self.position}")
+            except SessionMoved as moved:
+                moves_this_step += 1
+                if moves_this_step > MAX_MOVES_PER_STEP:
+                    raise
+                await self._follow(index, moved)
+                continue  # the same step, on the server the span's KV moved to
             except RECOVERABLE as error:
                 failovers_this_step += 1
                 if failovers_this_step > self.client.config.max_failovers:
@@ -314,6 +322,45 @@ class RemoteInferenceSession:
         timings.batches += int(reply.get("batches", 1))
         return decode_tensor(reply["hidden"], dtype=dtype or (hidden.dtype if hidden is not None else None))
 
+    async def migrate(self, index: int, peer_id: str, *, mode: str = "kv") -> None:
+        """Moves span `index`'s session to server `peer_id` (which must host the span's blocks) and goes on there:
+        with its KV cache (mode "kv"), or by replaying its inputs there ("replay"); raises the typed error of a move
+        that failed, the span then still where it was."""
+        span_session = self.spans[index]
+        await span_session.connection.call(
+            "migrate", {"session_id": span_session.session_id, "peer_id": peer_id, "mode": mode},
+            timeout=self.client.config.request_timeout_s,
+        )
+        await self._follow(index, SessionMoved.to(span_session.session_id, peer_id, [], mode=mode))
+
+    async def _follow(self, index: int, moved: SessionMoved) -> None:
+        """Points span `index` at the server its session moved to, keeping its session id, position and saved
+        inputs; falls back to a failover (replay) if that server is not in the DHT for the span's blocks."""
+        span_session = self.spans[index]
+        span = span_session.span
+        record = (await self.client.servers()).get(moved.peer_id or "")
+        if record is None or not (record.block_start <= span.start and span.end <= record.block_end):
+            log.warning("Session on %s moved to %s, which does not announce blocks %d:%d; replaying instead",
+                        span.peer_id, moved.peer_id, span.start, span.end)
+            await self._replace(index)
+            return
+        destination = Span(record.peer_id, span.start, span.end, record)
+        if moved.replay:
+            await span_session.connection.close()
+            replacement = await self._open_span(destination, moved_from=span.peer_id)
+            await self._replay_onto(span_session, [replacement])
+            self.spans[index] = replacement
+        else:
+            connection = await self.client.connect(record)
+            previous = span_session.connection
+            span_session.span, span_session.connection = destination, connection
+            await previous.close()
+            self.timings.setdefault(record.peer_id,
+                                    SpanTimings(record.peer_id, (span.start, span.end), record.public_name))
+        self.moves += 1
+        log.info("Session moved from %s to %s (blocks %d:%d) %s", span.peer_id, record.peer_id, span.start,
+                 span.end, "by a replay" if moved.replay else "with its KV")
+
     async def _replace(self, index: int) -> None:
         """Replaces span `index` by a new chain over the same blocks and replays its saved inputs through it."""
         failed = self.spans[index]
@@ -321,6 +368,14 @@ class RemoteInferenceSession:
         await failed.connection.close()
         self.failovers += 1
         replacements = await self._open_chain(failed.span.start, failed.span.end)
+        await self._replay_onto(failed, replacements)
+        log.info("Replaced %s (blocks %d:%d) by %s", failed.peer_id, failed.span.start, failed.span.end,
+                 " -> ".join(f"{r.peer_id}[{r.span.start}:{r.span.end}]" for r in replacements))
+        self.spans[index : index + 1] = replacements
+
+    async def _replay_onto(self, failed: _SpanSession, replacements: list[_SpanSession]) -> None:
+        """Sends the inputs `failed` was given through `replacements` (a chain over its blocks), rebuilding their KV
+        caches; closes them if that fails."""
         try:
             replay = torch.cat(failed.history, dim=1) if failed.history else None
             for replacement in replacements:
@@ -334,9 +389,6 @@ class RemoteInferenceSession:
             for replacement in replacements:
                 await replacement.connection.close()
             raise
-        log.info("Replaced %s (blocks %d:%d) by %s", failed.peer_id, failed.span.start, failed.span.end,
-                 " -> ".join(f"{r.peer_id}[{r.span.start}:{r.span.end}]" for r in replacements))
-        self.spans[index : index + 1] = replacements
 
     async def close(self) -> None:
         """Closes every server session (their pages return to the servers' pools)."""
@@ -382,6 +434,16 @@ class InferenceSession:
     @property
     def failovers(self) -> int:
         return self.remote.failovers
+
+    @property
+    def moves(self) -> int:
+        """Gives how many times a span moved to another server with its KV cache (no replay)."""
+        return self.remote.moves
+
+    def migrate(self, index: int, peer_id: str, *, mode: str = "kv") -> None:
+        """Moves span `index` of the chain to server `peer_id`, which hosts its blocks: with its KV cache (mode
+        "kv") or by a replay of its inputs there ("replay")."""
+        self.client.run(self.remote.migrate(index, peer_id, mode=mode))
 
     def timings(self) -> list[SpanTimings]:
         """Gives per-server timings, in chain order of first use."""

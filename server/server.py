@@ -12,12 +12,14 @@ from typing import Any
 
 import hivemind
 import torch
+from hivemind.p2p import P2P
 
 from orchestrator.block_selection import HostedSpan, better_start, blocks_that_fit, choose_start
 from server.compute import DECODE_BATCHES, BlockSpeed, cached_block_speed
 from server.config import ServerConfig
 from server.emulated_gpu import load_profile
 from server.hosting import Hosting
+from server.migration import MODES, Migrations, Mode
 from server.push import Pusher
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS, StepScheduler
 from server.sessions import Session, SessionTable, Step, StepResult
@@ -28,7 +30,9 @@ from swarm.errors import (
     InvalidTensor,
     MalformedFrame,
     MaxLengthExceeded,
+    MigrationRefused,
     OutOfPages,
+    PeerUnreachable,
     PositionMismatch,
     ServerBusy,
     ServerDraining,
@@ -38,7 +42,7 @@ from swarm.errors import (
 from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, parse_size
 from swarm.model import BlockRange, ModelSource, parse_block_range, pick_device, pick_dtype, resolve_model
 from swarm.records import SOFTWARE_VERSION, BatchTiming, NextHop, ServerRecord, ServerState
-from swarm.rpc import CallContext, RpcServer
+from swarm.rpc import CallContext, RpcServer, dial
 from swarm.wire import MAX_STEPS_PER_FRAME, decode_tensor, encode_tensor, validate_compression
 
 log = logging.getLogger(__name__)
@@ -112,6 +116,7 @@ class SwarmServer:
             block_start=start, block_end=end, pool=self.pool, tokens_per_page=self.kv.tokens_per_page,
             max_length=config.max_length, headroom_tokens=config.kv_headroom_tokens,
         )
+        self.migrations = Migrations(self.sessions, self.kv, self.dtype)
         self.hosting = Hosting(self.blocks, self.pool, self.sessions, load_timeout_s=config.block_change_timeout_s)
         self.hosting.add_listener(self._on_range_change)
         # A server that starts with no blocks measures one built outside its pool (and forgets it): the orchestrator
@@ -140,6 +145,8 @@ class SwarmServer:
         self.dht: hivemind.DHT | None = None
         self._addrs: list[str] = []
         self.rpc: RpcServer | None = None
+        self._steps_stopped = False  # set once a draining server has moved what it could: steps then fail over
+        self._p2p: P2P | None = None
         self.announcer: Announcer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.pusher: Pusher | None = None
@@ -192,10 +199,12 @@ class SwarmServer:
             start=True,
         )
         self._addrs = [str(addr) for addr in self.dht.get_visible_maddrs()][:16]
-        p2p = await self.dht.replicate_p2p()
+        p2p = self._p2p = await self.dht.replicate_p2p()
         self.rpc = RpcServer(p2p, max_frame_bytes=self.config.max_frame_bytes)
         methods = {"info": self._info, "open": self._open, "step": self._step, "steps": self._steps, "push": self._push,
-                   "close": self._close, "assign": self._assign}
+                   "close": self._close, "assign": self._assign, "migrate": self._migrate,
+                   "import_open": self._import_open, "import_kv": self._import_kv, "import_commit": self._import_commit,
+                   "import_abort": self._import_abort}
         for name, method in methods.items():
             self.rpc.add_method(name, method)
         self.pusher = Pusher(
@@ -265,7 +274,7 @@ class SwarmServer:
                 f"{', '.join(self.config.orchestrators)} only"
             )
         start, end = _block_pair(payload)
-        self._check_serving()
+        self._check_accepting()
         await self.change_blocks(start, end)
         return {"blocks": [self.hosting.start, self.hosting.end], "retiring": self.hosting.retiring}
 
@@ -321,6 +330,8 @@ class SwarmServer:
                 await asyncio.wait_for(self.announcer.stop(), timeout=self.config.drain_timeout_s)
             except TimeoutError:
                 log.warning("Could not announce draining within %.0f s", self.config.drain_timeout_s)
+        await self._move_sessions_away()
+        self._steps_stopped = True
         if not await self.scheduler.wait_idle(self.config.drain_timeout_s):
             log.warning("%d step(s) still running after %.0f s", self.scheduler.pending, self.config.drain_timeout_s)
         await self.scheduler.stop()
@@ -345,28 +356,38 @@ class SwarmServer:
             expired = self.sessions.close_idle(self.config.session_timeout_s)
             if expired:
                 log.info("Closed %d idle session(s) after %.0f s", len(expired), self.config.session_timeout_s)
+            dropped = self.migrations.expire_imports()
+            if dropped:
+                log.info("Dropped %d import(s) whose source went silent", len(dropped))
 
     def _check_serving(self) -> None:
         # A server that moves its range keeps running the sessions of the blocks it leaves, even while it serves
-        # no new ones (joining); only a server that shuts down turns steps away.
-        if self.state == ServerState.draining:
+        # no new ones (joining); a server that shuts down runs its sessions' steps until it has moved them away.
+        if self._steps_stopped:
             raise ServerDraining(f"server {self.peer_id} is {self.state.value}; retry on another server")
+
+    def _check_accepting(self) -> None:
+        if self.state == ServerState.draining:
+            raise ServerDraining(f"server {self.peer_id} is {self.state.value}; open the session on another server")
 
     async def _info(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         stats = self.scheduler.stats
         return {"record": self.record().to_wire(), "num_blocks": self.source.num_blocks,
                 "steps_computed": {"loop": stats.steps_by_place["loop"], "pool": stats.steps_by_place["pool"]},
-                "batches": stats.to_wire(), "kv_tokens_per_page": self.kv.tokens_per_page}
+                "batches": stats.to_wire(), "kv_tokens_per_page": self.kv.tokens_per_page,
+                "migrations": self.migrations.stats.to_wire()}
 
     async def _open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
-        self._check_serving()
+        self._check_accepting()
         session_id = field(payload, "session_id", str, optional=True) or uuid.uuid4().hex
         if len(session_id) > 128:
             raise MalformedFrame("session_id is longer than 128 characters")
         start, end = _block_pair(payload)
         max_length = field(payload, "max_length", int)
         batch = field(payload, "batch", int, optional=True) or 1
-        self.sessions.open(session_id, start, end, batch=batch, max_length=max_length)
+        self.sessions.open(session_id, start, end, batch=batch, max_length=max_length, opener=ctx.peer_id)
+        if field(payload, "moved_from", str, optional=True):  # a client replaying a session another server handed over
+            self.migrations.note_replayed_in()
         ctx.add_close_callback(lambda: self.sessions.close(session_id))
         return {"session_id": session_id, "blocks": [start, end], "max_length": max_length, "position": 0}
 
@@ -382,6 +403,7 @@ class SwarmServer:
         A step without `hidden` but with `wait_ms` waits up to that long for the previous server to push it.
         """
         compression = validate_compression(field(payload, "compression", str, optional=True))
+        await self.migrations.wait_if_moving(field(payload, "session_id", str))
         if "hidden" not in payload and "wait_ms" in payload:
             session, result = await self._await_pushed_step(payload)
         else:
@@ -463,7 +485,8 @@ class SwarmServer:
                 raise StepNotPushed(f"step {step_id!r} was not pushed within {wait_ms} ms; send its hidden states")
             with suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(session.admitted), remaining_s)
-            session = self.sessions.get(session.session_id)  # it may have closed meanwhile
+            self.migrations.check_step(session.session_id)  # it may have moved away
+            session = self.sessions.get(session.session_id)  # or closed meanwhile
         return session, known
 
     def _admit_step(
@@ -474,11 +497,15 @@ class SwarmServer:
         Raises the typed error of a step that cannot run; nothing about the session changes then.
         """
         self._check_serving()
-        session = self.sessions.get(field(payload, "session_id", str))
+        session_id = field(payload, "session_id", str)
+        self.migrations.check_step(session_id)
+        session = self.sessions.get(session_id)
         step_id = field(payload, "step_id", str, optional=True)
         known = self._known_step(session, step_id)
         if known is not None:
             return session, known
+        if session.moving is not None:
+            raise ServerBusy(f"session {session_id!r} is moving to another server; ask for its step again")
         running = session.running
         if running is not None:
             raise ServerBusy(f"session {session.session_id!r} is already running step {running.step_id!r}")
@@ -506,6 +533,103 @@ class SwarmServer:
         session.admitted = asyncio.get_running_loop().create_future()
         self.scheduler.submit(step)
         return session, result
+
+    async def _migrate(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        """Moves a session to server `peer_id` (which hosts its blocks), `mode` "kv" (its KV travels; the default)
+        or "replay" (its client replays there); asked by the session's client or by an orchestrator this server
+        follows. Answers once the destination serves it (kv) or the session left (replay)."""
+        self._check_serving()
+        session = self.sessions.get(field(payload, "session_id", str))
+        if ctx.peer_id not in (session.opener, *self.config.orchestrators):
+            raise MigrationRefused(f"only the session's client or this server's orchestrator may move it, not "
+                                   f"{ctx.peer_id}")
+        peer_id = field(payload, "peer_id", str)
+        if peer_id == self.peer_id:
+            raise MalformedFrame("a session cannot move to the server it is on")
+        mode = field(payload, "mode", str, optional=True) or "kv"
+        if mode not in MODES:
+            raise MalformedFrame(f"migration mode {mode!r} is none of {', '.join(MODES)}")
+        await self.migrate_session(session, peer_id, mode)
+        return {"peer_id": peer_id, "position": session.position, "mode": mode}
+
+    async def migrate_session(self, session: Session, peer_id: str, mode: Mode = "kv") -> None:
+        """Moves `session` to server `peer_id`, found in the DHT as a host of its first block."""
+        addrs = await self._announced_addrs(peer_id, session.start)
+        if addrs is None:
+            raise PeerUnreachable(f"server {peer_id} announces no block {session.start} of {self.source.model_id}")
+        if mode == "replay":
+            await self.migrations.hand_over(session, peer_id, addrs)
+            return
+        assert self._p2p is not None, "the server moves sessions only once started"
+        connection = await dial(self._p2p, peer_id, addrs, timeout=self.config.push_timeout_s,
+                                max_frame_bytes=self.config.max_frame_bytes)
+        try:
+            await self.migrations.send(session, connection, addrs, timeout_s=self.config.push_timeout_s)
+        finally:
+            await connection.close()
+
+    async def _move_sessions_away(self) -> None:
+        """Moves every open session with its KV to a peer that hosts its blocks and has room (the most room
+        first), within --drain-timeout; a session no peer takes stays, and its client replays it elsewhere."""
+        if not len(self.sessions) or self._p2p is None or self.dht is None:
+            return
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        try:
+            records = await lookup_servers_async(self.dht, self.source.model_id, timeout_s=self.config.push_timeout_s)
+        except SwarmError as error:
+            log.warning("Draining: no peers found to move sessions to (%s); their clients will replay them",
+                        error.message)
+            return
+        peers = sorted((r for r in records.values() if r.peer_id != self.peer_id and r.state == ServerState.online),
+                       key=lambda r: (-r.sessions_fit, r.peer_id))
+        moved = 0
+        for session in list(self.sessions):
+            if session.importing_from is not None:
+                continue
+            for record in (r for r in peers if r.block_start <= session.start and session.end <= r.block_end):
+                if time.monotonic() > deadline:
+                    break
+                try:
+                    await asyncio.wait_for(self.migrate_session(session, record.peer_id),
+                                           max(0.1, deadline - time.monotonic()))
+                    moved += 1
+                    break
+                except (SwarmError, TimeoutError) as error:
+                    log.info("Draining: %s did not take session %s (%s)", record.peer_id, session.session_id,
+                             getattr(error, "message", type(error).__name__))
+        if moved or len(self.sessions):
+            log.info("Draining: moved %d session(s) with their KV; %d left to replay elsewhere", moved,
+                     len(self.sessions))
+
+    async def _import_open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        self._check_accepting()
+        session_id = field(payload, "session_id", str)
+        if len(session_id) > 128:
+            raise MalformedFrame("session_id is longer than 128 characters")
+        start, end = _block_pair(payload)
+        self.migrations.open_import(
+            ctx.peer_id, session_id, start, end, batch=field(payload, "batch", int),
+            max_length=field(payload, "max_length", int), position=field(payload, "position", int),
+        )
+        return {}
+
+    async def _import_kv(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        self.migrations.write_kv(
+            ctx.peer_id, field(payload, "session_id", str), field(payload, "block", int), field(payload, "row", int),
+            field(payload, "start", int), payload.get("keys"), payload.get("values"),
+        )
+        return {}
+
+    async def _import_commit(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        session = self.migrations.commit(
+            ctx.peer_id, field(payload, "session_id", str), field(payload, "position", int),
+            field(payload, "last_step_id", str, optional=True), payload.get("last_output"),
+        )
+        return {"position": session.position}
+
+    async def _import_abort(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        self.migrations.abort(ctx.peer_id, field(payload, "session_id", str))
+        return {}
 
     def _push_on(self, steps: list[Step]) -> None:
         """Sends finished steps' outputs to the next servers of their chains; the steps of one batch bound for one

@@ -53,6 +53,9 @@ class Session:
     # Resolved (and replaced) whenever a step is admitted, for requests waiting for a pushed step.
     admitted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     last_active_s: float = field(default_factory=time.monotonic)
+    opener: str = ""  # the peer that opened it (its client), or the server it migrated from
+    importing_from: str | None = None  # the source server while its KV arrives; it takes no steps until then
+    moving: asyncio.Future[None] | None = None  # set while its KV leaves for another server: its steps wait
 
     @property
     def blocks(self) -> int:
@@ -155,9 +158,11 @@ class SessionTable:
             pages_free=self.pool.pages_free, reserve=self.growth_reserve(), pages_per_session=per_session
         )
 
-    def open(self, session_id: str, start: int, end: int, *, batch: int, max_length: int) -> Session:
-        """Gives a new session holding its first page per block and row, or raises a typed error and holds
-        nothing."""
+    def open(
+        self, session_id: str, start: int, end: int, *, batch: int, max_length: int, opener: str = "", tokens: int = 1,
+    ) -> Session:
+        """Gives a new session holding pages for its first `tokens` tokens (1: its first page) per block and row, or
+        raises a typed error and holds nothing."""
         if not (self.block_start <= start < end <= self.block_end):
             hosted = f"hosts {self.block_start}:{self.block_end}" if self.block_end > self.block_start else "hosts none"
             raise BlocksNotHosted(f"blocks {start}:{end} requested, but this server {hosted} for new sessions")
@@ -167,7 +172,7 @@ class SessionTable:
             raise MaxLengthExceeded(f"batch {batch} is outside 1..{MAX_BATCH_ROWS}")
         if session_id in self._sessions or session_id in self._closing:
             raise ServerBusy(f"session {session_id!r} is already open on this server, or still closing")
-        expected = self.policy.expected_pages(tokens=0, max_length=max_length, sequences=(end - start) * batch)
+        expected = self.policy.expected_pages(tokens=tokens - 1, max_length=max_length, sequences=(end - start) * batch)
         reserve, pages_free = self.growth_reserve(), self.pool.pages_free
         if not self.policy.admits(pages_free=pages_free, reserve=reserve, new_session_pages=expected):
             raise ServerBusy(
@@ -175,10 +180,12 @@ class SessionTable:
                 f"pages, {pages_free} are free and the {len(self)} open session(s) are expected to take {reserve} "
                 f"more as they grow"
             )
-        session = Session(session_id, start, end, batch, max_length)
+        if not 0 < tokens <= max_length:
+            raise MaxLengthExceeded(f"a session of {tokens} tokens does not fit its max_length {max_length}")
+        session = Session(session_id, start, end, batch, max_length, opener=opener)
         self._sessions[session_id] = session
         try:
-            self._grow(session, 1)
+            self._grow(session, tokens)
         except BaseException:
             self.close(session_id)
             raise

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+MAX_DETAIL_KEYS = 8
+MAX_DETAIL_CHARS = 256
+MAX_DETAIL_LIST = 16
+Detail = str | int | list[str]
+
 
 class SwarmError(Exception):
     """Base of every error a peer may send to another; `code` names the class on the wire."""
@@ -16,24 +21,47 @@ class SwarmError(Exception):
         cls.code = cls.__name__
         SwarmError._registry[cls.code] = cls
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, details: dict[str, Detail] | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.details: dict[str, Detail] = dict(details or {})  # what a program acts on (e.g. where a session went)
 
-    def to_wire(self) -> dict[str, str]:
+    def to_wire(self) -> dict[str, object]:
         """Gives the frame payload that carries this error."""
-        return {"code": self.code, "message": self.message}
+        wire: dict[str, object] = {"code": self.code, "message": self.message}
+        if self.details:
+            wire["details"] = self.details
+        return wire
 
     @staticmethod
     def from_wire(payload: object) -> SwarmError:
-        """Rebuilds the typed error a peer sent; unknown codes become a plain `RemoteError`."""
+        """Rebuilds the typed error a peer sent; unknown codes become a plain `RemoteError`. Details that are not
+        a small map of strings, integers and lists of strings are dropped."""
         if not isinstance(payload, dict):
             return MalformedFrame(f"error payload is not a map: {payload!r:.200}")
         code, message = str(payload.get("code", "")), str(payload.get("message", ""))
         cls = SwarmError._registry.get(code)
         if cls is None:
             return RemoteError(f"{code}: {message}")
-        return cls(message)
+        return cls(message, _valid_details(payload.get("details")))
+
+
+def _valid_details(details: object) -> dict[str, Detail]:
+    if not isinstance(details, dict) or len(details) > MAX_DETAIL_KEYS:
+        return {}
+    valid: dict[str, Detail] = {}
+    for key, value in details.items():
+        if not isinstance(key, str) or len(key) > MAX_DETAIL_CHARS:
+            return {}
+        if (isinstance(value, str) and len(value) <= MAX_DETAIL_CHARS) or isinstance(value, int):
+            valid[key] = value
+        elif isinstance(value, list) and len(value) <= MAX_DETAIL_LIST and all(
+            isinstance(item, str) and len(item) <= MAX_DETAIL_CHARS for item in value
+        ):
+            valid[key] = list(value)
+        else:
+            return {}
+    return valid
 
 
 SwarmError._registry["SwarmError"] = SwarmError
@@ -115,5 +143,35 @@ class PositionMismatch(SwarmError):
     """A step names a start position other than the session's current one."""
 
 
+class MigrationRefused(SwarmError):
+    """A server refused to move a session: the caller is neither the session's client nor its orchestrator."""
+
+
 class AssignmentRefused(SwarmError):
     """A server refused a block assignment: it names no orchestrator, or another one than the sender."""
+
+
+class SessionMoved(SwarmError):
+    """The session migrated to another server (`details`: `peer_id`, the server's `addrs`, `mode`): with its KV
+    cache (mode "kv"), send its steps there without a replay; in mode "replay", open it there and replay."""
+
+    @classmethod
+    def to(cls, session_id: str, peer_id: str, addrs: list[str], *, mode: str = "kv") -> SessionMoved:
+        how = "continue there" if mode == "kv" else "open it there and replay its inputs"
+        return cls(f"session {session_id!r} moved to server {peer_id}; {how}",
+                   {"peer_id": peer_id, "addrs": addrs[:MAX_DETAIL_LIST], "mode": mode})
+
+    @property
+    def replay(self) -> bool:
+        """Gives whether the session's KV stayed behind: the client opens it anew there and replays its inputs."""
+        return self.details.get("mode") == "replay"
+
+    @property
+    def peer_id(self) -> str | None:
+        value = self.details.get("peer_id")
+        return value if isinstance(value, str) else None
+
+    @property
+    def addrs(self) -> list[str]:
+        value = self.details.get("addrs")
+        return list(value) if isinstance(value, list) else []

@@ -1,0 +1,287 @@
+"""Live migration: a running session moves to another server that hosts its blocks, and goes on there with the same
+tokens. Two modes, as MELL's adaptive migration has them: KV transfer (the pages travel, no replay) and replay (the
+client re-sends its saved inputs and the destination recomputes the KV).
+
+KV transfer:
+
+The source (`Migrations.send`) waits until the session's running step is done and no batch uses its pages, then
+holds its steps (they wait), and talks to the destination over one stream:
+1. `import_open`: the destination opens the session with pages for its whole history (its headroom rule decides,
+   `ServerBusy` otherwise) and marks it as importing from this source: it takes no steps yet;
+2. `import_kv`, chunk by chunk: the keys and values of tokens [start, end) of one block and row, at most
+   `KV_CHUNK_BYTES` a frame; the event loop serves other sessions' steps between two chunks;
+3. `import_commit`: the destination sets the session's position and last step (so a step the source already
+   computed is answered again, not recomputed) and serves it from then on.
+Only then the source frees the session's pages and keeps a tombstone: every later step of the session gets
+`SessionMoved` naming the destination, and the client switches to it. A failure at any point before the commit's
+reply leaves the session whole on the source (it goes on there) and asks the destination to drop what it took; an
+import whose source went silent is dropped after `IMPORT_IDLE_S`. Only the server that opened an import may write
+into it, commit or abort it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from server.sessions import Session, SessionTable, StepResult
+from swarm.errors import InvalidTensor, SessionMoved, SessionNotFound, SwarmError
+from swarm.model.paged_kv import PagedKV
+from swarm.rpc import RpcConnection
+from swarm.wire import decode_tensor, encode_tensor
+
+log = logging.getLogger(__name__)
+
+KV_CHUNK_BYTES = 4 << 20  # keys and values one import_kv frame carries at most
+IMPORT_IDLE_S = 30.0  # an import that received nothing this long is dropped (its source died)
+MOVED_TTL_S = 900.0  # how long a source remembers where a session went
+MAX_MOVED = 4096
+STEP_WAIT_S = 30.0  # how long a move waits for the session's running step to finish
+POLL_S = 0.005
+Mode = Literal["kv", "replay"]
+MODES: tuple[Mode, ...] = ("kv", "replay")
+
+
+@dataclass
+class MigrationStats:
+    """Sessions moved in and out by mode, the KV bytes they carried and the time they took."""
+
+    sessions_in: Counter[str] = field(default_factory=Counter)  # "kv" or "replay" -> sessions
+    sessions_out: Counter[str] = field(default_factory=Counter)
+    failed_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    ms_out: float = 0.0
+
+    def to_wire(self) -> dict[str, object]:
+        return {"in": {mode: self.sessions_in[mode] for mode in MODES},
+                "out": {mode: self.sessions_out[mode] for mode in MODES}, "failed_out": self.failed_out,
+                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "ms_out": round(self.ms_out, 3)}
+
+
+class Migrations:
+    """Both ends of live KV migration for one server: sending sessions away, importing them, and where they went."""
+
+    def __init__(self, sessions: SessionTable, kv: PagedKV, dtype: torch.dtype) -> None:
+        self.sessions, self.kv, self.dtype = sessions, kv, dtype
+        self.stats = MigrationStats()
+        self._moved: dict[str, tuple[str, list[str], Mode, float]] = {}  # session -> (peer id, addrs, mode, when)
+
+    # ---- what steps see
+
+    def check_step(self, session_id: str) -> None:
+        """Raises SessionMoved for a session that left this server, SessionNotFound for one still importing."""
+        session = self._find(session_id)
+        moved = self._moved.get(session_id)
+        if moved is not None and session is None:
+            raise SessionMoved.to(session_id, moved[0], moved[1], mode=moved[2])
+        if session is not None and session.importing_from is not None:
+            raise SessionNotFound(f"session {session_id!r} is still arriving from {session.importing_from}")
+
+    async def wait_if_moving(self, session_id: str) -> None:
+        """Waits while the session's KV leaves; raises SessionMoved if it left."""
+        session = self._find(session_id)
+        if session is not None and session.moving is not None:
+            await asyncio.shield(session.moving)
+        self.check_step(session_id)
+
+    # ---- the source
+
+    async def send(self, session: Session, destination: RpcConnection, addrs: list[str], *, timeout_s: float) -> None:
+        """Moves `session` to the server at the other end of `destination` (see the module docstring); raises the
+        typed error of a move that failed, the session then still whole here."""
+        if session.moving is not None or session.importing_from is not None:
+            raise SessionNotFound(f"session {session.session_id!r} is already moving")
+        started = time.perf_counter()
+        session.moving = asyncio.get_running_loop().create_future()
+        sent_bytes, committed = 0, False
+        try:
+            await self._quiesce(session)
+            await destination.call("import_open", {
+                "session_id": session.session_id, "blocks": [session.start, session.end], "batch": session.batch,
+                "max_length": session.max_length, "position": session.position,
+            }, timeout=timeout_s)
+            for block, row, start, end in self._chunks(session):
+                if not self.sessions.is_open(session):  # its client closed it meanwhile: its pages are gone
+                    raise SessionNotFound(f"session {session.session_id!r} closed while it moved")
+                payload = self._chunk_payload(session, block, row, start, end)
+                sent_bytes += payload["bytes"]
+                await destination.call("import_kv", payload, timeout=timeout_s)
+            commit: dict[str, Any] = {"session_id": session.session_id, "position": session.position}
+            if session.last_step_id is not None and session.last_result is not None:
+                commit["last_step_id"] = session.last_step_id
+                commit["last_output"] = encode_tensor(session.last_result.output)
+            await destination.call("import_commit", commit, timeout=timeout_s)
+            committed = True
+        except BaseException:
+            self.stats.failed_out += 1
+            if not committed:
+                await self._abort_remote(destination, session.session_id)
+            raise
+        finally:
+            moving, session.moving = session.moving, None
+            if committed:
+                self._remember(session.session_id, destination.peer_id, addrs, "kv")
+                self.sessions.close(session.session_id)
+            moving.set_result(None)  # the waiting steps go on here, or learn where the session went
+        self.stats.sessions_out["kv"] += 1
+        self.stats.bytes_out += sent_bytes
+        self.stats.ms_out += (time.perf_counter() - started) * 1000
+        log.info("Moved session %s (%d tokens, %d KV bytes) to %s in %.0f ms", session.session_id, session.position,
+                 sent_bytes, destination.peer_id, (time.perf_counter() - started) * 1000)
+
+    async def hand_over(self, session: Session, peer_id: str, addrs: list[str]) -> None:
+        """Replay mode: once no step of `session` runs, frees it here and sends its client to `peer_id`, where the
+        client replays the inputs it kept (the KV is recomputed there: no bytes cross between the servers)."""
+        if session.moving is not None or session.importing_from is not None:
+            raise SessionNotFound(f"session {session.session_id!r} is already moving")
+        moving = session.moving = asyncio.get_running_loop().create_future()
+        try:
+            await self._quiesce(session)
+        except BaseException:
+            self.stats.failed_out += 1
+            session.moving = None
+            moving.set_result(None)  # its waiting steps go on here
+            raise
+        session.moving = None
+        self._remember(session.session_id, peer_id, addrs, "replay")
+        self.sessions.close(session.session_id)
+        moving.set_result(None)
+        self.stats.sessions_out["replay"] += 1
+        log.info("Handed session %s (%d tokens) over to %s for a replay", session.session_id, session.position,
+                 peer_id)
+
+    async def _quiesce(self, session: Session) -> None:
+        """Waits until no step of `session` runs and no batch holds its pages."""
+        deadline = time.monotonic() + STEP_WAIT_S
+        while session.running is not None or session.in_batches:
+            if time.monotonic() > deadline:
+                raise SessionNotFound(f"session {session.session_id!r} kept computing for {STEP_WAIT_S:.0f} s")
+            await asyncio.sleep(POLL_S)
+        if not self.sessions.is_open(session):
+            raise SessionNotFound(f"session {session.session_id!r} closed before it could move")
+
+    def _token_bytes(self) -> int:
+        return 2 * self.kv.kv_heads * self.kv.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def _chunks(self, session: Session) -> list[tuple[int, int, int, int]]:
+        """Gives the pieces of the session's filled KV that travel one per frame: (block, row, start, end) with
+        token ranges of at most KV_CHUNK_BYTES of keys and values."""
+        span = max(1, KV_CHUNK_BYTES // self._token_bytes())
+        return [(block, row, start, min(session.position, start + span))
+                for block in range(session.start, session.end) for row in range(session.batch)
+                for start in range(0, session.position, span)]
+
+    def _chunk_payload(self, session: Session, block: int, row: int, start: int, end: int) -> dict[str, Any]:
+        keys, values = self.kv.read(session.page_tables[block][row], start, end)
+        return {"session_id": session.session_id, "block": block, "row": row, "start": start,
+                "keys": encode_tensor(keys.contiguous()), "values": encode_tensor(values.contiguous()),
+                "bytes": (end - start) * self._token_bytes()}
+
+    @staticmethod
+    async def _abort_remote(destination: RpcConnection, session_id: str) -> None:
+        try:
+            await destination.call("import_abort", {"session_id": session_id}, timeout=10.0)
+        except SwarmError as error:  # it drops the import by itself once it stays idle
+            log.debug("could not abort the import of %s on %s: %s", session_id, destination.peer_id, error.message)
+
+    def _remember(self, session_id: str, peer_id: str, addrs: list[str], mode: Mode) -> None:
+        now = time.monotonic()
+        self._moved = {sid: entry for sid, entry in self._moved.items() if now - entry[3] < MOVED_TTL_S}
+        while len(self._moved) >= MAX_MOVED:
+            self._moved.pop(next(iter(self._moved)))
+        self._moved[session_id] = (peer_id, list(addrs), mode, now)
+
+    def note_replayed_in(self) -> None:
+        """Counts a session that arrived by replay (its client opened it here, naming the server it came from)."""
+        self.stats.sessions_in["replay"] += 1
+
+    # ---- the destination
+
+    def open_import(
+        self, source: str, session_id: str, start: int, end: int, *, batch: int, max_length: int, position: int
+    ) -> Session:
+        """Opens `session_id` with pages for its `position` tokens, importing from `source`."""
+        if position < 0:
+            raise InvalidTensor(f"a session's position is at least 0, got {position}")
+        session = self.sessions.open(session_id, start, end, batch=batch, max_length=max_length, opener=source,
+                                     tokens=max(1, position))
+        session.importing_from = source
+        session.position = 0
+        self._moved.pop(session_id, None)
+        return session
+
+    def write_kv(self, source: str, session_id: str, block: int, row: int, start: int, keys: Any,
+                 values: Any) -> int:
+        """Writes one chunk of an import; gives its bytes."""
+        session = self._import(source, session_id)
+        if not (session.start <= block < session.end and 0 <= row < session.batch):
+            raise InvalidTensor(f"block {block} row {row} is outside the session ({session.start}:{session.end})")
+        max_elements = self.kv.kv_heads * session.max_length * self.kv.head_dim
+        k = decode_tensor(keys, max_elements=max_elements)
+        v = decode_tensor(values, max_elements=max_elements)
+        tokens = k.shape[1] if k.dim() == 3 else -1
+        if k.shape != v.shape or tokens < 1 or (k.shape[0], k.shape[2]) != (self.kv.kv_heads, self.kv.head_dim):
+            raise InvalidTensor(f"KV chunk of shape {list(k.shape)} / {list(v.shape)}, expected "
+                                f"[{self.kv.kv_heads}, tokens, {self.kv.head_dim}] for both")
+        if not (start >= 0 and start + tokens <= len(session.page_tables[block][row]) * self.kv.tokens_per_page):
+            raise InvalidTensor(f"tokens {start}:{start + tokens} lie outside the pages the import took")
+        self.kv.write(session.page_tables[block][row], start, k.to(self.dtype).transpose(0, 1),
+                      v.to(self.dtype).transpose(0, 1))
+        session.last_active_s = time.monotonic()
+        chunk_bytes = 2 * k.numel() * torch.finfo(self.dtype).bits // 8
+        self.stats.bytes_in += chunk_bytes
+        return chunk_bytes
+
+    def commit(self, source: str, session_id: str, position: int, last_step_id: str | None,
+               last_output: Any | None) -> Session:
+        """Makes an import a session of this server at `position`."""
+        session = self._import(source, session_id)
+        held = kv_tokens_held(session, self.kv.tokens_per_page)
+        if not 0 <= position <= held:
+            raise InvalidTensor(f"position {position} is outside the {held} tokens the import holds")
+        if last_step_id is not None and last_output is not None:
+            output = decode_tensor(last_output, max_elements=session.batch * session.max_length * 65536)
+            session.last_step_id, session.last_result = last_step_id, StepResult(output, 0.0, 0)
+        session.position = position
+        session.importing_from = None
+        session.last_active_s = time.monotonic()
+        self.stats.sessions_in["kv"] += 1
+        return session
+
+    def abort(self, source: str, session_id: str) -> None:
+        """Drops an import (its pages return to the pool)."""
+        self._import(source, session_id)
+        self.sessions.close(session_id)
+
+    def expire_imports(self) -> list[str]:
+        """Drops the imports that received nothing for IMPORT_IDLE_S; gives their ids."""
+        now = time.monotonic()
+        stale = [s.session_id for s in self.sessions
+                 if s.importing_from is not None and now - s.last_active_s > IMPORT_IDLE_S]
+        return [session_id for session_id in stale if self.sessions.close(session_id)]
+
+    def _import(self, source: str, session_id: str) -> Session:
+        session = self._find(session_id)
+        if session is None or session.importing_from is None:
+            raise SessionNotFound(f"no import of session {session_id!r} is in progress here")
+        if session.importing_from != source:
+            raise SessionNotFound(f"session {session_id!r} is being imported from another server than {source}")
+        return session
+
+    def _find(self, session_id: str) -> Session | None:
+        try:
+            return self.sessions.get(session_id)
+        except SessionNotFound:
+            return None
+
+
+def kv_tokens_held(session: Session, tokens_per_page: int) -> int:
+    """Gives the tokens every block and row of `session` has pages for."""
+    return min((len(pages) for rows in session.page_tables.values() for pages in rows), default=0) * tokens_per_page
