@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client import ClientConfig, DistributedModelForCausalLM
 from client.swarm_client import SwarmClient
-from swarm.errors import NoRouteFound, ServerBusy, SwarmError
+from swarm.errors import NoRouteFound, PeerUnreachable, RpcTimeout, ServerBusy, SwarmError
 
 START_DELAY_S = 2.0
 MAX_WAIT_S = 1200.0  # a request that found no room this long is recorded as an error (no run hangs on one)
@@ -46,7 +46,7 @@ def serve_request(model: DistributedModelForCausalLM, request: dict, started_at:
             try:
                 session = model.inference_session(max_length=prompt + output, prompt_tokens=prompt)
                 break
-            except (NoRouteFound, ServerBusy):
+            except (NoRouteFound, ServerBusy, RpcTimeout, PeerUnreachable):  # as Petals' client: back off, retry
                 if time.perf_counter() - started_at - arrival_s > MAX_WAIT_S:
                     raise
                 time.sleep(backoff_s)

@@ -8,7 +8,8 @@ its record says it is emulated.
 
 Profile: per block of the reference model (LLaMA-2-7B, fp16: 0.404 GB of parameters, 16 KiB of KV per token),
 - `prefill_ms_per_token`: a prompt token through one block;
-- `decode_ms_base` + `decode_ms_per_row` x rows: a decode step of `rows` sessions through one block;
+- `decode_ms_base` + `decode_ms_per_row` x rows: a decode step of `rows` sessions of `ROW_TOKENS` (2048) tokens
+  of history through one block; a row of h tokens costs `decode_ms_per_row` x h / 2048 (its own KV is read);
 - `memory_gb`: what the GPU (slice) holds for parameters and KV.
 Scaling: k = (served model's KV bytes per token per block) / (reference's). The pool gets k x memory_gb, and each
 loaded block holds at least k x the reference block's bytes in pages (its real tensors fill the first pages). So
@@ -16,8 +17,9 @@ in pages, a server holds as many blocks and as many KV tokens as the profile's G
 
 The built-in profiles are A100 MIG slices, from their share of an A100's compute (312 dense fp16 TFLOPS) and memory
 bandwidth (1555 GB/s): 3g.40gb has 3/7 of the compute and 4/8 of the bandwidth, 2g.20gb 2/7 and 2/8. A decode
-step streams the block's parameters (0.404 GB) at half the slice's bandwidth and each row's KV (2048 tokens x 16 KiB)
-besides, plus 0.1 ms of kernel launches; a prefill token costs the block's 0.81 GFLOP at 40% of the slice's compute.
+step streams the block's parameters (0.404 GB) at half the slice's bandwidth and each row's KV (its history x
+16 KiB) besides, plus 0.1 ms of kernel launches; a prefill token costs the block's 0.81 GFLOP at 40% of the
+slice's compute.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from swarm.model.paged_kv import PagedBatch
 
 REFERENCE_BLOCK_BYTES = 404_000_000  # LLaMA-2-7B: 6.74e9 parameters less embeddings, over 32 blocks, fp16
 REFERENCE_KV_BYTES_PER_TOKEN = 2 * 32 * 128 * 2  # keys and values, 32 heads x 128, fp16
+ROW_TOKENS = 2048  # the history of a row in `decode_ms_per_row` and in the decode times a record announces
 
 
 @dataclass(frozen=True)
@@ -48,17 +51,22 @@ class GpuProfile:
                 and self.decode_ms_per_row >= 0):
             raise ValueError(f"invalid GPU profile {self}")
 
-    def decode_ms(self, rows: int) -> float:
-        """Gives a decode step of `rows` sessions through one block."""
-        return self.decode_ms_base + self.decode_ms_per_row * rows
+    def decode_ms(self, rows: int, history_tokens: int = ROW_TOKENS) -> float:
+        """Gives a decode step of `rows` sessions of `history_tokens` tokens each through one block."""
+        return self.decode_ms_base + self.decode_ms_per_row * rows * history_tokens / ROW_TOKENS
 
     def block_ms(self, batch: PagedBatch, block: int) -> float:
-        """Gives the time the profile's GPU takes for `batch` through `block`: its decode rows' step there and its
-        prefill tokens (chunks that do not pass through `block` cost nothing)."""
+        """Gives the time the profile's GPU takes for `batch` through `block`: its decode rows' step there (the
+        parameters once, each row's own history of KV) and its prefill tokens (chunks that do not pass through
+        `block` cost nothing)."""
         through = [chunk for chunk in batch.chunks if chunk.block_start <= block < chunk.block_end]
-        decode_rows = sum(1 for chunk in through if chunk.tokens == 1)
+        decode = [chunk for chunk in through if chunk.tokens == 1]
         prefill_tokens = sum(chunk.tokens for chunk in through if chunk.tokens > 1)
-        return (self.decode_ms(decode_rows) if decode_rows else 0.0) + prefill_tokens * self.prefill_ms_per_token
+        decode_ms = 0.0
+        if decode:
+            history = sum(chunk.position + 1 for chunk in decode)
+            decode_ms = self.decode_ms_base + self.decode_ms_per_row * history / ROW_TOKENS
+        return decode_ms + prefill_tokens * self.prefill_ms_per_token
 
     def batch_ms(self, batch: PagedBatch) -> float:
         """Gives the time the profile's GPU takes for `batch` through all its blocks."""

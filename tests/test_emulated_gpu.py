@@ -28,11 +28,13 @@ def test_profiles_give_per_block_times_and_memory_in_the_served_models_scale(tmp
     batch = PagedBatch((
         SequenceChunk(0, 1, 10, 0, 4, {}), SequenceChunk(1, 1, 20, 2, 4, {}), SequenceChunk(2, 16, 0, 0, 2, {}),
     ))
-    # blocks 0-1: one decode row and 16 prefill tokens; blocks 2-3: two decode rows
-    expected = 2 * (fast.decode_ms(1) + 16 * fast.prefill_ms_per_token) + 2 * fast.decode_ms(2)
+    # blocks 0-1: one decode row (11 tokens of history with its new one) and 16 prefill tokens; blocks 2-3: two
+    # decode rows, 11 + 21 tokens of history: each row reads its own KV, the parameters are read once
+    expected = 2 * (fast.decode_ms(1, 11) + 16 * fast.prefill_ms_per_token) + 2 * fast.decode_ms(2, 16)
     assert fast.batch_ms(batch) == pytest.approx(expected)
-    assert fast.block_ms(batch, 1) == pytest.approx(fast.decode_ms(1) + 16 * fast.prefill_ms_per_token)
-    assert fast.block_ms(batch, 3) == pytest.approx(fast.decode_ms(2)) and fast.block_ms(batch, 4) == 0
+    assert fast.block_ms(batch, 1) == pytest.approx(fast.decode_ms(1, 11) + 16 * fast.prefill_ms_per_token)
+    assert fast.block_ms(batch, 3) == pytest.approx(fast.decode_ms(2, 16)) and fast.block_ms(batch, 4) == 0
+    assert fast.decode_ms(2) == pytest.approx(fast.decode_ms_base + 2 * fast.decode_ms_per_row)  # rows of 2048
     custom = tmp_path / "tiny-gpu.json"
     custom.write_text(json.dumps({"memory_gb": 1, "prefill_ms_per_token": 0.5, "decode_ms_base": 2,
                                   "decode_ms_per_row": 0.25}))
