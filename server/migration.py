@@ -72,6 +72,7 @@ class Migrations:
         self.sessions, self.kv, self.dtype = sessions, kv, dtype
         self.stats = MigrationStats()
         self._moved: dict[str, tuple[str, list[str], Mode, float]] = {}  # session -> (peer id, addrs, mode, when)
+        self.unclaimed: set[str] = set()  # moved sessions whose client has not yet been told where they went
 
     # ---- what steps see
 
@@ -80,6 +81,7 @@ class Migrations:
         session = self._find(session_id)
         moved = self._moved.get(session_id)
         if moved is not None and session is None:
+            self.unclaimed.discard(session_id)
             raise SessionMoved.to(session_id, moved[0], moved[1], mode=moved[2])
         if session is not None and session.importing_from is not None:
             raise SessionNotFound(f"session {session_id!r} is still arriving from {session.importing_from}")
@@ -197,6 +199,7 @@ class Migrations:
         while len(self._moved) >= MAX_MOVED:
             self._moved.pop(next(iter(self._moved)))
         self._moved[session_id] = (peer_id, list(addrs), mode, now)
+        self.unclaimed = {sid for sid in self.unclaimed if sid in self._moved} | {session_id}
 
     def note_replayed_in(self) -> None:
         """Counts a session that arrived by replay (its client opened it here, naming the server it came from)."""

@@ -331,6 +331,7 @@ class SwarmServer:
             except TimeoutError:
                 log.warning("Could not announce draining within %.0f s", self.config.drain_timeout_s)
         await self._move_sessions_away()
+        await self._tell_moved_clients()
         self._steps_stopped = True
         if not await self.scheduler.wait_idle(self.config.drain_timeout_s):
             log.warning("%d step(s) still running after %.0f s", self.scheduler.pending, self.config.drain_timeout_s)
@@ -600,6 +601,16 @@ class SwarmServer:
         if moved or len(self.sessions):
             log.info("Draining: moved %d session(s) with their KV; %d left to replay elsewhere", moved,
                      len(self.sessions))
+
+    async def _tell_moved_clients(self) -> None:
+        """Stays up (within --drain-timeout) until the clients of the sessions it moved have sent a step here and
+        learned where their session went: a client that finds this server gone replays instead."""
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.migrations.unclaimed and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.migrations.unclaimed:
+            log.info("Draining: %d moved session(s) sent no step before the deadline; their clients will replay",
+                     len(self.migrations.unclaimed))
 
     async def _import_open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         self._check_accepting()

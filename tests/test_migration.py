@@ -4,6 +4,7 @@ there without a replay, greedy tokens stay those of the local model, and both po
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,22 @@ from transformers import AutoModelForCausalLM
 from client import ClientConfig, DistributedModelForCausalLM
 from client.swarm_client import SwarmClient
 from swarm.errors import MaxLengthExceeded, MigrationRefused, SessionNotFound, SwarmError
-from swarm.local_swarm import SwarmProcesses
+from swarm.local_swarm import Proc, SwarmProcesses
 from tests.test_failover import ActAfterTokens
 from tests.test_swarm_generate import prompt
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 30.0
+
+
+def start_servers(swarm: SwarmProcesses, model: Path, *servers: str | tuple[str, ...]) -> list[Proc]:
+    """Starts the DHT and a server per entry (its blocks, or its blocks and extra arguments); returns once all serve."""
+    swarm.start_dht()
+    started = [swarm.start_server(model, *((entry,) if isinstance(entry, str) else entry), wait=False)
+               for entry in servers]
+    for server in started:
+        swarm.wait_ready(server)
+    return started
 
 
 def infos(client: SwarmClient) -> dict[str, dict[str, Any]]:
@@ -48,10 +59,7 @@ def other_host(client: SwarmClient, peer_id: str) -> str:
 def test_sessions_move_mid_generation_and_tokens_match(
     swarm_factory: SwarmProcesses, tiny_llama: Path, mode: str, push: bool
 ) -> None:
-    swarm_factory.start_dht()
-    servers = [swarm_factory.start_server(tiny_llama, blocks, wait=False) for blocks in ("0:4", "0:4", "4:8", "4:8")]
-    for server in servers:
-        swarm_factory.wait_ready(server)
+    start_servers(swarm_factory, tiny_llama, "0:4", "0:4", "4:8", "4:8")
     local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     remote = DistributedModelForCausalLM.from_pretrained(
         str(tiny_llama), initial_peers=swarm_factory.initial_peers,
@@ -94,10 +102,7 @@ def test_sessions_move_mid_generation_and_tokens_match(
 def test_only_the_sessions_client_may_move_it_and_a_moved_session_is_gone_from_its_source(
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:
-    swarm_factory.start_dht()
-    servers = [swarm_factory.start_server(tiny_llama, "0:8", wait=False) for _ in range(2)]
-    for server in servers:
-        swarm_factory.wait_ready(server)
+    start_servers(swarm_factory, tiny_llama, "0:8", "0:8")
     config = ClientConfig(request_timeout_s=TIMEOUT_S)
     owner = DistributedModelForCausalLM.from_pretrained(str(tiny_llama), initial_peers=swarm_factory.initial_peers,
                                                        client_config=config)
@@ -132,10 +137,7 @@ def test_only_the_sessions_client_may_move_it_and_a_moved_session_is_gone_from_i
 def test_a_draining_server_moves_its_sessions_to_a_peer_and_they_go_on_without_a_replay(
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:
-    swarm_factory.start_dht()
-    servers = [swarm_factory.start_server(tiny_llama, "0:8", wait=False) for _ in range(2)]
-    for server in servers:
-        swarm_factory.wait_ready(server)
+    servers = start_servers(swarm_factory, tiny_llama, "0:8", "0:8")
     by_peer = {server.peer_id: server for server in servers}
     local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     remote = DistributedModelForCausalLM.from_pretrained(
@@ -152,6 +154,12 @@ def test_a_draining_server_moves_its_sessions_to_a_peer_and_they_go_on_without_a
                 peer_id = session.route[0].peer_id
                 drained.append(peer_id)
                 by_peer[peer_id].popen.send_signal(signal.SIGTERM)
+                # the generation waits here until the session has moved (else it could end before the move)
+                (survivor,) = set(by_peer) - {peer_id}
+                deadline = time.monotonic() + 60
+                while infos(remote.swarm).get(survivor, {}).get("migrations", {}).get("in", {}).get("kv") != 1:
+                    assert time.monotonic() < deadline, "the draining server moved no session"
+                    time.sleep(0.2)
 
             streamer = ActAfterTokens({4: drain})
             actual = remote.generate(input_ids, session=session, max_new_tokens=12, do_sample=False, streamer=streamer)
@@ -169,11 +177,8 @@ def test_a_draining_server_moves_its_sessions_to_a_peer_and_they_go_on_without_a
 def test_a_move_the_destination_refuses_leaves_the_session_whole_on_its_source(
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:
-    swarm_factory.start_dht()
-    source = swarm_factory.start_server(tiny_llama, "0:8", wait=False)
-    cramped = swarm_factory.start_server(tiny_llama, "0:8", "--max-length", "16", wait=False)  # too short for it
-    for server in (source, cramped):
-        swarm_factory.wait_ready(server)
+    # the second server cannot hold the session's 40 tokens
+    source, cramped = start_servers(swarm_factory, tiny_llama, "0:8", ("0:8", "--max-length", "16"))
     local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     remote = DistributedModelForCausalLM.from_pretrained(
         str(tiny_llama), initial_peers=swarm_factory.initial_peers,

@@ -19,24 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from orchestrator.packing.bins import BinPacker
-from orchestrator.packing.records import Item, Move
+from orchestrator.packing.records import Item
 
 
 class _FitPacker(BinPacker):
     """A packer that places each session on its own, by a fit rule over the active bins' free pages."""
-
-    def allocate(self, item: Item) -> list[Move]:
-        self._state.check_new(item.item_id, item.pages)
-        return self._operation(lambda: self._allocate(item))
-
-    def depart(self, item_id: str) -> list[Move]:
-        self._known(item_id)
-        return self._operation(lambda: self._depart(item_id))
-
-    def update(self, item_id: str, new_pages: int) -> list[Move]:
-        if not self._checked_growth(item_id, new_pages):
-            return []
-        return self._operation(lambda: self._update(item_id, new_pages))
 
     def _allocate(self, item: Item) -> None:
         self._state.add_unit(item.item_id, {item.item_id: item.pages})

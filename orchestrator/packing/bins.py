@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from orchestrator.packing.records import (
     DuplicateItem,
     InvariantViolation,
+    Item,
     ItemTooLarge,
     Move,
     NoFreeBin,
@@ -322,6 +323,31 @@ class BinPacker:
         """Gives the pages `session_id` holds."""
         self._known(session_id)
         return self._state.pages[session_id]
+
+    def allocate(self, item: Item) -> list[Move]:
+        """Places a new session; gives the moves of running sessions it causes."""
+        self._state.check_new(item.item_id, item.pages)
+        return self._operation(lambda: self._allocate(item))
+
+    def depart(self, item_id: str) -> list[Move]:
+        """Removes a session that ended; gives the moves it causes."""
+        self._known(item_id)
+        return self._operation(lambda: self._depart(item_id))
+
+    def update(self, item_id: str, new_pages: int) -> list[Move]:
+        """Grows a session to `new_pages`; gives the moves it causes."""
+        if not self._checked_growth(item_id, new_pages):
+            return []
+        return self._operation(lambda: self._update(item_id, new_pages))
+
+    def _allocate(self, item: Item) -> None:
+        raise NotImplementedError
+
+    def _depart(self, item_id: str) -> None:
+        raise NotImplementedError
+
+    def _update(self, item_id: str, new_pages: int) -> None:
+        raise NotImplementedError
 
     def invariant_violations(self) -> list[str]:
         """Gives what breaks capacity or the bookkeeping (subclasses add their policy's properties)."""

@@ -58,7 +58,7 @@ from orchestrator.packing.classes import (
     size_class,
 )
 from orchestrator.packing.priority import PriorityWeights, bin_priority, rtt_between
-from orchestrator.packing.records import Item, Move
+from orchestrator.packing.records import Item
 
 L, M, S, T, TINY = SizeClass.L, SizeClass.M, SizeClass.S, SizeClass.T, SizeClass.TINY
 _PER_BIN = {M: 2, S: 3}  # a full M-bin holds two M's, a full S-bin three S's (Theorem 1, properties 1 and 2)
@@ -100,19 +100,6 @@ class MellPacker(BinPacker):
     def newest(self, label: SizeClass | str) -> str | None:
         """Gives the most recently activated bin labelled `label`, None if there is none."""
         return self._newest(SizeClass(label), _NONE)
-
-    def allocate(self, item: Item) -> list[Move]:
-        self._state.check_new(item.item_id, item.pages)
-        return self._operation(lambda: self._allocate(item))
-
-    def depart(self, item_id: str) -> list[Move]:
-        self._known(item_id)
-        return self._operation(lambda: self._depart(item_id))
-
-    def update(self, item_id: str, new_pages: int) -> list[Move]:
-        if not self._checked_growth(item_id, new_pages):
-            return []
-        return self._operation(lambda: self._update(item_id, new_pages))
 
     def invariant_violations(self) -> list[str]:
         """Gives what breaks capacity, the bookkeeping, or Theorem 1 outside the newest bin of each label."""
