@@ -68,8 +68,8 @@ class MigrationStats:
 class Migrations:
     """Both ends of live KV migration for one server: sending sessions away, importing them, and where they went."""
 
-    def __init__(self, sessions: SessionTable, kv: PagedKV, dtype: torch.dtype) -> None:
-        self.sessions, self.kv, self.dtype = sessions, kv, dtype
+    def __init__(self, sessions: SessionTable, kv: PagedKV, dtype: torch.dtype, hidden_size: int) -> None:
+        self.sessions, self.kv, self.dtype, self.hidden_size = sessions, kv, dtype, hidden_size
         self.stats = MigrationStats()
         self._moved: dict[str, tuple[str, list[str], Mode, float]] = {}  # session -> (peer id, addrs, mode, when)
         self.unclaimed: set[str] = set()  # moved sessions whose client has not yet been told where they went
@@ -112,9 +112,9 @@ class Migrations:
             for block, row, start, end in self._chunks(session):
                 if not self.sessions.is_open(session):  # its client closed it meanwhile: its pages are gone
                     raise SessionNotFound(f"session {session.session_id!r} closed while it moved")
-                payload = self._chunk_payload(session, block, row, start, end)
-                sent_bytes += payload["bytes"]
-                await destination.call("import_kv", payload, timeout=timeout_s)
+                await destination.call("import_kv", self._chunk_payload(session, block, row, start, end),
+                                       timeout=timeout_s)
+                sent_bytes += (end - start) * self._token_bytes()
             commit: dict[str, Any] = {"session_id": session.session_id, "position": session.position}
             if session.last_step_id is not None and session.last_result is not None:
                 commit["last_step_id"] = session.last_step_id
@@ -183,8 +183,7 @@ class Migrations:
     def _chunk_payload(self, session: Session, block: int, row: int, start: int, end: int) -> dict[str, Any]:
         keys, values = self.kv.read(session.page_tables[block][row], start, end)
         return {"session_id": session.session_id, "block": block, "row": row, "start": start,
-                "keys": encode_tensor(keys.contiguous()), "values": encode_tensor(values.contiguous()),
-                "bytes": (end - start) * self._token_bytes()}
+                "keys": encode_tensor(keys.contiguous()), "values": encode_tensor(values.contiguous())}
 
     @staticmethod
     async def _abort_remote(destination: RpcConnection, session_id: str) -> None:
@@ -216,7 +215,6 @@ class Migrations:
         session = self.sessions.open(session_id, start, end, batch=batch, max_length=max_length, opener=source,
                                      tokens=max(1, position))
         session.importing_from = source
-        session.position = 0
         self._moved.pop(session_id, None)
         return session
 
@@ -250,7 +248,7 @@ class Migrations:
         if not 0 <= position <= held:
             raise InvalidTensor(f"position {position} is outside the {held} tokens the import holds")
         if last_step_id is not None and last_output is not None:
-            output = decode_tensor(last_output, max_elements=session.batch * session.max_length * 65536)
+            output = decode_tensor(last_output, max_elements=session.batch * session.max_length * self.hidden_size)
             session.last_step_id, session.last_result = last_step_id, StepResult(output, 0.0, 0)
         session.position = position
         session.importing_from = None

@@ -116,7 +116,7 @@ class SwarmServer:
             block_start=start, block_end=end, pool=self.pool, tokens_per_page=self.kv.tokens_per_page,
             max_length=config.max_length, headroom_tokens=config.kv_headroom_tokens,
         )
-        self.migrations = Migrations(self.sessions, self.kv, self.dtype)
+        self.migrations = Migrations(self.sessions, self.kv, self.dtype, self.blocks.hidden_size)
         self.hosting = Hosting(self.blocks, self.pool, self.sessions, load_timeout_s=config.block_change_timeout_s)
         self.hosting.add_listener(self._on_range_change)
         # A server that starts with no blocks measures one built outside its pool (and forgets it): the orchestrator

@@ -134,11 +134,21 @@ class PathPolicy:
         return self._drain(now_ms)
 
     def complete(self, job: int, now_ms: float) -> list[Start]:
+        self._release(job, now_ms)
+        return self._drain(now_ms)
+
+    def _release(self, job: int, now_ms: float) -> None:
+        """Gives `job`'s slots back to its servers."""
         route = self._running.pop(job)
         for name, count in zip(route.servers, route.blocks_per_server, strict=True):
             self.slots_free[name] += count
         self.finished(job, route, now_ms)
-        return self._drain(now_ms)
+
+    def _begin(self, job: int, route: Route, now_ms: float) -> Start:
+        """Notes that `job`, holding its slots on every server of `route`, starts now."""
+        self._running[job] = route
+        self.started(job, route, now_ms)
+        return Start(job, route)
 
     def _drain(self, now_ms: float) -> list[Start]:
         """Lets waiting requests take slots in arrival order; gives those that now hold their whole path."""
@@ -157,9 +167,7 @@ class PathPolicy:
             if waiting.held < len(route.servers):
                 still_waiting.append(waiting)
                 continue
-            self._running[waiting.job] = route
-            self.started(waiting.job, route, now_ms)
-            starts.append(Start(waiting.job, route))
+            starts.append(self._begin(waiting.job, route, now_ms))
         self._waiting = still_waiting
         return starts
 

@@ -141,10 +141,7 @@ class PetalsRetry(PetalsRouting):
         return self._attempt(job, 0, now_ms)
 
     def complete(self, job: int, now_ms: float) -> list[Start]:
-        route = self._running.pop(job)
-        for name, count in zip(route.servers, route.blocks_per_server, strict=True):
-            self.slots_free[name] += count
-        self.finished(job, route, now_ms)
+        self._release(job, now_ms)
         return []  # nobody is handed the freed slots: the next request to try takes them
 
     def next_wake_ms(self) -> float | None:
@@ -166,9 +163,7 @@ class PetalsRetry(PetalsRouting):
             return []
         for name, count in zip(route.servers, route.blocks_per_server, strict=True):
             self.slots_free[name] -= count
-        self._running[job] = route
-        self.started(job, route, now_ms)
-        return [Start(job, route)]
+        return [self._begin(job, route, now_ms)]
 
 
 def petals(swarm: SwarmModel, rng: np.random.Generator) -> PetalsRouting:
