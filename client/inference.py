@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ from client.swarm_client import SwarmClient
 from swarm.errors import (
     BlocksNotHosted,
     InternalServerError,
+    MalformedFrame,
     MaxLengthExceeded,
     NoRouteFound,
     PeerUnreachable,
@@ -78,6 +80,8 @@ class _SpanSession:
     session_id: str
     history: list[torch.Tensor] = field(default_factory=list)
     position: int = 0
+    steps_in_flight: int = 0  # step calls sent on `connection` whose reply has not come
+    following: asyncio.Future[None] | None = None  # set while the client switches it to the server it moved to
 
     @property
     def peer_id(self) -> str:
@@ -308,11 +312,15 @@ class RemoteInferenceSession:
         if config.compression:
             payload["compression"] = config.compression
         started = time.perf_counter()
-        if framed:
-            reply = await self.client.step_frames.call(span_session.connection, payload,
-                                                       timeout=config.request_timeout_s)
-        else:
-            reply = await span_session.connection.call("step", payload, timeout=config.request_timeout_s)
+        span_session.steps_in_flight += 1
+        try:
+            if framed:
+                reply = await self.client.step_frames.call(span_session.connection, payload,
+                                                           timeout=config.request_timeout_s)
+            else:
+                reply = await span_session.connection.call("step", payload, timeout=config.request_timeout_s)
+        finally:
+            span_session.steps_in_flight -= 1
         received = time.perf_counter()
         timings = self.timings[span_session.peer_id]
         timings.steps += 1
@@ -322,21 +330,49 @@ class RemoteInferenceSession:
         timings.batches += int(reply.get("batches", 1))
         return decode_tensor(reply["hidden"], dtype=dtype or (hidden.dtype if hidden is not None else None))
 
-    async def migrate(self, index: int, peer_id: str, *, mode: str = "kv") -> None:
+    async def migrate(self, index: int, peer_id: str, *, mode: str = "auto") -> dict[str, Any]:
         """Moves span `index`'s session to server `peer_id` (which must host the span's blocks) and goes on there:
-        with its KV cache (mode "kv"), or by replaying its inputs there ("replay"); raises the typed error of a move
-        that failed, the span then still where it was."""
+        with its KV cache (mode "kv"), by replaying its inputs there ("replay"), or the one the server expects to
+        end first ("auto"); gives the server's reply (the mode taken, and for "auto" both modes' expected seconds).
+        Raises the typed error of a move that failed, the span then still where it was."""
         span_session = self.spans[index]
-        await span_session.connection.call(
-            "migrate", {"session_id": span_session.session_id, "peer_id": peer_id, "mode": mode},
-            timeout=self.client.config.request_timeout_s,
-        )
-        await self._follow(index, SessionMoved.to(span_session.session_id, peer_id, [], mode=mode))
+        # On a stream of its own: calls on one stream are answered in order, and the session's steps go on meanwhile
+        control = await self.client.connect(span_session.span.record)
+        try:
+            reply = await control.call(
+                "migrate", {"session_id": span_session.session_id, "peer_id": peer_id, "mode": mode},
+                timeout=self.client.config.request_timeout_s,
+            )
+        finally:
+            await control.close()
+        taken = reply.get("mode")
+        if taken not in ("kv", "replay"):
+            raise MalformedFrame(f"server {span_session.span.peer_id} moved a session by an unknown mode {taken!r}")
+        # A step sent to the source meanwhile learns of the move there (SessionMoved) and follows it itself; closing
+        # its connection under it would turn that into a failover.
+        current = next((i for i, s in enumerate(self.spans) if s is span_session), None)
+        if current is not None and not span_session.steps_in_flight:
+            await self._follow(current, SessionMoved.to(span_session.session_id, peer_id, [], mode=taken))
+        return reply
 
     async def _follow(self, index: int, moved: SessionMoved) -> None:
         """Points span `index` at the server its session moved to, keeping its session id, position and saved
         inputs; falls back to a failover (replay) if that server is not in the DHT for the span's blocks."""
         span_session = self.spans[index]
+        # The move's reply and a step's SessionMoved may both tell of one move: the second waits for the first
+        if span_session.following is not None:
+            await asyncio.shield(span_session.following)
+            return
+        if span_session.span.peer_id == moved.peer_id:
+            return
+        span_session.following = asyncio.get_running_loop().create_future()
+        try:
+            await self._switch(index, span_session, moved)
+        finally:
+            span_session.following.set_result(None)
+            span_session.following = None
+
+    async def _switch(self, index: int, span_session: _SpanSession, moved: SessionMoved) -> None:
         span = span_session.span
         record = (await self.client.servers()).get(moved.peer_id or "")
         if record is None or not (record.block_start <= span.start and span.end <= record.block_end):
@@ -347,7 +383,13 @@ class RemoteInferenceSession:
         destination = Span(record.peer_id, span.start, span.end, record)
         if moved.replay:
             await span_session.connection.close()
-            replacement = await self._open_span(destination, moved_from=span.peer_id)
+            try:
+                replacement = await self._open_span(destination, moved_from=span.peer_id)
+            except SwarmError as error:  # it has no room after all: the session is gone from its source, fail over
+                log.warning("Session moved from %s to %s for a replay, which refused it (%s); failing over",
+                            span.peer_id, record.peer_id, error.message)
+                await self._replace(index)
+                return
             await self._replay_onto(span_session, [replacement])
             self.spans[index] = replacement
         else:
@@ -440,10 +482,11 @@ class InferenceSession:
         """Gives how many times a span moved to another server with its KV cache (no replay)."""
         return self.remote.moves
 
-    def migrate(self, index: int, peer_id: str, *, mode: str = "kv") -> None:
+    def migrate(self, index: int, peer_id: str, *, mode: str = "auto") -> dict[str, Any]:
         """Moves span `index` of the chain to server `peer_id`, which hosts its blocks: with its KV cache (mode
-        "kv") or by a replay of its inputs there ("replay")."""
-        self.client.run(self.remote.migrate(index, peer_id, mode=mode))
+        "kv"), by a replay of its inputs there ("replay"), or the one its server expects to end first ("auto");
+        gives the server's reply (the mode taken, and for "auto" the expected seconds of both)."""
+        return self.client.run(self.remote.migrate(index, peer_id, mode=mode))
 
     def timings(self) -> list[SpanTimings]:
         """Gives per-server timings, in chain order of first use."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from orchestrator.admission import DEFAULT_HEADROOM_TOKENS
 from server.config import ServerConfig
+from server.migration import IMPORT_IDLE_S, KV_CHUNK_BYTES
 from server.server import SwarmServer
 from swarm.errors import InvalidBlockRange, OutOfPages, UnsupportedArchitecture
 from swarm.memory import DEFAULT_PAGE_BYTES, parse_size
@@ -44,6 +45,16 @@ def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text}")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        value = parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text}")
     return value
 
 
@@ -116,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="for experiments only: hold each batch for the time this GPU profile takes and size the pool by its "
         "memory (a100-3g.40gb, a100-2g.20gb, or a JSON file; see server/emulated_gpu.py)",
     )
+    parser.add_argument(
+        "--migration-chunk-size", type=_size, default=KV_CHUNK_BYTES,
+        help="KV bytes one frame of a session's migration carries at most; other sessions' steps go between frames",
+    )
+    parser.add_argument(
+        "--import-idle-timeout", type=float, default=IMPORT_IDLE_S,
+        help="seconds after which a session arriving by migration whose source went silent is dropped",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -154,6 +173,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_headroom_tokens=args.kv_headroom_tokens,
         inline_step_ms=args.inline_step_ms,
         torch_threads=args.torch_threads,
+        migration_chunk_bytes=args.migration_chunk_size,
+        import_idle_timeout_s=args.import_idle_timeout,
     )
 
 

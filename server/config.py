@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.admission import DEFAULT_HEADROOM_TOKENS
+from server.migration import IMPORT_IDLE_S, KV_CHUNK_BYTES
 from swarm.memory import DEFAULT_PAGE_BYTES
 from swarm.model import DEFAULT_MODEL
 
@@ -40,6 +41,8 @@ class ServerConfig:
     record_ttl_s: float = 30.0
     drain_timeout_s: float = 10.0
     push_timeout_s: float = 10.0
+    migration_chunk_bytes: int = KV_CHUNK_BYTES  # KV bytes one import_kv frame of a migration carries at most
+    import_idle_timeout_s: float = IMPORT_IDLE_S  # an import whose source sent nothing this long is dropped
     max_batch_tokens: int | None = None  # tokens one batch computes at most (decode steps, then prefill chunks);
     # None: the device's default (server.scheduler.DEFAULT_MAX_BATCH_TOKENS)
     kv_headroom_tokens: int = DEFAULT_HEADROOM_TOKENS  # growth expected of each running session, for admission

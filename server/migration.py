@@ -9,14 +9,15 @@ holds its steps (they wait), and talks to the destination over one stream:
 1. `import_open`: the destination opens the session with pages for its whole history (its headroom rule decides,
    `ServerBusy` otherwise) and marks it as importing from this source: it takes no steps yet;
 2. `import_kv`, chunk by chunk: the keys and values of tokens [start, end) of one block and row, at most
-   `KV_CHUNK_BYTES` a frame; the event loop serves other sessions' steps between two chunks;
+   `chunk_bytes` a frame (`--migration-chunk-size`, default `KV_CHUNK_BYTES`); the event loop serves other
+   sessions' steps between two chunks;
 3. `import_commit`: the destination sets the session's position and last step (so a step the source already
    computed is answered again, not recomputed) and serves it from then on.
 Only then the source frees the session's pages and keeps a tombstone: every later step of the session gets
 `SessionMoved` naming the destination, and the client switches to it. A failure at any point before the commit's
 reply leaves the session whole on the source (it goes on there) and asks the destination to drop what it took; an
-import whose source went silent is dropped after `IMPORT_IDLE_S`. Only the server that opened an import may write
-into it, commit or abort it.
+import whose source went silent is dropped after `import_idle_s` (`--import-idle-timeout`). Only the server that
+opened an import may write into it, commit or abort it.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from orchestrator.packing import MigrationCosts
+from orchestrator.packing.migration_split import Mode
 from server.sessions import Session, SessionTable, StepResult
 from swarm.errors import InvalidTensor, SessionMoved, SessionNotFound, SwarmError
 from swarm.model.paged_kv import PagedKV
@@ -44,8 +47,63 @@ MOVED_TTL_S = 900.0  # how long a source remembers where a session went
 MAX_MOVED = 4096
 STEP_WAIT_S = 30.0  # how long a move waits for the session's running step to finish
 POLL_S = 0.005
-Mode = Literal["kv", "replay"]
 MODES: tuple[Mode, ...] = ("kv", "replay")
+AUTO = "auto"  # a move's mode chosen by `choose_mode` from measured costs
+DEFAULT_LINK_MBPS = 100.0  # a link's bandwidth before anything was measured on it
+MIN_BANDWIDTH_SAMPLE_BYTES = 256 << 10  # transfers smaller than this say little about a link's bandwidth
+EPOCH_S = 1.0
+BUDGET_SHARE = 0.5  # of an epoch, for the link's bytes and for the destination's replay prefill alike
+
+
+class LinkEstimates:
+    """Per peer, the bandwidth this server's KV transfers to it achieved (smoothed)."""
+
+    def __init__(self) -> None:
+        self._bytes_per_s: dict[str, float] = {}
+
+    def note_transfer(self, peer_id: str, sent_bytes: int, seconds: float, waits_s: float) -> None:
+        """Counts a transfer of `sent_bytes` over `seconds`, of which `waits_s` were round trips, not bytes."""
+        busy_s = seconds - waits_s
+        if sent_bytes < MIN_BANDWIDTH_SAMPLE_BYTES or busy_s <= 0:
+            return
+        sample = sent_bytes / busy_s
+        previous = self._bytes_per_s.get(peer_id)
+        self._bytes_per_s[peer_id] = sample if previous is None else 0.5 * previous + 0.5 * sample
+
+    def bytes_per_s(self, peer_id: str, *measured_mbps: float | None) -> float:
+        """Gives the link's bandwidth to `peer_id`: measured on transfers, else the lowest of `measured_mbps`
+        (each side's measured inbound throughput), else DEFAULT_LINK_MBPS."""
+        known = self._bytes_per_s.get(peer_id)
+        if known is not None:
+            return known
+        rates = [mbps for mbps in measured_mbps if mbps]
+        return (min(rates) if rates else DEFAULT_LINK_MBPS) * 1e6 / 8
+
+
+@dataclass(frozen=True)
+class MoveChoice:
+    """The mode a move took and, when `choose_mode` picked it, the seconds it expected of each mode."""
+
+    mode: Mode
+    kv_s: float | None = None
+    replay_s: float | None = None
+
+    def to_wire(self) -> dict[str, object]:
+        expected = {} if self.kv_s is None else {"expected_s": {"kv": round(self.kv_s, 4),
+                                                                "replay": round(self.replay_s or 0.0, 4)}}
+        return {"mode": self.mode, **expected}
+
+
+def move_costs(*, kv_bytes_per_token: int, bandwidth_bytes_per_s: float, rtt_s: float, prefill_s_per_token: float,
+               replay_bytes_per_token: int, chunk_bytes: int = KV_CHUNK_BYTES) -> MigrationCosts:
+    """Gives the costs of moving one session by either mode, as this server's migrations run: chunks of at most
+    `chunk_bytes` each wait for their reply, and a replay costs the client two round trips (the step that learns
+    of the move, the open at the destination) and the upload of its saved inputs."""
+    return MigrationCosts(
+        kv_bytes_per_token, bandwidth_bytes_per_s, rtt_s, prefill_s_per_token, EPOCH_S,
+        comm_budget_share=BUDGET_SHARE, comp_budget_share=BUDGET_SHARE, chunk_bytes=chunk_bytes,
+        replay_bytes_per_token=replay_bytes_per_token, replay_round_trips=2,
+    )
 
 
 @dataclass
@@ -58,19 +116,25 @@ class MigrationStats:
     bytes_in: int = 0
     bytes_out: int = 0
     ms_out: float = 0.0
+    chosen: Counter[str] = field(default_factory=Counter)  # moves whose mode `choose_mode` picked, by mode
+    held_steps: int = 0  # steps that arrived while their session's KV was leaving, and waited for the move
 
     def to_wire(self) -> dict[str, object]:
         return {"in": {mode: self.sessions_in[mode] for mode in MODES},
                 "out": {mode: self.sessions_out[mode] for mode in MODES}, "failed_out": self.failed_out,
-                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "ms_out": round(self.ms_out, 3)}
+                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "ms_out": round(self.ms_out, 3),
+                "chosen": {mode: self.chosen[mode] for mode in MODES}, "held_steps": self.held_steps}
 
 
 class Migrations:
     """Both ends of live KV migration for one server: sending sessions away, importing them, and where they went."""
 
-    def __init__(self, sessions: SessionTable, kv: PagedKV, dtype: torch.dtype, hidden_size: int) -> None:
+    def __init__(self, sessions: SessionTable, kv: PagedKV, dtype: torch.dtype, hidden_size: int, *,
+                 chunk_bytes: int = KV_CHUNK_BYTES, import_idle_s: float = IMPORT_IDLE_S) -> None:
         self.sessions, self.kv, self.dtype, self.hidden_size = sessions, kv, dtype, hidden_size
+        self.chunk_bytes, self.import_idle_s = chunk_bytes, import_idle_s
         self.stats = MigrationStats()
+        self.links = LinkEstimates()
         self._moved: dict[str, tuple[str, list[str], Mode, float]] = {}  # session -> (peer id, addrs, mode, when)
         self.unclaimed: set[str] = set()  # moved sessions whose client has not yet been told where they went
 
@@ -90,31 +154,41 @@ class Migrations:
         """Waits while the session's KV leaves; raises SessionMoved if it left."""
         session = self._find(session_id)
         if session is not None and session.moving is not None:
+            self.stats.held_steps += 1
             await asyncio.shield(session.moving)
         self.check_step(session_id)
 
     # ---- the source
 
-    async def send(self, session: Session, destination: RpcConnection, addrs: list[str], *, timeout_s: float) -> None:
+    def token_bytes(self, session: Session) -> int:
+        """Gives the KV bytes one token of `session` takes over all its blocks and rows."""
+        return self._token_bytes() * (session.end - session.start) * session.batch
+
+    async def send(self, session: Session, destination: RpcConnection, addrs: list[str], *, timeout_s: float,
+                   rtt_s: float = 0.0) -> None:
         """Moves `session` to the server at the other end of `destination` (see the module docstring); raises the
         typed error of a move that failed, the session then still whole here."""
         if session.moving is not None or session.importing_from is not None:
             raise SessionNotFound(f"session {session.session_id!r} is already moving")
         started = time.perf_counter()
         session.moving = asyncio.get_running_loop().create_future()
-        sent_bytes, committed = 0, False
+        sent_bytes, chunks, committed = 0, 0, False
         try:
             await self._quiesce(session)
             await destination.call("import_open", {
                 "session_id": session.session_id, "blocks": [session.start, session.end], "batch": session.batch,
                 "max_length": session.max_length, "position": session.position,
             }, timeout=timeout_s)
+            chunks_started = time.perf_counter()
             for block, row, start, end in self._chunks(session):
                 if not self.sessions.is_open(session):  # its client closed it meanwhile: its pages are gone
                     raise SessionNotFound(f"session {session.session_id!r} closed while it moved")
                 await destination.call("import_kv", self._chunk_payload(session, block, row, start, end),
                                        timeout=timeout_s)
                 sent_bytes += (end - start) * self._token_bytes()
+                chunks += 1
+            self.links.note_transfer(destination.peer_id, sent_bytes, time.perf_counter() - chunks_started,
+                                     chunks * rtt_s)
             commit: dict[str, Any] = {"session_id": session.session_id, "position": session.position}
             if session.last_step_id is not None and session.last_result is not None:
                 commit["last_step_id"] = session.last_step_id
@@ -174,8 +248,8 @@ class Migrations:
 
     def _chunks(self, session: Session) -> list[tuple[int, int, int, int]]:
         """Gives the pieces of the session's filled KV that travel one per frame: (block, row, start, end) with
-        token ranges of at most KV_CHUNK_BYTES of keys and values."""
-        span = max(1, KV_CHUNK_BYTES // self._token_bytes())
+        token ranges of at most `chunk_bytes` of keys and values (one token at least)."""
+        span = max(1, self.chunk_bytes // self._token_bytes())
         return [(block, row, start, min(session.position, start + span))
                 for block in range(session.start, session.end) for row in range(session.batch)
                 for start in range(0, session.position, span)]
@@ -262,10 +336,10 @@ class Migrations:
         self.sessions.close(session_id)
 
     def expire_imports(self) -> list[str]:
-        """Drops the imports that received nothing for IMPORT_IDLE_S; gives their ids."""
+        """Drops the imports that received nothing for `import_idle_s`; gives their ids."""
         now = time.monotonic()
         stale = [s.session_id for s in self.sessions
-                 if s.importing_from is not None and now - s.last_active_s > IMPORT_IDLE_S]
+                 if s.importing_from is not None and now - s.last_active_s > self.import_idle_s]
         return [session_id for session_id in stale if self.sessions.close(session_id)]
 
     def _import(self, source: str, session_id: str) -> Session:

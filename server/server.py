@@ -15,11 +15,12 @@ import torch
 from hivemind.p2p import P2P
 
 from orchestrator.block_selection import HostedSpan, better_start, blocks_that_fit, choose_start
+from orchestrator.packing import choose_mode
 from server.compute import DECODE_BATCHES, BlockSpeed, cached_block_speed
 from server.config import ServerConfig
 from server.emulated_gpu import load_profile
 from server.hosting import Hosting
-from server.migration import MODES, Migrations, Mode
+from server.migration import AUTO, MODES, Migrations, MoveChoice, move_costs
 from server.push import Pusher
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS, StepScheduler
 from server.sessions import Session, SessionTable, Step, StepResult
@@ -42,7 +43,7 @@ from swarm.errors import (
 from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, parse_size
 from swarm.model import BlockRange, ModelSource, parse_block_range, pick_device, pick_dtype, resolve_model
 from swarm.records import SOFTWARE_VERSION, BatchTiming, NextHop, ServerRecord, ServerState
-from swarm.rpc import CallContext, RpcServer, dial
+from swarm.rpc import CallContext, RpcConnection, RpcServer, dial
 from swarm.wire import MAX_STEPS_PER_FRAME, decode_tensor, encode_tensor, validate_compression
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,9 @@ class SwarmServer:
             block_start=start, block_end=end, pool=self.pool, tokens_per_page=self.kv.tokens_per_page,
             max_length=config.max_length, headroom_tokens=config.kv_headroom_tokens,
         )
-        self.migrations = Migrations(self.sessions, self.kv, self.dtype, self.blocks.hidden_size)
+        self.migrations = Migrations(self.sessions, self.kv, self.dtype, self.blocks.hidden_size,
+                                     chunk_bytes=config.migration_chunk_bytes,
+                                     import_idle_s=config.import_idle_timeout_s)
         self.hosting = Hosting(self.blocks, self.pool, self.sessions, load_timeout_s=config.block_change_timeout_s)
         self.hosting.add_listener(self._on_range_change)
         # A server that starts with no blocks measures one built outside its pool (and forgets it): the orchestrator
@@ -536,9 +539,10 @@ class SwarmServer:
         return session, result
 
     async def _migrate(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
-        """Moves a session to server `peer_id` (which hosts its blocks), `mode` "kv" (its KV travels; the default)
-        or "replay" (its client replays there); asked by the session's client or by an orchestrator this server
-        follows. Answers once the destination serves it (kv) or the session left (replay)."""
+        """Moves a session to server `peer_id` (which hosts its blocks), `mode` "kv" (its KV travels), "replay" (its
+        client replays there) or "auto" (the default: the one `choose_mode` expects to end first); asked by the
+        session's client or by an orchestrator this server follows. Answers once the destination serves it (kv) or
+        the session left (replay), with the mode taken and, for "auto", both modes' expected seconds."""
         self._check_serving()
         session = self.sessions.get(field(payload, "session_id", str))
         if ctx.peer_id not in (session.opener, *self.config.orchestrators):
@@ -547,27 +551,69 @@ class SwarmServer:
         peer_id = field(payload, "peer_id", str)
         if peer_id == self.peer_id:
             raise MalformedFrame("a session cannot move to the server it is on")
-        mode = field(payload, "mode", str, optional=True) or "kv"
-        if mode not in MODES:
-            raise MalformedFrame(f"migration mode {mode!r} is none of {', '.join(MODES)}")
-        await self.migrate_session(session, peer_id, mode)
-        return {"peer_id": peer_id, "position": session.position, "mode": mode}
+        mode = field(payload, "mode", str, optional=True) or AUTO
+        if mode not in (*MODES, AUTO):
+            raise MalformedFrame(f"migration mode {mode!r} is none of {', '.join((*MODES, AUTO))}")
+        position = session.position
+        choice = await self.migrate_session(session, peer_id, mode)
+        return {"peer_id": peer_id, "position": position, **choice.to_wire()}
 
-    async def migrate_session(self, session: Session, peer_id: str, mode: Mode = "kv") -> None:
-        """Moves `session` to server `peer_id`, found in the DHT as a host of its first block."""
+    async def migrate_session(self, session: Session, peer_id: str, mode: str = AUTO) -> MoveChoice:
+        """Moves `session` to server `peer_id`, found in the DHT as a host of its first block; gives the mode taken."""
         addrs = await self._announced_addrs(peer_id, session.start)
         if addrs is None:
             raise PeerUnreachable(f"server {peer_id} announces no block {session.start} of {self.source.model_id}")
         if mode == "replay":
             await self.migrations.hand_over(session, peer_id, addrs)
-            return
+            return MoveChoice("replay")
         assert self._p2p is not None, "the server moves sessions only once started"
         connection = await dial(self._p2p, peer_id, addrs, timeout=self.config.push_timeout_s,
                                 max_frame_bytes=self.config.max_frame_bytes)
         try:
-            await self.migrations.send(session, connection, addrs, timeout_s=self.config.push_timeout_s)
+            rtt_s, destination = await self._probe(connection)
+            choice = self._choose_mode(session, peer_id, rtt_s, destination) if mode == AUTO else MoveChoice("kv")
+            if choice.mode == "replay":
+                await self.migrations.hand_over(session, peer_id, addrs)
+            else:
+                await self.migrations.send(session, connection, addrs, timeout_s=self.config.push_timeout_s,
+                                           rtt_s=rtt_s)
         finally:
             await connection.close()
+        return choice
+
+    async def _probe(self, connection: RpcConnection) -> tuple[float, ServerRecord | None]:
+        """Gives the round-trip time to the server at the other end (an `info` call on a warm stream) and its fresh
+        record."""
+        await connection.call("info", {}, timeout=self.config.push_timeout_s)  # the first call opens the stream
+        started = time.perf_counter()
+        reply = await connection.call("info", {}, timeout=self.config.push_timeout_s)
+        rtt_s = time.perf_counter() - started
+        record = ServerRecord.from_wire(reply.get("record"))
+        return rtt_s, record if record is not None and record.peer_id == connection.peer_id else None
+
+    def _choose_mode(self, session: Session, peer_id: str, rtt_s: float,
+                     destination: ServerRecord | None) -> MoveChoice:
+        """Picks the mode of a move of `session` to `peer_id` from the measured link and the destination's measured
+        prefill speed (this server's own if the destination announces none)."""
+        blocks = session.end - session.start
+        prefill_ms = self.block_prefill_ms_per_token or self.scheduler.block_compute_ms
+        if destination is not None and destination.block_prefill_ms_per_token:
+            prefill_ms = destination.block_prefill_ms_per_token
+        bandwidth = self.migrations.links.bytes_per_s(
+            peer_id, self.network_mbps, destination.network_mbps if destination is not None else None)
+        costs = move_costs(
+            kv_bytes_per_token=self.migrations.token_bytes(session), bandwidth_bytes_per_s=bandwidth, rtt_s=rtt_s,
+            prefill_s_per_token=prefill_ms * blocks / 1000,
+            replay_bytes_per_token=session.batch * self.blocks.hidden_size * torch.finfo(self.dtype).bits // 8,
+            chunk_bytes=self.migrations.chunk_bytes,
+        )
+        mode = choose_mode(costs, session.position, self.peer_id, peer_id)
+        self.migrations.stats.chosen[mode] += 1
+        log.info("Moving session %s (%d tokens) to %s by %s: expected %.3f s by KV transfer, %.3f s by replay "
+                 "(RTT %.1f ms, %.1f Mbit/s)", session.session_id, session.position, peer_id, mode,
+                 costs.kv_seconds(session.position), costs.replay_seconds(session.position), rtt_s * 1000,
+                 bandwidth * 8 / 1e6)
+        return MoveChoice(mode, costs.kv_seconds(session.position), costs.replay_seconds(session.position))
 
     async def _move_sessions_away(self) -> None:
         """Moves every open session with its KV to a peer that hosts its blocks and has room (the most room
@@ -591,7 +637,7 @@ class SwarmServer:
                 if time.monotonic() > deadline:
                     break
                 try:
-                    await asyncio.wait_for(self.migrate_session(session, record.peer_id),
+                    await asyncio.wait_for(self.migrate_session(session, record.peer_id, "kv"),
                                            max(0.1, deadline - time.monotonic()))
                     moved += 1
                     break

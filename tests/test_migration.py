@@ -3,9 +3,11 @@ there without a replay, greedy tokens stay those of the local model, and both po
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from client import ClientConfig, DistributedModelForCausalLM
 from client.swarm_client import SwarmClient
-from swarm.errors import MaxLengthExceeded, MigrationRefused, SessionNotFound, SwarmError
+from swarm.errors import MaxLengthExceeded, MigrationRefused, ServerBusy, SessionNotFound, SwarmError
 from swarm.local_swarm import Proc, SwarmProcesses
 from tests.test_failover import ActAfterTokens
 from tests.test_swarm_generate import prompt
@@ -46,6 +48,48 @@ def infos(client: SwarmClient) -> dict[str, dict[str, Any]]:
     return replies
 
 
+def info_of(client: SwarmClient, peer_id: str) -> dict[str, Any]:
+    """Gives one server's `info` reply."""
+    with watching(client, peer_id) as info:
+        return info()
+
+
+@contextlib.contextmanager
+def watching(client: SwarmClient, peer_id: str) -> Iterator[Callable[[], dict[str, Any]]]:
+    """Gives a function that asks one server for its `info` on one open stream (a few ms a call, where a lookup in
+    the DHT first would take far longer: fast enough to catch a move in the middle)."""
+    record = client.run(client.servers())[peer_id]
+    connection = client.run(client.connect(record))
+    try:
+        yield lambda: client.run(connection.call("info", {}, timeout=TIMEOUT_S))
+    finally:
+        client.run(connection.close())
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def in_background(action: Callable[[], object], errors: list[BaseException]) -> threading.Thread:
+    """Runs `action` on a thread of its own, keeping what it raised in `errors`."""
+
+    def run() -> None:
+        try:
+            action()
+        except BaseException as error:  # the test asserts on it
+            errors.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+SLOW_MOVES = ("--migration-chunk-size", "256B")  # a frame per token, block and row: a move takes hundreds of frames
+
+
 def other_host(client: SwarmClient, peer_id: str) -> str:
     """Gives the other server that hosts the same blocks as `peer_id`."""
     records = client.run(client.servers())
@@ -54,8 +98,8 @@ def other_host(client: SwarmClient, peer_id: str) -> str:
     return other
 
 
-@pytest.mark.parametrize(("mode", "push"), [("kv", True), ("kv", False), ("replay", True)],
-                         ids=["kv-push", "kv-no-push", "replay-push"])
+@pytest.mark.parametrize(("mode", "push"), [("kv", True), ("kv", False), ("replay", True), ("auto", True)],
+                         ids=["kv-push", "kv-no-push", "replay-push", "auto-push"])
 def test_sessions_move_mid_generation_and_tokens_match(
     swarm_factory: SwarmProcesses, tiny_llama: Path, mode: str, push: bool
 ) -> None:
@@ -70,15 +114,16 @@ def test_sessions_move_mid_generation_and_tokens_match(
         baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
         input_ids = prompt(30, 7)
         expected = local.generate(input_ids, max_new_tokens=16, do_sample=False)
-        moved: list[tuple[str, str]] = []
+        moved: list[tuple[str, str, str]] = []
         with remote.inference_session(max_length=64) as session:
 
             def move(span_index: int) -> Callable[[], None]:
                 def act() -> None:
                     source = session.route[span_index].peer_id
                     destination = other_host(client, source)
-                    session.migrate(span_index, destination, mode=mode)
-                    moved.append((source, destination))
+                    reply = session.migrate(span_index, destination, mode=mode)
+                    assert reply["mode"] == mode or (mode == "auto" and set(reply["expected_s"]) == {"kv", "replay"})
+                    moved.append((source, destination, reply["mode"]))
                     assert session.route[span_index].peer_id == destination
 
                 return act
@@ -88,12 +133,14 @@ def test_sessions_move_mid_generation_and_tokens_match(
             assert (session.moves, session.failovers) == (2, 0)  # moved, never failed over
         assert actual.tolist() == expected.tolist()
         replies = infos(client)
-        counts = {"kv": 1, "replay": 0} if mode == "kv" else {"kv": 0, "replay": 1}
-        for source, destination in moved:
+        for source, destination, taken in moved:
+            counts = {"kv": 1, "replay": 0} if taken == "kv" else {"kv": 0, "replay": 1}
             assert replies[source]["migrations"]["out"] == counts
             assert replies[destination]["migrations"]["in"] == counts
+            chosen = counts if mode == "auto" else {"kv": 0, "replay": 0}
+            assert replies[source]["migrations"]["chosen"] == chosen
             sent, received = replies[source]["migrations"]["bytes_out"], replies[destination]["migrations"]["bytes_in"]
-            assert sent == received and (sent > 0) == (mode == "kv")
+            assert sent == received and (sent > 0) == (taken == "kv")
         assert {peer: info["record"]["pages_free"] for peer, info in replies.items()} == baseline
     finally:
         remote.shutdown()
@@ -195,7 +242,7 @@ def test_a_move_the_destination_refuses_leaves_the_session_whole_on_its_source(
 
             def try_move() -> None:
                 try:
-                    session.migrate(0, cramped.peer_id)
+                    session.migrate(0, cramped.peer_id, mode="kv")
                 except SwarmError as error:
                     refusals.append(error)
 
@@ -206,6 +253,199 @@ def test_a_move_the_destination_refuses_leaves_the_session_whole_on_its_source(
         assert actual.tolist() == expected.tolist()
         replies = infos(client)
         assert replies[source.peer_id]["migrations"]["failed_out"] == 1
+        assert {peer: info["record"]["pages_free"] for peer, info in replies.items()} == baseline
+    finally:
+        remote.shutdown()
+
+
+def test_a_destination_that_dies_mid_transfer_leaves_the_session_whole_on_its_source(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    servers = start_servers(swarm_factory, tiny_llama, ("0:8", *SLOW_MOVES), ("0:8", *SLOW_MOVES))
+    by_peer = {server.peer_id: server for server in servers}
+    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    remote = DistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama), initial_peers=swarm_factory.initial_peers,
+        client_config=ClientConfig(request_timeout_s=TIMEOUT_S),
+    )
+    try:
+        client = remote.swarm
+        baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
+        input_ids = prompt(200, 11)  # 1,600 frames of KV to move
+        expected = local.generate(input_ids, max_new_tokens=10, do_sample=False)
+        errors: list[BaseException] = []
+        with remote.inference_session(max_length=256) as session:
+            source = session.route[0].peer_id if session.route else ""
+
+            def kill_destination_mid_move() -> None:
+                destination = other_host(client, session.route[0].peer_id)
+                with watching(client, destination) as info:
+                    mover = in_background(lambda: session.migrate(0, destination, mode="kv"), errors)
+                    wait_until(lambda: info()["migrations"]["bytes_in"] > 0, "the first chunk")
+                    swarm_factory.kill(by_peer[destination])
+                mover.join(TIMEOUT_S * 2)
+                assert not mover.is_alive()
+
+            actual = remote.generate(input_ids, session=session, max_new_tokens=10, do_sample=False,
+                                     streamer=ActAfterTokens({3: kill_destination_mid_move}))
+            source = session.route[0].peer_id
+            assert (session.moves, session.failovers) == (0, 0)  # it stayed on its source, KV and all
+        assert [isinstance(error, SwarmError) for error in errors] == [True]
+        assert actual.tolist() == expected.tolist()
+        reply = info_of(client, source)
+        assert reply["migrations"]["failed_out"] == 1 and reply["migrations"]["out"] == {"kv": 0, "replay": 0}
+        assert reply["record"]["pages_free"] == baseline[source]
+    finally:
+        remote.shutdown()
+
+
+def test_a_source_that_dies_mid_transfer_fails_over_and_the_destination_drops_the_import(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    extra = (*SLOW_MOVES, "--import-idle-timeout", "1", "--session-timeout", "4")
+    servers = start_servers(swarm_factory, tiny_llama, ("0:8", *extra), ("0:8", *extra))
+    by_peer = {server.peer_id: server for server in servers}
+    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    remote = DistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama), initial_peers=swarm_factory.initial_peers,
+        client_config=ClientConfig(request_timeout_s=TIMEOUT_S),
+    )
+    try:
+        client = remote.swarm
+        baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
+        input_ids = prompt(200, 12)
+        expected = local.generate(input_ids, max_new_tokens=10, do_sample=False)
+        errors: list[BaseException] = []
+        survivor: list[str] = []
+        with remote.inference_session(max_length=256) as session:
+
+            def kill_source_mid_move() -> None:
+                source = session.route[0].peer_id
+                destination = other_host(client, source)
+                survivor.append(destination)
+                with watching(client, destination) as info:
+                    mover = in_background(lambda: session.migrate(0, destination, mode="kv"), errors)
+                    wait_until(lambda: info()["migrations"]["bytes_in"] > 0, "the first chunk")
+                    swarm_factory.kill(by_peer[source])
+                mover.join(TIMEOUT_S * 2)
+                assert not mover.is_alive()
+
+            actual = remote.generate(input_ids, session=session, max_new_tokens=10, do_sample=False,
+                                     streamer=ActAfterTokens({3: kill_source_mid_move}))
+            assert (session.moves, session.failovers) == (0, 1)  # a replay on the survivor: its source is gone
+            assert session.route[0].peer_id == survivor[0]
+        assert [isinstance(error, SwarmError) for error in errors] == [True]
+        assert actual.tolist() == expected.tolist()
+        # the half-done import received nothing more and was dropped; the replayed session closed with the generation
+        wait_until(lambda: info_of(client, survivor[0])["record"]["pages_free"] == baseline[survivor[0]],
+                   "the destination's pages to return", timeout_s=30)
+        assert info_of(client, survivor[0])["migrations"]["in"] == {"kv": 0, "replay": 0}
+    finally:
+        remote.shutdown()
+
+
+def test_a_destination_out_of_pages_refuses_the_move_and_the_session_stays_whole(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    swarm_factory.start_dht()
+    # 20 free KV pages of 16 KB (62 tokens of 8 blocks a page each): room for one session of 64 tokens
+    full = swarm_factory.start_server(tiny_llama, "0:8", "--memory", "1600KB", "--page-size", "16KB",
+                                      "--max-length", "64")
+    config = ClientConfig(request_timeout_s=TIMEOUT_S)
+    squatter = DistributedModelForCausalLM.from_pretrained(str(tiny_llama), initial_peers=swarm_factory.initial_peers,
+                                                          client_config=config)
+    remote = None
+    try:
+        with squatter.inference_session(max_length=64) as held:
+            squatter.generate(prompt(20, 13), session=held, max_new_tokens=2, do_sample=False)
+            assert held.route[0].peer_id == full.peer_id
+            source = swarm_factory.start_server(tiny_llama, "0:8")
+            remote = DistributedModelForCausalLM.from_pretrained(
+                str(tiny_llama), initial_peers=swarm_factory.initial_peers, client_config=config)
+            client = remote.swarm
+            wait_until(lambda: len(client.run(client.servers())) == 2, "both servers in the DHT")
+            baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
+            local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+            input_ids = prompt(30, 14)
+            expected = local.generate(input_ids, max_new_tokens=10, do_sample=False)
+            refusals: list[SwarmError] = []
+            with remote.inference_session(max_length=60) as session:
+
+                def try_move() -> None:
+                    assert session.route[0].peer_id == source.peer_id  # the full server refused it at open
+                    try:
+                        session.migrate(0, full.peer_id, mode="kv")
+                    except SwarmError as error:
+                        refusals.append(error)
+
+                actual = remote.generate(input_ids, session=session, max_new_tokens=10, do_sample=False,
+                                         streamer=ActAfterTokens({3: try_move}))
+                assert (session.moves, session.failovers) == (0, 0) and session.route[0].peer_id == source.peer_id
+            assert [type(error) for error in refusals] == [ServerBusy]
+            assert actual.tolist() == expected.tolist()
+            replies = infos(client)
+            assert replies[source.peer_id]["migrations"]["failed_out"] == 1
+            assert {peer: info["record"]["pages_free"] for peer, info in replies.items()} == baseline
+    finally:
+        squatter.shutdown()
+        if remote is not None:
+            remote.shutdown()
+
+
+@pytest.mark.parametrize("push", [True, False], ids=["push", "no-push"])
+def test_steps_that_arrive_during_a_move_wait_and_follow_it_without_a_replay(
+    swarm_factory: SwarmProcesses, tiny_llama: Path, push: bool
+) -> None:
+    servers = start_servers(swarm_factory, tiny_llama, "0:4", ("4:8", *SLOW_MOVES), ("4:8", *SLOW_MOVES))
+    by_peer = {server.peer_id: server for server in servers}
+    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    remote = DistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama), initial_peers=swarm_factory.initial_peers,
+        client_config=ClientConfig(request_timeout_s=TIMEOUT_S, server_push=push),
+    )
+    try:
+        client = remote.swarm
+        baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
+        input_ids = prompt(150, 15)  # 600 frames of KV to move
+        expected = local.generate(input_ids, max_new_tokens=12, do_sample=False)
+        errors: list[BaseException] = []
+        threads: list[threading.Thread] = []
+        ends: list[tuple[str, str]] = []
+        with remote.inference_session(max_length=192) as session:
+
+            def move_while_generating() -> None:
+                source = session.route[1].peer_id
+                destination = by_peer[other_host(client, source)]
+                ends.append((source, destination.peer_id))
+                with watching(client, destination.peer_id) as info:
+                    threads.append(in_background(lambda: session.migrate(1, destination.peer_id, mode="kv"), errors))
+                    wait_until(lambda: info()["migrations"]["bytes_in"] > 0, "a chunk")
+                    # The destination stops mid-transfer until the generation's next step has reached the source;
+                    # then the move goes on, and that step learns where the session went once it committed.
+                    destination.popen.send_signal(signal.SIGSTOP)
+
+                def resume_once_a_step_waits() -> None:
+                    try:
+                        with watching(client, source) as info:
+                            wait_until(lambda: info()["migrations"]["held_steps"] >= 1, "a held step")
+                    finally:
+                        destination.popen.send_signal(signal.SIGCONT)
+
+                threads.append(in_background(resume_once_a_step_waits, errors))
+
+            actual = remote.generate(input_ids, session=session, max_new_tokens=12, do_sample=False,
+                                     streamer=ActAfterTokens({3: move_while_generating}))
+            for thread in threads:
+                thread.join(TIMEOUT_S * 2)
+            assert (session.moves, session.failovers) == (1, 0)
+            assert session.route[1].peer_id == ends[0][1]
+        assert errors == []
+        assert actual.tolist() == expected.tolist()
+        replies = infos(client)
+        source, destination_id = ends[0]
+        assert replies[source]["migrations"]["held_steps"] >= 1
+        assert replies[source]["migrations"]["out"] == {"kv": 1, "replay": 0}
+        assert replies[destination_id]["migrations"]["in"] == {"kv": 1, "replay": 0}
         assert {peer: info["record"]["pages_free"] for peer, info in replies.items()} == baseline
     finally:
         remote.shutdown()

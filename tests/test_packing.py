@@ -22,6 +22,7 @@ from orchestrator.packing import (
     LoadBalancePacker,
     MellPacker,
     Migration,
+    MigrationCosts,
     Move,
     NoFreeBin,
     Operation,
@@ -32,6 +33,7 @@ from orchestrator.packing import (
     Update,
     WorstFitPacker,
     batch_operations,
+    choose_mode,
     count_migrations,
     size_class,
     split_migrations,
@@ -410,6 +412,43 @@ def test_migrations_over_one_shared_link_share_its_budget():
     assert [m.session_id for m in own_links.kv_moves] == ["p", "q"]
     switch = split_migrations(into_b, {"switch": 1000}, {}, link_of=lambda src, dst: "switch")
     assert [m.session_id for m in switch.kv_moves] == ["p"] and [m.session_id for m in switch.deferred] == ["q"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.integers(1, 20_000),
+    kv_bytes_per_token=st.integers(1, 1 << 20),
+    mbps=st.floats(1, 10_000),
+    rtt_ms=st.floats(0, 300),
+    prefill_ms=st.floats(0.001, 50),
+    chunk_bytes=st.sampled_from([0, 1 << 20, 4 << 20]),
+)
+def test_one_move_alone_with_equal_budget_shares_takes_the_mode_that_ends_first(
+    tokens, kv_bytes_per_token, mbps, rtt_ms, prefill_ms, chunk_bytes
+):
+    costs = MigrationCosts(kv_bytes_per_token, mbps * 1e6 / 8, rtt_ms / 1000, prefill_ms / 1000, 1.0,
+                           comm_budget_share=0.5, comp_budget_share=0.5, chunk_bytes=chunk_bytes,
+                           replay_bytes_per_token=2304, replay_round_trips=2)
+    kv_s, replay_s = costs.kv_seconds(tokens), costs.replay_seconds(tokens)
+    chosen = choose_mode(costs, tokens)
+    slower_by = abs(kv_s - replay_s) / min(kv_s, replay_s)
+    if slower_by > 1e-3:  # away from a tie, where rounding to whole bytes and tokens may tip either way
+        assert chosen == ("kv" if kv_s < replay_s else "replay")
+
+
+def test_one_move_counts_its_round_trips_and_the_spec_share_favours_kv_transfers():
+    # SmolLM2 on 10 blocks: 15,360 KV bytes and 2,304 input bytes a token; 1 ms of prefill a token on 10 blocks
+    def costs(rtt_ms: float, mbps: float, replay_share: float = 0.5) -> MigrationCosts:
+        return MigrationCosts(15_360, mbps * 1e6 / 8, rtt_ms / 1000, 0.001, 1.0, comp_budget_share=replay_share,
+                              chunk_bytes=4 << 20, replay_bytes_per_token=2304, replay_round_trips=2)
+
+    assert costs(80, 100).kv_round_trips(2000) == 10  # 30.7 MB in 8 chunks, plus the open and the commit
+    assert choose_mode(costs(20, 1000), 2000) == "kv"  # 0.25 s + 0.2 s of round trips vs 2.08 s
+    assert choose_mode(costs(80, 100), 2000) == "replay"  # 2.46 s + 0.8 s vs 2.53 s
+    assert choose_mode(costs(80, 100), 100) == "replay"  # 0.12 s + 0.24 s vs 0.28 s
+    # the spec's share for replays (a quarter of the epoch, half the link's) takes a replay only at twice the speed
+    assert choose_mode(costs(1, 100, replay_share=0.25), 100) == "kv"  # 0.126 s vs 0.120 s
+    assert choose_mode(costs(1, 20, replay_share=0.25), 100) == "replay"  # 0.62 s vs 0.19 s
 
 
 def test_a_t_goes_to_the_l_bin_of_highest_priority_free_pages_against_sessions():

@@ -15,6 +15,7 @@ from orchestrator.packing import (
     Item,
     LoadBalancePacker,
     MellPacker,
+    MigrationCosts,
     Move,
     Operation,
     Packer,
@@ -23,7 +24,7 @@ from orchestrator.packing import (
     batch_operations,
 )
 from orchestrator.sim.packing_sim import PackingSimConfig, SessionSpec, simulate
-from orchestrator.sim.packing_sim_moves import MigrationCosts, MigrationQueue
+from orchestrator.sim.packing_sim_moves import MigrationQueue
 from orchestrator.sim.packing_sim_workload import class_histogram, scaled_lengths
 
 BINS = [f"gpu{i:02d}" for i in range(60)]

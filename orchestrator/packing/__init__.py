@@ -6,7 +6,8 @@ Every packer implements `Packer`: allocate / depart / update, each giving the mo
 - `mell`: `MellPacker`, Fig. 10's operations and Theorem 1's properties (`check_invariants`);
 - `baselines`: best fit, worst fit, LB (worst fit + Llumnix-style balancing);
 - `batching`: one epoch's operations, batched and pruned;
-- `migration_split`: each move as a KV transfer or a token replay within link and compute budgets, or deferred.
+- `migration_split`: each move as a KV transfer or a token replay within link and compute budgets, or deferred;
+  the cost model of a move (`MigrationCosts`) and the mode of one move alone (`choose_mode`).
 Pure: no I/O, no clocks, no randomness.
 """
 
@@ -14,7 +15,13 @@ from orchestrator.packing.baselines import BestFitPacker, LoadBalancePacker, Wor
 from orchestrator.packing.batching import Allocate, Depart, EpochPlan, Operation, Update, batch_operations
 from orchestrator.packing.classes import SizeClass, size_class
 from orchestrator.packing.mell import MellPacker
-from orchestrator.packing.migration_split import Migration, MigrationSplit, split_migrations
+from orchestrator.packing.migration_split import (
+    Migration,
+    MigrationCosts,
+    MigrationSplit,
+    choose_mode,
+    split_migrations,
+)
 from orchestrator.packing.priority import PriorityWeights
 from orchestrator.packing.records import (
     DuplicateItem,
@@ -42,6 +49,7 @@ __all__ = [
     "LoadBalancePacker",
     "MellPacker",
     "Migration",
+    "MigrationCosts",
     "MigrationSplit",
     "Move",
     "NoFreeBin",
@@ -55,6 +63,7 @@ __all__ = [
     "Update",
     "WorstFitPacker",
     "batch_operations",
+    "choose_mode",
     "count_migrations",
     "size_class",
     "split_migrations",

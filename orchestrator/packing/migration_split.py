@@ -14,13 +14,20 @@ pair unless `link_of` maps pairs to shared links (e.g. one inter-machine switch)
 Deferring is per migration: a deferred move whose freed pages another move of the same plan needs would overfill
 that destination if the other move ran; the caller executes moves only where the pages are free, and reports the
 sessions' real bins in the next epoch.
+
+`MigrationCosts` is the cost model both the simulator and the live servers use: what a move takes in seconds by
+either mode, and the budgets of one epoch. `choose_mode` is the rule for one move on its own (a server moving a
+session now, when it drains or its client or orchestrator asks): `split_migrations` over that single move, with its
+fixed costs (round trips) counted in the units of each budget, and a move that fits neither budget of one epoch takes
+the mode that ends first, as the simulator's oversized moves do [chosen].
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from orchestrator.packing.records import Move
 
@@ -87,3 +94,66 @@ def split_migrations(
         else:
             split.deferred.append(migration)
     return split
+
+
+@dataclass(frozen=True)
+class MigrationCosts:
+    """What moving a session costs by either mode, and the budgets of one epoch (spec section 6, item 12).
+
+    `kv_bytes_per_token` is the session's KV for all the blocks that move, per token. A KV transfer takes its bytes
+    over the link plus `kv_round_trips` RTTs: one when the bytes stream (`chunk_bytes` 0, the simulator's model), or
+    one per chunk plus the open and the commit when each chunk waits for its reply (the live servers). A replay takes
+    the destination's prefill of the tokens, plus `replay_round_trips` RTTs and the upload of the inputs the client
+    re-sends (`replay_bytes_per_token`, hidden states) over the same link.
+    """
+
+    kv_bytes_per_token: int
+    bandwidth_bytes_per_s: float
+    rtt_s: float
+    prefill_s_per_token: float
+    epoch_s: float
+    comm_budget_share: float = 0.5
+    comp_budget_share: float = 0.25
+    chunk_bytes: int = 0
+    replay_bytes_per_token: int = 0
+    replay_round_trips: int = 0
+
+    @property
+    def link_budget_bytes(self) -> float:
+        return self.comm_budget_share * self.bandwidth_bytes_per_s * self.epoch_s
+
+    @property
+    def replay_budget_tokens(self) -> float:
+        return self.comp_budget_share * self.epoch_s / self.prefill_s_per_token
+
+    def kv_round_trips(self, tokens: int) -> int:
+        if self.chunk_bytes <= 0:
+            return 1
+        return math.ceil(tokens * self.kv_bytes_per_token / self.chunk_bytes) + 2
+
+    def kv_seconds(self, tokens: int) -> float:
+        return tokens * self.kv_bytes_per_token / self.bandwidth_bytes_per_s + self.rtt_s * self.kv_round_trips(tokens)
+
+    def replay_seconds(self, tokens: int) -> float:
+        upload_s = tokens * self.replay_bytes_per_token / self.bandwidth_bytes_per_s
+        return tokens * self.prefill_s_per_token + upload_s + self.rtt_s * self.replay_round_trips
+
+
+Mode = Literal["kv", "replay"]
+
+
+def choose_mode(costs: MigrationCosts, tokens: int, src: str = "src", dst: str = "dst") -> Mode:
+    """Gives the mode of one move of a session holding `tokens` tokens, on its own in its epoch.
+
+    The move's whole time in each mode is counted in that budget's unit (the bytes the link would carry meanwhile,
+    the tokens the destination would prefill meanwhile), so round trips count against a mode as its bytes do. With
+    equal budget shares this picks the mode that ends first."""
+    kv_s, replay_s = costs.kv_seconds(tokens), costs.replay_seconds(tokens)
+    migration = Migration("session", src, dst, math.ceil(kv_s * costs.bandwidth_bytes_per_s),
+                          math.ceil(replay_s / costs.prefill_s_per_token))
+    split = split_migrations([migration], {(src, dst): costs.link_budget_bytes}, {dst: costs.replay_budget_tokens})
+    if split.kv_moves:
+        return "kv"
+    if split.replay_moves:
+        return "replay"
+    return "kv" if kv_s <= replay_s else "replay"  # too large for one epoch either way: the one that ends first

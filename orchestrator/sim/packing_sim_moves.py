@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from orchestrator.packing import Migration, split_migrations
+from orchestrator.packing import Migration, MigrationCosts, split_migrations
 
 KV, REPLAY = "kv", "replay"
 
@@ -30,33 +30,6 @@ KV, REPLAY = "kv", "replay"
 def _ingress(src: str, dst: str) -> str:
     """Gives the link a migration's KV budget is counted on: its destination's ingress."""
     return dst
-
-
-@dataclass(frozen=True)
-class MigrationCosts:
-    """What a migration costs on this cluster, and the spec's budget shares (section 6, item 12)."""
-
-    kv_bytes_per_token: int
-    bandwidth_bytes_per_s: float
-    rtt_s: float
-    prefill_s_per_token: float
-    epoch_s: float
-    comm_budget_share: float = 0.5
-    comp_budget_share: float = 0.25
-
-    @property
-    def link_budget_bytes(self) -> float:
-        return self.comm_budget_share * self.bandwidth_bytes_per_s * self.epoch_s
-
-    @property
-    def replay_budget_tokens(self) -> float:
-        return self.comp_budget_share * self.epoch_s / self.prefill_s_per_token
-
-    def kv_seconds(self, tokens: int) -> float:
-        return tokens * self.kv_bytes_per_token / self.bandwidth_bytes_per_s + self.rtt_s
-
-    def replay_seconds(self, tokens: int) -> float:
-        return tokens * self.prefill_s_per_token
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from orchestrator.sim.packing_sim_moves import MigrationCosts
+from orchestrator.packing import MigrationCosts
 
 
 @dataclass(frozen=True)
