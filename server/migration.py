@@ -177,7 +177,7 @@ class Migrations:
             await self._quiesce(session)
             await destination.call("import_open", {
                 "session_id": session.session_id, "blocks": [session.start, session.end], "batch": session.batch,
-                "max_length": session.max_length, "position": session.position,
+                "max_length": session.max_length, "position": session.position, "client": session.opener,
             }, timeout=timeout_s)
             chunks_started = time.perf_counter()
             for block, row, start, end in self._chunks(session):
@@ -281,12 +281,14 @@ class Migrations:
     # ---- the destination
 
     def open_import(
-        self, source: str, session_id: str, start: int, end: int, *, batch: int, max_length: int, position: int
+        self, source: str, session_id: str, start: int, end: int, *, batch: int, max_length: int, position: int,
+        client: str,
     ) -> Session:
-        """Opens `session_id` with pages for its `position` tokens, importing from `source`."""
+        """Opens `session_id` with pages for its `position` tokens, importing from `source`; `client`, the peer
+        that opened the session where it came from, may move it on from here."""
         if position < 0:
             raise InvalidTensor(f"a session's position is at least 0, got {position}")
-        session = self.sessions.open(session_id, start, end, batch=batch, max_length=max_length, opener=source,
+        session = self.sessions.open(session_id, start, end, batch=batch, max_length=max_length, opener=client,
                                      tokens=max(1, position))
         session.importing_from = source
         self._moved.pop(session_id, None)

@@ -664,9 +664,13 @@ class SwarmServer:
         if len(session_id) > 128:
             raise MalformedFrame("session_id is longer than 128 characters")
         start, end = _block_pair(payload)
+        client = field(payload, "client", str, optional=True) or ctx.peer_id
+        if len(client) > 128:
+            raise MalformedFrame("client is longer than 128 characters")
         self.migrations.open_import(
             ctx.peer_id, session_id, start, end, batch=field(payload, "batch", int),
             max_length=field(payload, "max_length", int), position=field(payload, "position", int),
+            client=client,
         )
         return {}
 

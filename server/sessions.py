@@ -53,7 +53,7 @@ class Session:
     # Resolved (and replaced) whenever a step is admitted, for requests waiting for a pushed step.
     admitted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     last_active_s: float = field(default_factory=time.monotonic)
-    opener: str = ""  # the peer that opened it (its client), or the server it migrated from
+    opener: str = ""  # the peer that opened it (its client), also after it migrated here
     importing_from: str | None = None  # the source server while its KV arrives; it takes no steps until then
     moving: asyncio.Future[None] | None = None  # set while its KV leaves for another server: its steps wait
 

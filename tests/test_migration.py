@@ -128,9 +128,10 @@ def test_sessions_move_mid_generation_and_tokens_match(
 
                 return act
 
-            streamer = ActAfterTokens({3: move(1), 9: move(0)})
+            # the first span moves there and back: its client may move it again where it arrived
+            streamer = ActAfterTokens({3: move(1), 9: move(0), 12: move(0)})
             actual = remote.generate(input_ids, session=session, max_new_tokens=16, do_sample=False, streamer=streamer)
-            assert (session.moves, session.failovers) == (2, 0)  # moved, never failed over
+            assert (session.moves, session.failovers) == (3, 0)  # moved, never failed over
         assert actual.tolist() == expected.tolist()
         replies = infos(client)
         for source, destination, taken in moved:
