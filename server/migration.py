@@ -56,7 +56,8 @@ BUDGET_SHARE = 0.5  # of an epoch, for the link's bytes and for the destination'
 
 
 class LinkEstimates:
-    """Per peer, the bandwidth this server's KV transfers to it achieved (smoothed)."""
+    """Per peer, the bandwidth this server's KV transfers to it achieved (smoothed, the latest weighing most: links
+    change)."""
 
     def __init__(self) -> None:
         self._bytes_per_s: dict[str, float] = {}
@@ -68,7 +69,7 @@ class LinkEstimates:
             return
         sample = sent_bytes / busy_s
         previous = self._bytes_per_s.get(peer_id)
-        self._bytes_per_s[peer_id] = sample if previous is None else 0.5 * previous + 0.5 * sample
+        self._bytes_per_s[peer_id] = sample if previous is None else 0.25 * previous + 0.75 * sample
 
     def bytes_per_s(self, peer_id: str, *measured_mbps: float | None) -> float:
         """Gives the link's bandwidth to `peer_id`: measured on transfers, else the lowest of `measured_mbps`

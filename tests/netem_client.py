@@ -8,11 +8,12 @@ Prints `{"ready": true}` once connected, then answers each request line with one
   every decode step (between consecutive tokens, from a streamer's timestamps) and the chain of servers; the session
   is opened before the clock starts. `server_push` picks a client with that `ClientConfig.server_push` (default:
   the config's default).
-- `{"op": "move", "prompt_tokens": N, "mode": "kv" | "replay" | "auto", "from": peer id, "to": peer id, "seed": S}`
-  -> opens a session, prefills N random tokens and decodes 2 (its first span moved to `from` first if the route put
-  it elsewhere), moves its first span to server `to` (`InferenceSession.migrate`), timed, decodes 2 more:
-  `{"move_s", "started_at", "ended_at" (wall clock), "reply" (the server's), "from", "tokens", "expected" (the same
-  4 tokens generated without a move, in a session of their own)}`.
+- `{"op": "move", "input_ids": [[...]] (or "prompt_tokens": N, "seed": S for random ones), "mode": "kv" | "replay" |
+  "auto", "from": peer id, "to": peer id}` -> opens a session, prefills the prompt and decodes 2 (its first span
+  moved to `from` first if the route put it elsewhere), moves its first span to server `to`
+  (`InferenceSession.migrate`), timed, decodes 2 more: `{"move_s", "started_at", "ended_at" (wall clock), "reply"
+  (the server's), "from", "tokens", "expected" (the same 4 tokens generated without a move, in a session of their
+  own)}`.
 - `{"op": "decode_on", "peer_id": P, "prompt_tokens": N}` -> starts a session whose first span is on server P (moved
   there if the route put it elsewhere) decoding greedily in the background, one token after the other, until
   `{"op": "decode_stop"}` -> `{"stamps": [wall-clock time of every token]}`.
@@ -59,7 +60,10 @@ def random_prompt(tokens: int, seed: int, vocab_size: int) -> torch.Tensor:
 
 
 def move(model: DistributedModelForCausalLM, request: dict[str, Any]) -> dict[str, Any]:
-    prompt = random_prompt(int(request["prompt_tokens"]), int(request.get("seed", 0)), model.config.vocab_size)
+    if "input_ids" in request:
+        prompt = torch.tensor(request["input_ids"], dtype=torch.long)
+    else:
+        prompt = random_prompt(int(request["prompt_tokens"]), int(request.get("seed", 0)), model.config.vocab_size)
     with model.inference_session(max_length=prompt.shape[1] + 8) as reference:
         expected = model.generate(prompt, session=reference, max_new_tokens=4, do_sample=False)
     with model.inference_session(max_length=prompt.shape[1] + 8) as session:
