@@ -8,9 +8,9 @@ The source (`Migrations.send`) waits until the session's running step is done an
 holds its steps (they wait), and talks to the destination over one stream:
 1. `import_open`: the destination opens the session with pages for its whole history (its headroom rule decides,
    `ServerBusy` otherwise) and marks it as importing from this source: it takes no steps yet;
-2. `import_kv`, chunk by chunk: the keys and values of tokens [start, end) of one block and row, at most
-   `chunk_bytes` a frame (`--migration-chunk-size`, default `KV_CHUNK_BYTES`); the event loop serves other
-   sessions' steps between two chunks;
+2. `import_kv`, frame by frame: pieces, each the keys and values of tokens [start, end) of one block and row, at
+   most `chunk_bytes` a frame (`--migration-chunk-size`, default `KV_CHUNK_BYTES`); the event loop serves other
+   sessions' steps between two frames;
 3. `import_commit`: the destination sets the session's position and last step (so a step the source already
    computed is answered again, not recomputed) and serves it from then on.
 Only then the source frees the session's pages and keeps a tombstone: every later step of the session gets
@@ -45,6 +45,7 @@ KV_CHUNK_BYTES = 4 << 20  # keys and values one import_kv frame carries at most
 IMPORT_IDLE_S = 30.0  # an import that received nothing this long is dropped (its source died)
 MOVED_TTL_S = 900.0  # how long a source remembers where a session went
 MAX_MOVED = 4096
+MAX_PIECES_PER_FRAME = 65536  # an import_kv frame's pieces (one per block and row at least)
 STEP_WAIT_S = 30.0  # how long a move waits for the session's running step to finish
 POLL_S = 0.005
 MODES: tuple[Mode, ...] = ("kv", "replay")
@@ -181,12 +182,13 @@ class Migrations:
                 "max_length": session.max_length, "position": session.position, "client": session.opener,
             }, timeout=timeout_s)
             chunks_started = time.perf_counter()
-            for block, row, start, end in self._chunks(session):
+            for frame in self._frames(session):
                 if not self.sessions.is_open(session):  # its client closed it meanwhile: its pages are gone
                     raise SessionNotFound(f"session {session.session_id!r} closed while it moved")
-                await destination.call("import_kv", self._chunk_payload(session, block, row, start, end),
+                pieces = [self._piece(session, block, row, start, end) for block, row, start, end in frame]
+                await destination.call("import_kv", {"session_id": session.session_id, "pieces": pieces},
                                        timeout=timeout_s)
-                sent_bytes += (end - start) * self._token_bytes()
+                sent_bytes += sum(end - start for _, _, start, end in frame) * self._token_bytes()
                 chunks += 1
             self.links.note_transfer(destination.peer_id, sent_bytes, time.perf_counter() - chunks_started,
                                      chunks * rtt_s)
@@ -247,17 +249,30 @@ class Migrations:
     def _token_bytes(self) -> int:
         return 2 * self.kv.kv_heads * self.kv.head_dim * torch.finfo(self.dtype).bits // 8
 
-    def _chunks(self, session: Session) -> list[tuple[int, int, int, int]]:
-        """Gives the pieces of the session's filled KV that travel one per frame: (block, row, start, end) with
-        token ranges of at most `chunk_bytes` of keys and values (one token at least)."""
-        span = max(1, self.chunk_bytes // self._token_bytes())
-        return [(block, row, start, min(session.position, start + span))
-                for block in range(session.start, session.end) for row in range(session.batch)
-                for start in range(0, session.position, span)]
+    def _frames(self, session: Session) -> list[list[tuple[int, int, int, int]]]:
+        """Gives the session's filled KV in the pieces one `import_kv` frame each carries: (block, row, start, end)
+        token ranges, at most `chunk_bytes` of keys and values a frame (a piece of one token at least), several
+        blocks' and rows' pieces sharing a frame."""
+        token_bytes = self._token_bytes()
+        span = max(1, self.chunk_bytes // token_bytes)
+        frames: list[list[tuple[int, int, int, int]]] = [[]]
+        room = span
+        for block in range(session.start, session.end):
+            for row in range(session.batch):
+                start = 0
+                while start < session.position:
+                    if room == 0:
+                        frames.append([])
+                        room = span
+                    end = min(session.position, start + room)
+                    frames[-1].append((block, row, start, end))
+                    room -= end - start
+                    start = end
+        return [frame for frame in frames if frame]
 
-    def _chunk_payload(self, session: Session, block: int, row: int, start: int, end: int) -> dict[str, Any]:
+    def _piece(self, session: Session, block: int, row: int, start: int, end: int) -> dict[str, Any]:
         keys, values = self.kv.read(session.page_tables[block][row], start, end)
-        return {"session_id": session.session_id, "block": block, "row": row, "start": start,
+        return {"block": block, "row": row, "start": start,
                 "keys": encode_tensor(keys.contiguous()), "values": encode_tensor(values.contiguous())}
 
     @staticmethod

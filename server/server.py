@@ -20,7 +20,7 @@ from server.compute import DECODE_BATCHES, BlockSpeed, cached_block_speed
 from server.config import ServerConfig
 from server.emulated_gpu import load_profile
 from server.hosting import Hosting
-from server.migration import AUTO, MODES, Migrations, MoveChoice, move_costs
+from server.migration import AUTO, MAX_PIECES_PER_FRAME, MODES, Migrations, MoveChoice, move_costs
 from server.push import Pusher
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS, StepScheduler
 from server.sessions import Session, SessionTable, Step, StepResult
@@ -675,10 +675,15 @@ class SwarmServer:
         return {}
 
     async def _import_kv(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
-        self.migrations.write_kv(
-            ctx.peer_id, field(payload, "session_id", str), field(payload, "block", int), field(payload, "row", int),
-            field(payload, "start", int), payload.get("keys"), payload.get("values"),
-        )
+        session_id = field(payload, "session_id", str)
+        pieces = payload.get("pieces")
+        if not isinstance(pieces, list) or not 1 <= len(pieces) <= MAX_PIECES_PER_FRAME:
+            raise MalformedFrame(f"import_kv carries 'pieces', a list of 1..{MAX_PIECES_PER_FRAME} maps")
+        for piece in pieces:
+            if not isinstance(piece, dict):
+                raise MalformedFrame(f"a piece of KV is not a map: {piece!r:.100}")
+            self.migrations.write_kv(ctx.peer_id, session_id, field(piece, "block", int), field(piece, "row", int),
+                                     field(piece, "start", int), piece.get("keys"), piece.get("values"))
         return {}
 
     async def _import_commit(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:

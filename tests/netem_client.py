@@ -28,9 +28,12 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
 from client import ClientConfig, DistributedModelForCausalLM
 from client.timing import StepClock
@@ -59,6 +62,24 @@ def random_prompt(tokens: int, seed: int, vocab_size: int) -> torch.Tensor:
     return torch.randint(3, vocab_size, (1, tokens), generator=generator)
 
 
+class _AfterTokens(BaseStreamer):
+    """Calls `action` once, right after the `after`-th generated token was streamed; stamps every token."""
+
+    def __init__(self, after: int, action: Callable[[], None]) -> None:
+        self.after, self.action, self.puts = after, action, -1
+        self.stamps: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1  # the prompt is the first put
+        if self.puts >= 1:
+            self.stamps.append(time.time())
+        if self.puts == self.after:
+            self.action()
+
+    def end(self) -> None:
+        pass
+
+
 def move(model: DistributedModelForCausalLM, request: dict[str, Any]) -> dict[str, Any]:
     if "input_ids" in request:
         prompt = torch.tensor(request["input_ids"], dtype=torch.long)
@@ -66,20 +87,31 @@ def move(model: DistributedModelForCausalLM, request: dict[str, Any]) -> dict[st
         prompt = random_prompt(int(request["prompt_tokens"]), int(request.get("seed", 0)), model.config.vocab_size)
     with model.inference_session(max_length=prompt.shape[1] + 8) as reference:
         expected = model.generate(prompt, session=reference, max_new_tokens=4, do_sample=False)
+    timed: dict[str, Any] = {}
     with model.inference_session(max_length=prompt.shape[1] + 8) as session:
-        before = model.generate(prompt, session=session, max_new_tokens=2, do_sample=False)
-        if session.route[0].peer_id != request["from"]:
-            session.migrate(0, str(request["from"]), mode="kv")
-        source = session.route[0].peer_id
-        started_at, started = time.time(), time.perf_counter()
-        reply = session.migrate(0, str(request["to"]), mode=str(request["mode"]))
-        move_s, ended_at = time.perf_counter() - started, time.time()
-        after = model.generate(before[:, -1:], session=session, max_new_tokens=2, do_sample=False)
+
+        def move_now() -> None:  # between the 2nd and the 3rd token of the generation
+            if session.route[0].peer_id != request["from"]:
+                session.migrate(0, str(request["from"]), mode="kv")
+            timed["from"] = session.route[0].peer_id
+            started_at, started = time.time(), time.perf_counter()
+            timed["reply"] = session.migrate(0, str(request["to"]), mode=str(request["mode"]))
+            timed["move_s"], timed["ended_at"] = time.perf_counter() - started, time.time()
+            timed["started_at"] = started_at
+
+        output = model.generate(prompt, session=session, max_new_tokens=4, do_sample=False,
+                                streamer=_AfterTokens(2, move_now))
         if session.route[0].peer_id != request["to"]:
             raise RuntimeError(f"the session is on {session.route[0].peer_id} after its move to {request['to']}")
-    return {"move_s": move_s, "started_at": started_at, "ended_at": ended_at, "reply": reply, "from": source,
-            "tokens": torch.cat([before, after[:, 1:]], dim=1)[:, prompt.shape[1]:].tolist(),
-            "expected": expected[:, prompt.shape[1]:].tolist()}
+    return {**timed, "tokens": output[:, prompt.shape[1]:].tolist(), "expected": expected[:, prompt.shape[1]:].tolist()}
+
+
+class _Until(StoppingCriteria):
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool)
 
 
 class BackgroundDecoder:
@@ -87,10 +119,10 @@ class BackgroundDecoder:
 
     def __init__(self, model: DistributedModelForCausalLM, peer_id: str, prompt_tokens: int) -> None:
         self.model, self.stop_event = model, threading.Event()
-        self.stamps: list[float] = []
         self.session = model.inference_session(max_length=2048)
-        prompt = random_prompt(prompt_tokens, 1, model.config.vocab_size)
-        self.output = model.generate(prompt, session=self.session, max_new_tokens=1, do_sample=False)
+        self.prompt = random_prompt(prompt_tokens, 1, model.config.vocab_size)
+        self.streamer = _AfterTokens(0, lambda: None)
+        model.generate(self.prompt, session=self.session, max_new_tokens=1, do_sample=False)
         if self.session.route[0].peer_id != peer_id:
             self.session.migrate(0, peer_id, mode="kv")
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -99,10 +131,10 @@ class BackgroundDecoder:
 
     def _run(self) -> None:
         try:
-            while not self.stop_event.is_set() and self.session.position < self.session.max_length - 2:
-                self.output = self.model.generate(self.output[:, -1:], session=self.session, max_new_tokens=1,
-                                                  do_sample=False)
-                self.stamps.append(time.time())
+            room = self.session.max_length - self.session.position - 2
+            self.model.generate(self.prompt[:, :1], session=self.session, max_new_tokens=room, min_new_tokens=room,
+                                do_sample=False, streamer=self.streamer,
+                                stopping_criteria=StoppingCriteriaList([_Until(self.stop_event)]))
         except BaseException as error:  # reported by stop()
             self.error = error
 
@@ -112,7 +144,7 @@ class BackgroundDecoder:
         self.session.close()
         if self.error is not None:
             raise self.error
-        return self.stamps
+        return self.streamer.stamps
 
 
 def main(argv: list[str] | None = None) -> int:

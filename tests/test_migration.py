@@ -170,7 +170,8 @@ def test_only_the_sessions_client_may_move_it_and_a_moved_session_is_gone_from_i
                         "migrate", {"session_id": session_id, "peer_id": destination}, timeout=TIMEOUT_S))
                 with pytest.raises(SessionNotFound):  # nor write KV into a session it does not import
                     stranger.swarm.run(connection.call(
-                        "import_kv", {"session_id": session_id, "block": 0, "row": 0, "start": 0}, timeout=TIMEOUT_S))
+                        "import_kv", {"session_id": session_id, "pieces": [{"block": 0, "row": 0, "start": 0}]},
+                        timeout=TIMEOUT_S))
                 session.migrate(0, destination)
                 with pytest.raises(SessionNotFound):  # the source holds nothing of it any more
                     stranger.swarm.run(connection.call("close", {"session_id": session_id}, timeout=TIMEOUT_S))

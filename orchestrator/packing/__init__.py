@@ -6,6 +6,7 @@ Every packer implements `Packer`: allocate / depart / update, each giving the mo
 - `mell`: `MellPacker`, Fig. 10's operations and Theorem 1's properties (`check_invariants`);
 - `baselines`: best fit, worst fit, LB (worst fit + Llumnix-style balancing);
 - `batching`: one epoch's operations, batched and pruned;
+- `live_epoch`: one packer over the servers of a live segment, epoch by epoch, from what they report;
 - `migration_split`: each move as a KV transfer or a token replay within link and compute budgets, or deferred;
   the cost model of a move (`MigrationCosts`) and the mode of one move alone (`choose_mode`).
 Pure: no I/O, no clocks, no randomness.
@@ -14,6 +15,7 @@ Pure: no I/O, no clocks, no randomness.
 from orchestrator.packing.baselines import BestFitPacker, LoadBalancePacker, WorstFitPacker
 from orchestrator.packing.batching import Allocate, Depart, EpochPlan, Operation, Update, batch_operations
 from orchestrator.packing.classes import SizeClass, size_class
+from orchestrator.packing.live_epoch import ReportedSession, SegmentEpoch, SegmentPacking
 from orchestrator.packing.mell import MellPacker
 from orchestrator.packing.migration_split import (
     Migration,
@@ -58,6 +60,9 @@ __all__ = [
     "PackingError",
     "PagesShrank",
     "PriorityWeights",
+    "ReportedSession",
+    "SegmentEpoch",
+    "SegmentPacking",
     "SizeClass",
     "UnknownItem",
     "Update",

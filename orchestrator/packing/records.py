@@ -93,6 +93,9 @@ class Packer(Protocol):
     def assignment(self) -> dict[str, str]:
         """Gives every session's bin."""
 
+    def pages_of(self, session_id: str) -> int:
+        """Gives the pages `session_id` holds."""
+
     def allocate(self, item: Item) -> list[Move]:
         """Places an arriving session; gives the moves of running sessions this causes."""
 

@@ -1,0 +1,127 @@
+"""MELL's epoch loop on a live segment (spec 3.7 and 5.1): one packer over the servers that host the same blocks,
+fed each epoch with the sessions those servers report, giving the migrations that bring every session to the bin
+the packer keeps it on and which servers should take new sessions.
+
+Each epoch (`SegmentPacking.epoch`):
+1. The reports become the epoch's operations: Allocate for a session the packer does not know yet, Update for one
+   that holds more pages than the packer has for it, Depart for one no server reports any more. A session that
+   reports fewer pages than the packer has (pages only grow; a move may round them differently) keeps its packed
+   size [chosen]. They run in batching order (`epoch_order`); an Allocate or Update that finds no bin leaves that
+   session unmanaged (it stays where it is, outside the packer) [chosen], like the simulator's rejections and
+   evictions, and an unmanaged session is offered to the packer again the next epoch.
+2. Live arrivals are already on a server (the client's route put them there) when the packer first sees them, so
+   the packer's placement of an arrival is a move like any other [adapted]: every managed session whose reported
+   server is not the bin the packer keeps it on gets a migration from the one to the other, unless a move of it is
+   still in flight. Batching prunes nothing more here: what the packer planned during the epoch is only visible as
+   where each session ends, one net move per session, as `batch_operations` gives.
+3. `accepting`: servers the packer has sessions on take new ones, and so does one more (the first idle server in
+   the packer's order), so that arrivals always find room; the others are standbys [chosen].
+
+The bins are the group's servers; when that set changes, the packer is rebuilt over the new set and the running
+sessions are allocated again in the order of their ids, so the plan stays a function of the reports [chosen: a
+join or a leave may cause a burst of moves]. C is the smallest KV capacity of the group (spec 5.2: one instance per
+group whose capacities agree within 10%; the caller groups). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from orchestrator.packing.batching import Allocate, Depart, Operation, Update, apply_operation, epoch_order
+from orchestrator.packing.migration_split import Migration
+from orchestrator.packing.records import Item, ItemTooLarge, NoFreeBin, Packer
+
+PackerFactory = Callable[[Sequence[str], int], Packer]
+
+
+@dataclass(frozen=True)
+class ReportedSession:
+    """A session one server reports: where its KV is, the pages it holds there and its tokens."""
+
+    session_id: str
+    server: str
+    pages: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class SegmentEpoch:
+    """What one epoch decided for a segment: migrations to run, which servers take new sessions, and the sessions
+    the packer could not hold (left where they are)."""
+
+    migrations: list[Migration]
+    accepting: dict[str, bool]
+    unmanaged: list[str] = field(default_factory=list)
+
+
+class SegmentPacking:
+    """One packer over the servers that host one segment, driven by their reports epoch by epoch."""
+
+    def __init__(self, make_packer: PackerFactory, kv_bytes_per_token: int) -> None:
+        self.make_packer = make_packer
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.packer: Packer | None = None
+        self._servers: tuple[str, ...] = ()
+        self._capacity = 0
+
+    def epoch(self, capacities: dict[str, int], reports: Iterable[ReportedSession],
+              in_flight: Iterable[str] = ()) -> SegmentEpoch:
+        """Gives this epoch's plan for servers `capacities` (id -> KV pages) from the sessions they report; sessions
+        in `in_flight` are moving now and get no new migration."""
+        servers = tuple(sorted(capacities))
+        sessions = {report.session_id: report for report in reports if report.server in capacities}
+        capacity = min(capacities.values(), default=0)
+        if self.packer is None or servers != self._servers or capacity != self._capacity:
+            self.packer = self.make_packer(servers, capacity) if servers and capacity > 0 else None
+            self._servers, self._capacity = servers, capacity
+        packer = self.packer
+        if packer is None:
+            return SegmentEpoch([], {server: True for server in servers}, sorted(sessions))
+        unmanaged = self._run_operations(packer, self._operations(packer, sessions))
+        moving = set(in_flight)
+        migrations = []
+        for session_id, bin_id in sorted(packer.assignment().items()):
+            report = sessions[session_id]
+            if bin_id != report.server and session_id not in moving:
+                migrations.append(Migration(session_id, report.server, bin_id,
+                                            report.tokens * self.kv_bytes_per_token, report.tokens))
+        return SegmentEpoch(migrations, self._accepting(packer), unmanaged)
+
+    @staticmethod
+    def _operations(packer: Packer, sessions: dict[str, ReportedSession]) -> list[Operation]:
+        packed = packer.assignment()
+        operations: list[Operation] = [Depart(sid) for sid in sorted(packed) if sid not in sessions]
+        for session_id in sorted(sessions):
+            pages = max(1, sessions[session_id].pages)
+            if session_id not in packed:
+                operations.append(Allocate(Item(session_id, pages)))
+            elif pages > packer.pages_of(session_id):
+                operations.append(Update(session_id, pages))
+        return operations
+
+    @staticmethod
+    def _run_operations(packer: Packer, operations: Sequence[Operation]) -> list[str]:
+        """Applies the operations in batching order; gives the sessions left out of the packer."""
+        unmanaged = []
+        for operation in epoch_order(operations):
+            try:
+                apply_operation(packer, operation)
+            except (NoFreeBin, ItemTooLarge):
+                if isinstance(operation, Allocate):
+                    unmanaged.append(operation.item.item_id)
+                elif isinstance(operation, Update):
+                    try:
+                        packer.depart(operation.item_id)
+                    except NoFreeBin:
+                        pass  # it keeps its old size in the packer
+                    else:
+                        unmanaged.append(operation.item_id)
+        return sorted(unmanaged)
+
+    @staticmethod
+    def _accepting(packer: Packer) -> dict[str, bool]:
+        active = set(packer.active_bins())
+        spare = next((bin_id for bin_id in packer.bins if bin_id not in active), None)
+        return {bin_id: bin_id in active or bin_id == spare for bin_id in packer.bins}
+
