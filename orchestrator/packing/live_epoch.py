@@ -12,8 +12,10 @@ Each epoch (`SegmentPacking.epoch`):
 2. Live arrivals are already on a server (the client's route put them there) when the packer first sees them, so
    the packer's placement of an arrival is a move like any other [adapted]: every managed session whose reported
    server is not the bin the packer keeps it on gets a migration from the one to the other, unless a move of it is
-   still in flight. Batching prunes nothing more here: what the packer planned during the epoch is only visible as
-   where each session ends, one net move per session, as `batch_operations` gives.
+   still in flight, or unless its destination really holds too much to take it now (sessions the packer does not
+   manage count there; the move is offered again the next epoch) [chosen]. Batching prunes nothing more here: what
+   the packer planned during the epoch is only visible as where each session ends, one net move per session, as
+   `batch_operations` gives.
 3. `accepting`: servers the packer has sessions on take new ones, and so does one more (the first idle server in
    the packer's order), so that arrivals always find room; the others are standbys [chosen].
 
@@ -80,12 +82,20 @@ class SegmentPacking:
             return SegmentEpoch([], {server: True for server in servers}, sorted(sessions))
         unmanaged = self._run_operations(packer, self._operations(packer, sessions))
         moving = set(in_flight)
+        held = {server: 0 for server in servers}  # pages the servers really hold, unmanaged sessions included
+        for report in sessions.values():
+            held[report.server] += report.pages
         migrations = []
         for session_id, bin_id in sorted(packer.assignment().items()):
             report = sessions[session_id]
-            if bin_id != report.server and session_id not in moving:
-                migrations.append(Migration(session_id, report.server, bin_id,
-                                            report.tokens * self.kv_bytes_per_token, report.tokens))
+            if bin_id == report.server or session_id in moving:
+                continue
+            if held[bin_id] + report.pages > capacities[bin_id]:
+                continue  # not yet: what it holds now leaves no room (it is offered again next epoch)
+            held[bin_id] += report.pages
+            held[report.server] -= report.pages
+            migrations.append(Migration(session_id, report.server, bin_id, report.tokens * self.kv_bytes_per_token,
+                                        report.tokens))
         return SegmentEpoch(migrations, self._accepting(packer), unmanaged)
 
     @staticmethod

@@ -1,0 +1,76 @@
+"""MELL's epoch loop over a live segment (orchestrator.packing.live_epoch): the servers' reports become the packer's
+operations, sessions not where the packer keeps them get migrations, and only the packer's bins plus one spare
+take new sessions."""
+
+from __future__ import annotations
+
+from orchestrator.packing import BestFitPacker, MellPacker, ReportedSession, SegmentPacking
+
+KV_BYTES_PER_TOKEN = 15_360  # SmolLM2, 10 blocks, float32
+
+
+def best_fit() -> SegmentPacking:
+    return SegmentPacking(BestFitPacker, KV_BYTES_PER_TOKEN)
+
+
+def test_sessions_routed_apart_are_packed_together_and_the_emptied_server_stands_by():
+    packing = best_fit()
+    capacities = {"a": 10, "b": 10, "c": 10}
+    reports = [ReportedSession("s1", "a", 3, 300), ReportedSession("s2", "c", 2, 200)]
+    plan = packing.epoch(capacities, reports)
+    assert [(m.session_id, m.src, m.dst, m.kv_bytes, m.replay_tokens) for m in plan.migrations] == [
+        ("s2", "c", "a", 200 * KV_BYTES_PER_TOKEN, 200)
+    ]
+    assert plan.accepting == {"a": True, "b": True, "c": False}  # the packer's bin and one spare
+    # while s2 moves, the next epoch plans nothing new for it; once it arrived, nothing is left to move
+    assert packing.epoch(capacities, reports, in_flight=["s2"]).migrations == []
+    moved = [reports[0], ReportedSession("s2", "a", 2, 201)]
+    assert packing.epoch(capacities, moved).migrations == []
+
+
+def test_growth_that_overflows_a_server_moves_a_session_and_departures_free_their_pages():
+    packing = best_fit()
+    capacities = {"a": 10, "b": 10}
+    packing.epoch(capacities, [ReportedSession("s1", "a", 5, 500), ReportedSession("s2", "a", 4, 400)])
+    grown = [ReportedSession("s1", "a", 7, 700), ReportedSession("s2", "a", 4, 401)]
+    plan = packing.epoch(capacities, grown)
+    assert [(m.session_id, m.src, m.dst) for m in plan.migrations] == [("s1", "a", "b")]
+    assert packing.packer is not None and packing.packer.assignment() == {"s1": "b", "s2": "a"}
+    # a session that no server reports departed: its pages leave the packer
+    plan = packing.epoch(capacities, [ReportedSession("s1", "b", 7, 702)])
+    assert plan.migrations == [] and packing.packer.assignment() == {"s1": "b"}
+    # a report of fewer pages than packed (a move may round them differently) keeps the packed size
+    packing.epoch(capacities, [ReportedSession("s1", "b", 6, 703)])
+    assert packing.packer.pages_of("s1") == 7
+
+
+def test_a_session_no_server_can_hold_stays_where_it_is_unmanaged_and_is_offered_again():
+    packing = best_fit()
+    capacities = {"a": 4, "b": 4}
+    reports = [ReportedSession("big", "a", 6, 600), ReportedSession("s1", "b", 2, 200)]
+    plan = packing.epoch(capacities, reports)
+    # s1 is not moved onto a: the packer has it empty, but big really fills it
+    assert plan.unmanaged == ["big"] and plan.migrations == []
+    plan = packing.epoch({"a": 8, "b": 8}, reports)  # capacities changed: the packer is rebuilt and takes it
+    assert plan.unmanaged == [] and packing.packer is not None
+    assert sorted(packing.packer.assignment()) == ["big", "s1"]
+
+
+def test_the_plan_is_a_function_of_the_reports_whatever_their_order_and_mell_drives_it_too():
+    reports = [ReportedSession(f"s{i}", "abc"[i % 3], 1 + i % 4, 100 * (i + 1)) for i in range(9)]
+    capacities = {"a": 12, "b": 12, "c": 12}
+    for make in (BestFitPacker, MellPacker):
+        first = SegmentPacking(make, KV_BYTES_PER_TOKEN).epoch(capacities, reports)
+        second = SegmentPacking(make, KV_BYTES_PER_TOKEN).epoch(capacities, list(reversed(reports)))
+        assert first == second
+        packed = {m.session_id: m.dst for m in first.migrations}
+        assert all(first.accepting[dst] for dst in packed.values())  # sessions move only to accepting servers
+
+
+def test_servers_leaving_the_group_rebuild_the_packer_over_those_left():
+    packing = best_fit()
+    packing.epoch({"a": 10, "b": 10}, [ReportedSession("s1", "b", 3, 300)])
+    plan = packing.epoch({"b": 10, "c": 10}, [ReportedSession("s1", "b", 3, 301)])
+    assert packing.packer is not None and packing.packer.bins == ("b", "c")
+    assert plan.migrations == [] and plan.accepting == {"b": True, "c": True}
+    assert packing.epoch({}, []).accepting == {}
