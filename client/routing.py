@@ -54,8 +54,8 @@ def kv_fits(record: ServerRecord, blocks: int, batch: int = 1) -> bool:
 def span_cost_ms(record: ServerRecord, blocks: int, *, rtt_ms: float, max_length: int, batch: int = 1) -> float:
     """Gives the estimated per-token latency of serving `blocks` blocks on this server."""
     cost = rtt_ms + blocks * record.block_compute_ms
-    if not kv_fits(record, blocks, batch) or max_length > record.max_length:
-        cost += NO_FREE_PAGES_PENALTY_MS
+    if not kv_fits(record, blocks, batch) or max_length > record.max_length or not record.accepting:
+        cost += NO_FREE_PAGES_PENALTY_MS  # a standby, like a full server, only when nothing else covers the blocks
     return cost
 
 

@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--import-idle-timeout", type=float, default=IMPORT_IDLE_S,
         help="seconds after which a session arriving by migration whose source went silent is dropped",
     )
+    parser.add_argument(
+        "--kv-packing", choices=["mell", "bf", "wf", "lb"], default=None,
+        help="without an orchestrator: the servers hosting the same blocks pack their sessions onto as few of them "
+        "as the policy keeps (MELL, best fit, worst fit, or LB), moving sessions live; the others stand by",
+    )
+    parser.add_argument("--packing-epoch", type=float, default=1.0, help="seconds between two packings of a segment")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -175,6 +181,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         torch_threads=args.torch_threads,
         migration_chunk_bytes=args.migration_chunk_size,
         import_idle_timeout_s=args.import_idle_timeout,
+        kv_packing=args.kv_packing,
+        packing_epoch_s=args.packing_epoch,
     )
 
 

@@ -15,7 +15,7 @@ import torch
 from hivemind.p2p import P2P
 
 from orchestrator.block_selection import HostedSpan, better_start, blocks_that_fit, choose_start
-from orchestrator.packing import choose_mode
+from orchestrator.packing import ReportedSession, choose_mode
 from server.compute import DECODE_BATCHES, BlockSpeed, cached_block_speed
 from server.config import ServerConfig
 from server.emulated_gpu import load_profile
@@ -23,6 +23,7 @@ from server.hosting import Hosting
 from server.migration import AUTO, MAX_PIECES_PER_FRAME, MODES, Migrations, MoveChoice, move_costs
 from server.push import Pusher
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS, StepScheduler
+from server.segment_packing import ORPHAN_EPOCHS, Report, SegmentPackingLoop, group_of, leader_of
 from server.sessions import Session, SessionTable, Step, StepResult
 from swarm.dht import Announcer, lookup_block_async, lookup_servers_async
 from swarm.errors import (
@@ -145,6 +146,11 @@ class SwarmServer:
         self.state = ServerState.joining
         self.ready = asyncio.Event()  # set once the server serves its first blocks
         self.network_mbps: float | None = None
+        self.accepting = True  # takes new sessions; False: a standby its segment's packing emptied
+        self._accepting_told_s = 0.0  # when its segment's leader last said whether it takes sessions
+        self._group_view: tuple[float, list[ServerRecord]] = (0.0, [])  # (when, the servers of its segment)
+        self._peer_connections: dict[str, RpcConnection] = {}  # to the members of its segment, for packing
+        self.packing: SegmentPackingLoop | None = None
         self.dht: hivemind.DHT | None = None
         self._addrs: list[str] = []
         self.rpc: RpcServer | None = None
@@ -189,6 +195,7 @@ class SwarmServer:
             public_name=self.config.public_name,
             addrs=self._addrs,
             orchestrators=list(self.config.orchestrators),
+            accepting=self.accepting,
             emulated_gpu=self.gpu_profile.name if self.gpu_profile else None,
         )
 
@@ -207,7 +214,7 @@ class SwarmServer:
         methods = {"info": self._info, "open": self._open, "step": self._step, "steps": self._steps, "push": self._push,
                    "close": self._close, "assign": self._assign, "migrate": self._migrate,
                    "import_open": self._import_open, "import_kv": self._import_kv, "import_commit": self._import_commit,
-                   "import_abort": self._import_abort}
+                   "import_abort": self._import_abort, "kv_report": self._kv_report}
         for name, method in methods.items():
             self.rpc.add_method(name, method)
         self.pusher = Pusher(
@@ -222,6 +229,14 @@ class SwarmServer:
         )
         await self.announcer.start()
         self._tasks.append(asyncio.create_task(self._expire_sessions_loop(), name="expire-sessions"))
+        if self.config.kv_packing and not self.config.orchestrators:
+            self.packing = SegmentPackingLoop(
+                self.config.kv_packing, peer_id=self.peer_id, epoch_s=self.config.packing_epoch_s,
+                kv_bytes_per_token=lambda blocks: self.blocks.kv_bytes_per_token() * blocks,
+                group=lambda: self._segment_group(max_age_s=0.0), report=self._member_report,
+                migrate=self._ask_to_migrate,
+            )
+            self._tasks.append(asyncio.create_task(self.packing.run(), name="segment-packing"))
         if self.config.blocks is None and not self.config.orchestrators:
             self._tasks.append(asyncio.create_task(self._choose_blocks_loop(), name="choose-blocks"))
         orchestrators = " or ".join(self.config.orchestrators)
@@ -360,6 +375,9 @@ class SwarmServer:
             expired = self.sessions.close_idle(self.config.session_timeout_s)
             if expired:
                 log.info("Closed %d idle session(s) after %.0f s", len(expired), self.config.session_timeout_s)
+            if not self.accepting and time.monotonic() - self._accepting_told_s > ORPHAN_EPOCHS * \
+                    self.config.packing_epoch_s:
+                self._set_accepting(True)  # its segment's leader went silent
             dropped = self.migrations.expire_imports()
             if dropped:
                 log.info("Dropped %d import(s) whose source went silent", len(dropped))
@@ -379,7 +397,8 @@ class SwarmServer:
         return {"record": self.record().to_wire(), "num_blocks": self.source.num_blocks,
                 "steps_computed": {"loop": stats.steps_by_place["loop"], "pool": stats.steps_by_place["pool"]},
                 "batches": stats.to_wire(), "kv_tokens_per_page": self.kv.tokens_per_page,
-                "migrations": self.migrations.stats.to_wire()}
+                "migrations": self.migrations.stats.to_wire(),
+                "packing": self.packing.to_wire() if self.packing is not None else None}
 
     async def _open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         self._check_accepting()
@@ -545,9 +564,9 @@ class SwarmServer:
         the session left (replay), with the mode taken and, for "auto", both modes' expected seconds."""
         self._check_serving()
         session = self.sessions.get(field(payload, "session_id", str))
-        if ctx.peer_id not in (session.opener, *self.config.orchestrators):
-            raise MigrationRefused(f"only the session's client or this server's orchestrator may move it, not "
-                                   f"{ctx.peer_id}")
+        if ctx.peer_id not in (session.opener, *self.config.orchestrators) and not await self._leads_me(ctx.peer_id):
+            raise MigrationRefused(f"only the session's client, this server's orchestrator or its segment's leader "
+                                   f"may move it, not {ctx.peer_id}")
         peer_id = field(payload, "peer_id", str)
         if peer_id == self.peer_id:
             raise MalformedFrame("a session cannot move to the server it is on")
@@ -556,6 +575,8 @@ class SwarmServer:
             raise MalformedFrame(f"migration mode {mode!r} is none of {', '.join((*MODES, AUTO))}")
         position = session.position
         choice = await self.migrate_session(session, peer_id, mode)
+        if ctx.peer_id == session.opener:  # the client asked: it learns where the session went from this reply
+            self.migrations.unclaimed.discard(session.session_id)
         return {"peer_id": peer_id, "position": position, **choice.to_wire()}
 
     async def migrate_session(self, session: Session, peer_id: str, mode: str = AUTO) -> MoveChoice:
@@ -657,6 +678,87 @@ class SwarmServer:
         if self.migrations.unclaimed:
             log.info("Draining: %d moved session(s) sent no step before the deadline; their clients will replay",
                      len(self.migrations.unclaimed))
+
+    # ---- packing of its segment without an orchestrator (server.segment_packing)
+
+    async def _segment_group(self, *, max_age_s: float = 2.0) -> list[ServerRecord]:
+        """Gives the online servers hosting exactly this server's blocks, itself included (cached `max_age_s`)."""
+        when, group = self._group_view
+        if time.monotonic() - when <= max_age_s:
+            return group
+        assert self.dht is not None
+        records = await lookup_servers_async(self.dht, self.source.model_id, timeout_s=self.config.push_timeout_s)
+        records[self.peer_id] = self.record()
+        group = group_of(records, self.hosting.start, self.hosting.end)
+        self._group_view = (time.monotonic(), group)
+        return group
+
+    async def _leads_me(self, peer_id: str) -> bool:
+        """Gives whether `peer_id` leads this server's segment (by this server's own view of the DHT)."""
+        if not self.config.kv_packing or peer_id == self.peer_id:
+            return False
+        group = await self._segment_group()
+        if peer_id not in {record.peer_id for record in group}:
+            group = await self._segment_group(max_age_s=0.0)
+        return leader_of(group) == peer_id
+
+    async def _kv_report(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        """Answers its segment's leader with its KV capacity and sessions, and takes new sessions or stands by as
+        the leader says (`accepting`)."""
+        if not await self._leads_me(ctx.peer_id):
+            raise AssignmentRefused(f"{ctx.peer_id} does not lead the segment of server {self.peer_id}")
+        self._set_accepting(field(payload, "accepting", bool, optional=True) is not False)
+        return self._own_report()
+
+    def _own_report(self) -> dict[str, Any]:
+        stats = self.pool.stats()
+        # a session still arriving is its source's; one that is leaving is still here until the move commits
+        sessions = [{"session_id": s.session_id, "pages": s.pages_held, "tokens": s.position} for s in self.sessions
+                    if s.importing_from is None]
+        return {"capacity_pages": stats.pages_total - stats.pages_params, "sessions": sessions}
+
+    def _set_accepting(self, accepting: bool) -> None:
+        self._accepting_told_s = time.monotonic()
+        if accepting != self.accepting:
+            self.accepting = accepting
+            log.info("%s new sessions (its segment's packing)", "Takes" if accepting else "Stands by for")
+            if self.announcer is not None:
+                task = asyncio.create_task(self._announce_now(), name="announce-accepting")
+                self._tasks.append(task)
+                task.add_done_callback(lambda done: self._tasks.remove(done) if done in self._tasks else None)
+
+    async def _member_report(self, peer_id: str, accepting: bool) -> Report:
+        """Gives a member's report for the leader's epoch (this server's own without a call)."""
+        if peer_id == self.peer_id:
+            self._set_accepting(accepting)
+            reply = self._own_report()
+        else:
+            connection = await self._peer_connection(peer_id)
+            reply = await connection.call("kv_report", {"accepting": accepting}, timeout=self.config.push_timeout_s)
+        return Report(int(reply["capacity_pages"]), [
+            ReportedSession(str(item["session_id"]), peer_id, int(item["pages"]), int(item["tokens"]))
+            for item in reply["sessions"]
+        ])
+
+    async def _ask_to_migrate(self, source: str, session_id: str, destination: str, mode: str) -> None:
+        """Moves a session of its segment: its own directly, a member's through that member's `migrate`."""
+        if source == self.peer_id:
+            await self.migrate_session(self.sessions.get(session_id), destination, mode)
+            return
+        connection = await self._peer_connection(source)
+        await connection.call("migrate", {"session_id": session_id, "peer_id": destination, "mode": mode},
+                              timeout=self.config.push_timeout_s * 6)
+
+    async def _peer_connection(self, peer_id: str) -> RpcConnection:
+        connection = self._peer_connections.get(peer_id)
+        if connection is None or connection.is_closed:
+            addrs = await self._announced_addrs(peer_id, self.hosting.start)
+            if addrs is None or self._p2p is None:
+                raise PeerUnreachable(f"server {peer_id} announces no block {self.hosting.start}")
+            connection = self._peer_connections[peer_id] = await dial(
+                self._p2p, peer_id, addrs, timeout=self.config.push_timeout_s,
+                max_frame_bytes=self.config.max_frame_bytes)
+        return connection
 
     async def _import_open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         self._check_accepting()

@@ -94,6 +94,9 @@ class ServerRecord(BaseModel):
     emulated_gpu: str | None = Field(
         default=None, max_length=MAX_TAG_CHARS, description="the GPU profile an emulated server plays (experiments)"
     )
+    accepting: bool = Field(
+        default=True, description="takes new sessions; false: a standby its segment's KV packing emptied"
+    )
     orchestrators: list[Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]] = Field(
         default_factory=list, max_length=MAX_ORCHESTRATORS,
         description="peer ids of the orchestrators whose block assignments this server follows",

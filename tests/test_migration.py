@@ -451,3 +451,61 @@ def test_steps_that_arrive_during_a_move_wait_and_follow_it_without_a_replay(
         assert {peer: info["record"]["pages_free"] for peer, info in replies.items()} == baseline
     finally:
         remote.shutdown()
+
+
+def test_servers_of_one_segment_pack_their_sessions_and_the_emptied_one_stands_by(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    packing = ("--kv-packing", "bf", "--packing-epoch", "0.5")
+    servers = start_servers(swarm_factory, tiny_llama, ("0:8", *packing), ("0:8", *packing), ("0:8", *packing))
+    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    remote = DistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama), initial_peers=swarm_factory.initial_peers,
+        client_config=ClientConfig(request_timeout_s=TIMEOUT_S),
+    )
+    try:
+        client = remote.swarm
+        wait_until(lambda: len(client.run(client.servers())) == 3, "three servers in the DHT")
+        baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
+        prompts = [prompt(20, 21), prompt(24, 22)]
+        turns = [prompt(3, 23), prompt(4, 24)]
+        with remote.inference_session(max_length=64) as first, remote.inference_session(max_length=64) as second:
+            sessions = [first, second]
+            outputs = [remote.generate(p, session=s, max_new_tokens=4, do_sample=False)
+                       for p, s in zip(prompts, sessions, strict=True)]
+            hosts = {s.route[0].peer_id for s in sessions}
+            if len(hosts) == 1:  # the routes put both on one server: spread them, for the packing to undo
+                second.migrate(0, other_hosts(client, first.route[0].peer_id)[0], mode="kv")
+
+            leader = min(server.peer_id for server in servers)
+
+            def packed() -> bool:  # a session moved by replay is nowhere until its client's next step: count moves
+                replies = infos(client)
+                moves = replies[leader]["packing"]["moves"]
+                holding = [peer for peer, info in replies.items() if info["record"]["session_count"]]
+                return moves["kv"] + moves["replay"] >= 1 and len(holding) == 1
+
+            wait_until(packed, "the sessions packed onto one server", timeout_s=60)
+            replies = infos(client)
+            (full,) = [peer for peer, info in replies.items() if info["record"]["session_count"]]
+            standby = [peer for peer, info in replies.items() if not info["record"]["accepting"]]
+            assert len(standby) == 1 and standby[0] != full  # best fit keeps one bin and one spare open
+            # the sessions go on where they were packed, with the tokens of the local model
+            for index, session in enumerate(sessions):
+                continued = remote.generate(turns[index], session=session, max_new_tokens=4, do_sample=False)
+                history = torch.cat([outputs[index], turns[index]], dim=1)
+                expected = local.generate(history, max_new_tokens=4, do_sample=False)
+                assert continued.tolist() == expected[:, outputs[index].shape[1]:].tolist()
+                assert session.route[0].peer_id == full and session.failovers == 0
+            assert sum(s.moves for s in sessions) >= 1
+        replies = infos(client)
+        assert {peer: info["record"]["pages_free"] for peer, info in replies.items()} == baseline
+    finally:
+        remote.shutdown()
+
+
+def other_hosts(client: SwarmClient, peer_id: str) -> list[str]:
+    """Gives the other servers that host the same blocks as `peer_id`, in peer id order."""
+    records = client.run(client.servers())
+    blocks = (records[peer_id].block_start, records[peer_id].block_end)
+    return sorted(p for p, r in records.items() if p != peer_id and (r.block_start, r.block_end) == blocks)

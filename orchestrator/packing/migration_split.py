@@ -145,13 +145,13 @@ Mode = Literal["kv", "replay"]
 def choose_mode(costs: MigrationCosts, tokens: int, src: str = "src", dst: str = "dst") -> Mode:
     """Gives the mode of one move of a session holding `tokens` tokens, on its own in its epoch.
 
-    The move's whole time in each mode is counted in that budget's unit (the bytes the link would carry meanwhile,
-    the tokens the destination would prefill meanwhile), so round trips count against a mode as its bytes do. With
-    equal budget shares this picks the mode that ends first."""
+    The move's whole time in each mode is counted against that budget, round trips included: each budget is the
+    time its share of the epoch gives (bytes / bandwidth, tokens x prefill time are the same budgets in seconds), in
+    nanoseconds. With equal budget shares this picks the mode that ends first."""
     kv_s, replay_s = costs.kv_seconds(tokens), costs.replay_seconds(tokens)
-    migration = Migration("session", src, dst, math.ceil(kv_s * costs.bandwidth_bytes_per_s),
-                          math.ceil(replay_s / costs.prefill_s_per_token))
-    split = split_migrations([migration], {(src, dst): costs.link_budget_bytes}, {dst: costs.replay_budget_tokens})
+    migration = Migration("session", src, dst, round(kv_s * 1e9), round(replay_s * 1e9))
+    split = split_migrations([migration], {(src, dst): costs.comm_budget_share * costs.epoch_s * 1e9},
+                             {dst: costs.comp_budget_share * costs.epoch_s * 1e9})
     if split.kv_moves:
         return "kv"
     if split.replay_moves:
