@@ -293,10 +293,12 @@ class RemoteInferenceSession:
         wait_ms: int | None = None,
         dtype: torch.dtype | None = None,
         framed: bool = False,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """Gives the span's output (in `dtype`, default hidden's) for the step: from `hidden`, or, with hidden None,
-        the step pushed to the span's server within `wait_ms`. A `framed` step (a decode step) travels in one
-        frame with the other sessions' steps for the same server that are sent at the same moment."""
+        the step pushed to the span's server within `wait_ms`; with `last_only`, of the last token only. A `framed`
+        step (a decode step) travels in one frame with the other sessions' steps for the same server that are sent
+        at the same moment."""
         config = self.client.config
         payload: dict[str, object] = {
             "session_id": span_session.session_id,
@@ -311,6 +313,8 @@ class RemoteInferenceSession:
             payload["next"] = [hop.to_wire() for hop in next_hops]
         if config.compression:
             payload["compression"] = config.compression
+        if last_only:
+            payload["output"] = "last"
         started = time.perf_counter()
         span_session.steps_in_flight += 1
         try:
@@ -420,10 +424,12 @@ class RemoteInferenceSession:
         caches; closes them if that fails."""
         try:
             replay = torch.cat(failed.history, dim=1) if failed.history else None
-            for replacement in replacements:
+            for index, replacement in enumerate(replacements):
                 if replay is None:
                     break
-                output = await self._call_step(replacement, replay, step_id="replay")
+                # the last one's output is of no use: its history's KV is what the replay is for
+                output = await self._call_step(replacement, replay, step_id="replay",
+                                               last_only=index == len(replacements) - 1)
                 replacement.history.append(replay)
                 replacement.position = replay.shape[1]
                 replay = output

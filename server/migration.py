@@ -53,6 +53,7 @@ AUTO = "auto"  # a move's mode chosen by `choose_mode` from measured costs
 DEFAULT_LINK_MBPS = 100.0  # a link's bandwidth before anything was measured on it
 MIN_BANDWIDTH_SAMPLE_BYTES = 256 << 10  # transfers smaller than this say little about a link's bandwidth
 EPOCH_S = 1.0
+TCP_INITIAL_WINDOW = 10 * 1460  # bytes a fresh (or idle) TCP connection sends in its first round trip (Linux)
 BUDGET_SHARE = 0.5  # of an epoch, for the link's bytes and for the destination's replay prefill alike
 
 
@@ -100,11 +101,12 @@ def move_costs(*, kv_bytes_per_token: int, bandwidth_bytes_per_s: float, rtt_s: 
                replay_bytes_per_token: int, chunk_bytes: int = KV_CHUNK_BYTES) -> MigrationCosts:
     """Gives the costs of moving one session by either mode, as this server's migrations run: chunks of at most
     `chunk_bytes` each wait for their reply, and a replay costs the client two round trips (the step that learns
-    of the move, the open at the destination) and the upload of its saved inputs."""
+    of the move, the open at the destination) and the upload of its saved inputs; both ramp up from TCP's
+    initial window (a move's connection is new, or idle long enough for Linux to restart slow start)."""
     return MigrationCosts(
         kv_bytes_per_token, bandwidth_bytes_per_s, rtt_s, prefill_s_per_token, EPOCH_S,
         comm_budget_share=BUDGET_SHARE, comp_budget_share=BUDGET_SHARE, chunk_bytes=chunk_bytes,
-        replay_bytes_per_token=replay_bytes_per_token, replay_round_trips=2,
+        replay_bytes_per_token=replay_bytes_per_token, replay_round_trips=2, initial_window_bytes=TCP_INITIAL_WINDOW,
     )
 
 

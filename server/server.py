@@ -426,12 +426,15 @@ class SwarmServer:
         A step without `hidden` but with `wait_ms` waits up to that long for the previous server to push it.
         """
         compression = validate_compression(field(payload, "compression", str, optional=True))
+        output = field(payload, "output", str, optional=True) or "all"
+        if output not in ("all", "last"):
+            raise MalformedFrame(f"output {output!r} is neither 'all' nor 'last'")
         await self.migrations.wait_if_moving(field(payload, "session_id", str))
         if "hidden" not in payload and "wait_ms" in payload:
             session, result = await self._await_pushed_step(payload)
         else:
             session, result = self._admit_step(payload, ctx)
-        return await self._step_reply(session, result, compression)
+        return await self._step_reply(session, result, compression, last_only=output == "last")
 
     async def _steps(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         """Runs `steps`, a list of `step` payloads of any sessions on this server (a client sends the steps of its
@@ -457,10 +460,12 @@ class SwarmServer:
         return await self._step(entry, ctx)
 
     async def _step_reply(
-        self, session: Session, result: asyncio.Future[StepResult], compression: str | None
+        self, session: Session, result: asyncio.Future[StepResult], compression: str | None, *,
+        last_only: bool = False,
     ) -> dict[str, Any]:
         step = await asyncio.shield(result)  # a client that goes away does not cancel a step others await
-        return {"hidden": encode_tensor(step.output, compression), "position": session.position,
+        output = step.output[:, -1:] if last_only else step.output
+        return {"hidden": encode_tensor(output.contiguous(), compression), "position": session.position,
                 "compute_ms": step.compute_ms, "batches": step.batches}
 
     async def _push(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:

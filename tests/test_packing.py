@@ -436,6 +436,15 @@ def test_one_move_alone_with_equal_budget_shares_takes_the_mode_that_ends_first(
         assert chosen == ("kv" if kv_s < replay_s else "replay")
 
 
+def test_transfers_ramp_up_as_tcp_slow_start_does_until_they_fill_the_link():
+    # 100 ms RTT at 1 MB/s fills the link with a 100 KB window: 10, 20, 40, 80 KB rounds, then the link's rate
+    costs = MigrationCosts(1, 1e6, 0.1, 0.001, 1.0, initial_window_bytes=10_000)
+    assert costs.transfer_seconds(1_000_000) == pytest.approx(0.4 + 0.85)
+    assert costs.transfer_seconds(25_000) == pytest.approx(0.2)  # two rounds, bounded by the round trips
+    streamed = MigrationCosts(1, 1e6, 0.1, 0.001, 1.0)  # the simulator's model: the link's rate at once
+    assert streamed.transfer_seconds(1_000_000) == pytest.approx(1.0)
+
+
 def test_one_move_counts_its_round_trips_and_the_spec_share_favours_kv_transfers():
     # SmolLM2 on 10 blocks: 15,360 KV bytes and 2,304 input bytes a token; 1 ms of prefill a token on 10 blocks
     def costs(rtt_ms: float, mbps: float, replay_share: float = 0.5) -> MigrationCosts:

@@ -101,7 +101,8 @@ class MigrationCosts:
     """What moving a session costs by either mode, and the budgets of one epoch (spec section 6, item 12).
 
     `kv_bytes_per_token` is the session's KV for all the blocks that move, per token. A KV transfer takes its bytes
-    over the link plus `kv_round_trips` RTTs: one when the bytes stream (`chunk_bytes` 0, the simulator's model), or
+    over the link (`transfer_seconds`: at the link's rate, or ramping up as TCP's slow start does) plus
+    `kv_round_trips` RTTs: one when the bytes stream (`chunk_bytes` 0, the simulator's model), or
     one per chunk plus the open and the commit when each chunk waits for its reply (the live servers). A replay takes
     the destination's prefill of the tokens, plus `replay_round_trips` RTTs and the upload of the inputs the client
     re-sends (`replay_bytes_per_token`, hidden states) over the same link.
@@ -117,6 +118,7 @@ class MigrationCosts:
     chunk_bytes: int = 0
     replay_bytes_per_token: int = 0
     replay_round_trips: int = 0
+    initial_window_bytes: int = 0  # 0: bytes flow at the link's rate at once; else TCP slow start from this window
 
     @property
     def link_budget_bytes(self) -> float:
@@ -131,11 +133,22 @@ class MigrationCosts:
             return 1
         return math.ceil(tokens * self.kv_bytes_per_token / self.chunk_bytes) + 2
 
+    def transfer_seconds(self, nbytes: float) -> float:
+        """Gives the time `nbytes` take over the link: with slow start, a window of `initial_window_bytes` doubles
+        every RTT until it fills the link (bandwidth x RTT), and the rest flows at the link's rate."""
+        rate = self.bandwidth_bytes_per_s
+        if self.initial_window_bytes <= 0 or self.rtt_s <= 0:
+            return nbytes / rate
+        seconds, sent, window = 0.0, 0.0, float(self.initial_window_bytes)
+        while sent < nbytes and window < rate * self.rtt_s:
+            sent, window, seconds = sent + window, 2 * window, seconds + self.rtt_s
+        return seconds + max(0.0, nbytes - sent) / rate
+
     def kv_seconds(self, tokens: int) -> float:
-        return tokens * self.kv_bytes_per_token / self.bandwidth_bytes_per_s + self.rtt_s * self.kv_round_trips(tokens)
+        return self.transfer_seconds(tokens * self.kv_bytes_per_token) + self.rtt_s * self.kv_round_trips(tokens)
 
     def replay_seconds(self, tokens: int) -> float:
-        upload_s = tokens * self.replay_bytes_per_token / self.bandwidth_bytes_per_s
+        upload_s = self.transfer_seconds(tokens * self.replay_bytes_per_token) if self.replay_bytes_per_token else 0.0
         return tokens * self.prefill_s_per_token + upload_s + self.rtt_s * self.replay_round_trips
 
 
