@@ -27,7 +27,7 @@ from itertools import pairwise
 
 from orchestrator.swarm_model import ModelSpec, ServerSpec, SwarmModel
 from swarm.memory import kv_pages_for
-from swarm.records import ServerRecord
+from swarm.records import LONG_PREFILL_HISTORY_TOKENS, ServerRecord
 
 GB = 1e9
 MIN_TIME_MS = 1e-6  # a server that announces a zero step time still costs something per block
@@ -81,6 +81,17 @@ def prefill_ms_per_token(record: ServerRecord) -> float:
         return max(record.block_compute_ms, MIN_TIME_MS)
     largest = max(record.block_decode_ms, key=lambda timing: timing.batch)
     return largest.ms / largest.batch
+
+
+def replay_prefill_ms_per_token(record: ServerRecord, tokens: int) -> float:
+    """Gives one block's mean prefill time per token over a prompt of `tokens` tokens (a replay's history): the
+    measured time grows linearly with the history, from a chunk at the start of a sequence to one after
+    LONG_PREFILL_HISTORY_TOKENS (attention reads the whole history), so the mean is the time at half the prompt."""
+    start = prefill_ms_per_token(record)
+    if record.block_prefill_ms_per_token_long is None:
+        return start
+    growth = (record.block_prefill_ms_per_token_long - start) / LONG_PREFILL_HISTORY_TOKENS
+    return max(start + growth * tokens / 2, MIN_TIME_MS)
 
 
 def server_spec(record: ServerRecord, rtt_ms: float, jobs: JobSizes) -> ServerSpec:

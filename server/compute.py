@@ -1,5 +1,6 @@
 """Measured compute speed of hosted blocks: a decode step through one block at batch 1, 8 and 32, and a prefill
-chunk's time per token, measured once per setup and cached."""
+chunk's time per token at the start of a sequence and after `LONG_HISTORY_TOKENS` of history (attention grows with
+the history), measured once per setup and cached."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import torch
 
 from swarm.memory import PagePool
 from swarm.model import BlockRange, cache_root
-from swarm.model.paged_kv import PagedBatch, SequenceChunk
+from swarm.model.paged_kv import PagedBatch, PagedKV, SequenceChunk
+from swarm.records import LONG_PREFILL_HISTORY_TOKENS as LONG_HISTORY_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +41,12 @@ def _cache_key(blocks: BlockRange, model_id: str) -> str:
 
 @dataclass(frozen=True)
 class BlockSpeed:
-    """One block's measured speed: a decode step by batch size, and a prefill chunk's time per prompt token (ms)."""
+    """One block's measured speed: a decode step by batch size, and a prefill chunk's time per prompt token (ms),
+    at the start of a sequence and after LONG_HISTORY_TOKENS of history (None: not measured)."""
 
     decode_ms: dict[int, float]
     prefill_ms_per_token: float
+    prefill_ms_per_token_long: float | None = None
 
 
 def measure_block_speed(
@@ -50,7 +54,8 @@ def measure_block_speed(
     repeats: int = 7,
 ) -> BlockSpeed:
     """Gives, per batch size, the fastest of `repeats` decode steps (one token per session, short history) through
-    one block, and the fastest prefill of a `chunk_tokens` chunk per token, in ms. The minimum, not the median:
+    one block, and the fastest prefill of a `chunk_tokens` chunk per token, at the start of a sequence and after
+    LONG_HISTORY_TOKENS of history, in ms. The minimum, not the median:
     other processes starting at the same time only ever inflate a sample."""
     index = blocks.start
     tokens_per_page = max(HISTORY_TOKENS + 2, chunk_tokens)
@@ -59,12 +64,12 @@ def measure_block_speed(
     kv = blocks.paged_kv(pool.storage, page_bytes)
     generator = torch.Generator().manual_seed(0)
 
-    def fastest(hidden: torch.Tensor, batch: PagedBatch) -> float:
-        blocks(hidden, batch, kv)  # warm-up: first calls pay for allocation and kernel selection
+    def fastest(hidden: torch.Tensor, batch: PagedBatch, paged: PagedKV = kv) -> float:
+        blocks(hidden, batch, paged)  # warm-up: first calls pay for allocation and kernel selection
         samples = []
         for _ in range(repeats):
             started = time.perf_counter()
-            blocks(hidden, batch, kv)
+            blocks(hidden, batch, paged)
             if blocks.device.type == "cuda":
                 torch.cuda.synchronize(blocks.device)
             samples.append((time.perf_counter() - started) * 1000)
@@ -72,6 +77,11 @@ def measure_block_speed(
 
     chunk = PagedBatch((SequenceChunk(0, chunk_tokens, 0, index, index + 1, {index: [0]}),))
     prefill_ms = fastest(torch.randn(chunk_tokens, blocks.hidden_size, generator=generator), chunk)
+    long_page_bytes = (LONG_HISTORY_TOKENS + chunk_tokens) * blocks.kv_bytes_per_token()
+    long_kv = blocks.paged_kv(PagePool(long_page_bytes, long_page_bytes, device=blocks.device).storage, long_page_bytes)
+    long_chunk = PagedBatch((SequenceChunk(0, chunk_tokens, LONG_HISTORY_TOKENS, index, index + 1, {index: [0]}),))
+    # the history's keys and values are the pool's zeros: attention costs the same whatever they hold
+    long_ms = fastest(torch.randn(chunk_tokens, blocks.hidden_size, generator=generator), long_chunk, long_kv)
     timings: dict[int, float] = {}
     for batch in batches:
         prefill = PagedBatch(tuple(
@@ -83,7 +93,7 @@ def measure_block_speed(
             SequenceChunk(row, 1, HISTORY_TOKENS, index, index + 1, {index: [row]}) for row in range(batch)
         ))
         timings[batch] = fastest(torch.randn(batch, blocks.hidden_size, generator=generator), decode)
-    return BlockSpeed(timings, prefill_ms / chunk_tokens)
+    return BlockSpeed(timings, prefill_ms / chunk_tokens, long_ms / chunk_tokens)
 
 
 def cached_block_speed(blocks: BlockRange, model_id: str, *, path: Path | None = None) -> BlockSpeed:
@@ -95,18 +105,19 @@ def cached_block_speed(blocks: BlockRange, model_id: str, *, path: Path | None =
     except (OSError, ValueError):
         cached = {}
     entry = cached.get(key)
-    if isinstance(entry, dict) and all(isinstance(entry.get(name), int | float)
-                                       for name in (*map(str, DECODE_BATCHES), "prefill_per_token")):
+    names = (*map(str, DECODE_BATCHES), "prefill_per_token", "prefill_per_token_long")
+    if isinstance(entry, dict) and all(isinstance(entry.get(name), int | float) for name in names):
         return BlockSpeed({batch: float(entry[str(batch)]) for batch in DECODE_BATCHES},
-                          float(entry["prefill_per_token"]))
+                          float(entry["prefill_per_token"]), float(entry["prefill_per_token_long"]))
     speed = measure_block_speed(blocks)
     cached[key] = {**{str(batch): ms for batch, ms in speed.decode_ms.items()},
-                   "prefill_per_token": speed.prefill_ms_per_token}
+                   "prefill_per_token": speed.prefill_ms_per_token,
+                   "prefill_per_token_long": speed.prefill_ms_per_token_long}
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f"{path.name}.{os.getpid()}")
     staging.write_text(json.dumps(cached, indent=1, sort_keys=True))
     staging.replace(path)
-    log.info("Measured a block: %s, prefill %.3f ms per token (%s)",
+    log.info("Measured a block: %s, prefill %.3f ms per token (%.3f after %d tokens) (%s)",
              ", ".join(f"{ms:.2f} ms at batch {batch}" for batch, ms in speed.decode_ms.items()),
-             speed.prefill_ms_per_token, key)
+             speed.prefill_ms_per_token, speed.prefill_ms_per_token_long, LONG_HISTORY_TOKENS, key)
     return speed

@@ -15,6 +15,7 @@ import torch
 from hivemind.p2p import P2P
 
 from orchestrator.block_selection import HostedSpan, better_start, blocks_that_fit, choose_start
+from orchestrator.live_model import replay_prefill_ms_per_token
 from orchestrator.packing import ReportedSession, choose_mode
 from server.compute import DECODE_BATCHES, BlockSpeed, cached_block_speed
 from server.config import ServerConfig
@@ -135,6 +136,7 @@ class SwarmServer:
         else:
             speed = cached_block_speed(probe, self.source.model_id)
         self.block_decode_ms, self.block_prefill_ms_per_token = speed.decode_ms, speed.prefill_ms_per_token
+        self.block_prefill_ms_per_token_long = speed.prefill_ms_per_token_long
         del probe
         self.max_batch_tokens = config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(self.device.type, 128)
         self.scheduler = StepScheduler(
@@ -186,6 +188,7 @@ class SwarmServer:
             block_compute_ms=self.scheduler.block_compute_ms,
             block_decode_ms=[BatchTiming(batch=batch, ms=ms) for batch, ms in sorted(self.block_decode_ms.items())],
             block_prefill_ms_per_token=self.block_prefill_ms_per_token,
+            block_prefill_ms_per_token_long=self.block_prefill_ms_per_token_long,
             network_mbps=self.network_mbps,
             session_count=len(self.sessions),
             max_length=self.config.max_length,
@@ -622,9 +625,7 @@ class SwarmServer:
         """Picks the mode of a move of `session` to `peer_id` from the measured link and the destination's measured
         prefill speed (this server's own if the destination announces none)."""
         blocks = session.end - session.start
-        prefill_ms = self.block_prefill_ms_per_token or self.scheduler.block_compute_ms
-        if destination is not None and destination.block_prefill_ms_per_token:
-            prefill_ms = destination.block_prefill_ms_per_token
+        prefill_ms = replay_prefill_ms_per_token(destination or self.record(), session.position)
         bandwidth = self.migrations.links.bytes_per_s(
             peer_id, self.network_mbps, destination.network_mbps if destination is not None else None)
         costs = move_costs(

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 logger = logging.getLogger(__name__)
 
+LONG_PREFILL_HISTORY_TOKENS = 1920  # history before the long prefill chunk servers measure (it ends at 2,048)
 MAX_BLOCKS = 100_000
 MAX_ADDRS = 16
 MAX_ORCHESTRATORS = 4
@@ -82,6 +83,10 @@ class ServerRecord(BaseModel):
     block_prefill_ms_per_token: float | None = Field(
         default=None, ge=0, allow_inf_nan=False,
         description="measured time of one block per prompt token in a prefill chunk (None: not measured)",
+    )
+    block_prefill_ms_per_token_long: float | None = Field(
+        default=None, ge=0, allow_inf_nan=False,
+        description=f"the same after {LONG_PREFILL_HISTORY_TOKENS} tokens of history (None: not measured)",
     )
     network_mbps: float | None = Field(ge=0, allow_inf_nan=False, description="measured inbound throughput")
     session_count: int = Field(ge=0)

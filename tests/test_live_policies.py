@@ -10,14 +10,14 @@ import pytest
 
 from orchestrator.block_selection import HostedSpan, better_start, blocks_that_fit, choose_start
 from orchestrator.dispatch import JFFC
-from orchestrator.live_model import JobSizes, swarm_model
+from orchestrator.live_model import JobSizes, replay_prefill_ms_per_token, swarm_model
 from orchestrator.observed_load import ObservedLoad
 from orchestrator.replan import blocks_moved, match_roles, move_order, placement_ranges
 from orchestrator.service.leases import LeaseNotFound, LeaseTable, LiveChain, Span
 from orchestrator.service.orchestrator import Orchestrator, OrchestratorConfig
 from orchestrator.swarm_model import Chain, Placement
 from orchestrator.tuning import plan_for_capacity, tune_capacity
-from swarm.records import BatchTiming, ServerRecord
+from swarm.records import LONG_PREFILL_HISTORY_TOKENS, BatchTiming, ServerRecord
 
 MIB = 1 << 20
 
@@ -51,6 +51,11 @@ def test_records_become_the_policy_model_in_whole_pages_and_per_job_times() -> N
     measured = record("a", decode_ms=1.0).model_copy(update={"block_prefill_ms_per_token": 0.05})
     (a,) = swarm_model({"a": measured}, {"a": 5.0}, jobs, 32).servers
     assert a.tau_p_ms == pytest.approx(100 * 0.05 + 28 * 1.0)
+    # a replay's prefill: the measured time grows with the history, so a prompt's mean is the time at its middle
+    assert replay_prefill_ms_per_token(measured, 2000) == pytest.approx(0.05)  # no long-history measurement
+    long = measured.model_copy(update={"block_prefill_ms_per_token_long": 0.05 + 0.1})
+    assert replay_prefill_ms_per_token(long, 0) == pytest.approx(0.05)
+    assert replay_prefill_ms_per_token(long, 2 * LONG_PREFILL_HISTORY_TOKENS) == pytest.approx(0.15)
 
 
 def test_roles_go_to_the_servers_of_a_kind_that_keep_most_blocks() -> None:
