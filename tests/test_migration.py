@@ -26,6 +26,16 @@ pytestmark = pytest.mark.slow
 TIMEOUT_S = 30.0
 
 
+def local_and_remote(swarm: SwarmProcesses, model: Path, **config: Any) -> tuple[Any, DistributedModelForCausalLM]:
+    """Gives the local reference model and a swarm client (ClientConfig `config`, a 30 s request timeout)."""
+    local = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    remote = DistributedModelForCausalLM.from_pretrained(
+        str(model), initial_peers=swarm.initial_peers,
+        client_config=ClientConfig(request_timeout_s=TIMEOUT_S, **config),
+    )
+    return local, remote
+
+
 def start_servers(swarm: SwarmProcesses, model: Path, *servers: str | tuple[str, ...]) -> list[Proc]:
     """Starts the DHT and a server per entry (its blocks, or its blocks and extra arguments); returns once all serve."""
     swarm.start_dht()
@@ -87,6 +97,30 @@ def in_background(action: Callable[[], object], errors: list[BaseException]) -> 
     return thread
 
 
+def generate_with_a_refused_move(
+    remote: DistributedModelForCausalLM, local: Any, input_ids: torch.Tensor, max_length: int, source: str,
+    destination: str,
+) -> list[SwarmError]:
+    """Generates 10 greedy tokens on a session opened on `source`, trying a KV move of it to `destination` after
+    the third; checks that it stayed whole on `source` with the local model's tokens; gives the move's errors."""
+    expected = local.generate(input_ids, max_new_tokens=10, do_sample=False)
+    refusals: list[SwarmError] = []
+    with remote.inference_session(max_length=max_length) as session:
+        assert session.route[0].peer_id == source
+
+        def try_move() -> None:
+            try:
+                session.migrate(0, destination, mode="kv")
+            except SwarmError as error:
+                refusals.append(error)
+
+        actual = remote.generate(input_ids, session=session, max_new_tokens=10, do_sample=False,
+                                 streamer=ActAfterTokens({3: try_move}))
+        assert (session.moves, session.failovers) == (0, 0) and session.route[0].peer_id == source
+    assert actual.tolist() == expected.tolist()
+    return refusals
+
+
 SLOW_MOVES = ("--migration-chunk-size", "256B")  # a frame per token, block and row: a move takes hundreds of frames
 
 
@@ -104,11 +138,7 @@ def test_sessions_move_mid_generation_and_tokens_match(
     swarm_factory: SwarmProcesses, tiny_llama: Path, mode: str, push: bool
 ) -> None:
     start_servers(swarm_factory, tiny_llama, "0:4", "0:4", "4:8", "4:8")
-    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    remote = DistributedModelForCausalLM.from_pretrained(
-        str(tiny_llama), initial_peers=swarm_factory.initial_peers,
-        client_config=ClientConfig(request_timeout_s=TIMEOUT_S, server_push=push),
-    )
+    local, remote = local_and_remote(swarm_factory, tiny_llama, server_push=push)
     try:
         client = remote.swarm
         baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
@@ -188,11 +218,7 @@ def test_a_draining_server_moves_its_sessions_to_a_peer_and_they_go_on_without_a
 ) -> None:
     servers = start_servers(swarm_factory, tiny_llama, "0:8", "0:8")
     by_peer = {server.peer_id: server for server in servers}
-    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    remote = DistributedModelForCausalLM.from_pretrained(
-        str(tiny_llama), initial_peers=swarm_factory.initial_peers,
-        client_config=ClientConfig(request_timeout_s=TIMEOUT_S),
-    )
+    local, remote = local_and_remote(swarm_factory, tiny_llama)
     try:
         input_ids = prompt(20, 5)
         expected = local.generate(input_ids, max_new_tokens=12, do_sample=False)
@@ -228,31 +254,14 @@ def test_a_move_the_destination_refuses_leaves_the_session_whole_on_its_source(
 ) -> None:
     # the second server cannot hold the session's 40 tokens
     source, cramped = start_servers(swarm_factory, tiny_llama, "0:8", ("0:8", "--max-length", "16"))
-    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    remote = DistributedModelForCausalLM.from_pretrained(
-        str(tiny_llama), initial_peers=swarm_factory.initial_peers,
-        client_config=ClientConfig(request_timeout_s=TIMEOUT_S),
-    )
+    local, remote = local_and_remote(swarm_factory, tiny_llama)
     try:
         client = remote.swarm
         baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
         input_ids = prompt(20, 9)
-        expected = local.generate(input_ids, max_new_tokens=10, do_sample=False)
-        refusals: list[SwarmError] = []
-        with remote.inference_session(max_length=40) as session:
-            assert session.route[0].peer_id == source.peer_id  # the other one cannot hold 40 tokens
-
-            def try_move() -> None:
-                try:
-                    session.migrate(0, cramped.peer_id, mode="kv")
-                except SwarmError as error:
-                    refusals.append(error)
-
-            actual = remote.generate(input_ids, session=session, max_new_tokens=10, do_sample=False,
-                                     streamer=ActAfterTokens({3: try_move}))
-            assert (session.moves, session.failovers) == (0, 0) and session.route[0].peer_id == source.peer_id
+        # the other one cannot hold 40 tokens
+        refusals = generate_with_a_refused_move(remote, local, input_ids, 40, source.peer_id, cramped.peer_id)
         assert [type(error) for error in refusals] == [MaxLengthExceeded]
-        assert actual.tolist() == expected.tolist()
         replies = infos(client)
         assert replies[source.peer_id]["migrations"]["failed_out"] == 1
         assert {peer: info["record"]["pages_free"] for peer, info in replies.items()} == baseline
@@ -260,88 +269,51 @@ def test_a_move_the_destination_refuses_leaves_the_session_whole_on_its_source(
         remote.shutdown()
 
 
-def test_a_destination_that_dies_mid_transfer_leaves_the_session_whole_on_its_source(
-    swarm_factory: SwarmProcesses, tiny_llama: Path
+@pytest.mark.parametrize("victim", ["destination", "source"])
+def test_a_server_that_dies_mid_transfer_loses_no_token_and_no_page(
+    swarm_factory: SwarmProcesses, tiny_llama: Path, victim: str
 ) -> None:
-    servers = start_servers(swarm_factory, tiny_llama, ("0:8", *SLOW_MOVES), ("0:8", *SLOW_MOVES))
+    """The destination dies: the session stays whole on its source. The source dies: the client fails over (a replay
+    on the survivor), and the survivor drops the half-done import once it hears nothing more."""
+    extra = (*SLOW_MOVES, "--import-idle-timeout", "1", "--session-timeout", "4")
+    servers = start_servers(swarm_factory, tiny_llama, ("0:8", *extra), ("0:8", *extra))
     by_peer = {server.peer_id: server for server in servers}
-    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    remote = DistributedModelForCausalLM.from_pretrained(
-        str(tiny_llama), initial_peers=swarm_factory.initial_peers,
-        client_config=ClientConfig(request_timeout_s=TIMEOUT_S),
-    )
+    local, remote = local_and_remote(swarm_factory, tiny_llama)
     try:
         client = remote.swarm
         baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
         input_ids = prompt(200, 11)  # 1,600 frames of KV to move
         expected = local.generate(input_ids, max_new_tokens=10, do_sample=False)
         errors: list[BaseException] = []
+        ends: dict[str, str] = {}
         with remote.inference_session(max_length=256) as session:
-            source = session.route[0].peer_id if session.route else ""
 
-            def kill_destination_mid_move() -> None:
-                destination = other_host(client, session.route[0].peer_id)
-                with watching(client, destination) as info:
-                    mover = in_background(lambda: session.migrate(0, destination, mode="kv"), errors)
+            def kill_mid_move() -> None:
+                ends["source"] = session.route[0].peer_id
+                ends["destination"] = other_host(client, ends["source"])
+                with watching(client, ends["destination"]) as info:
+                    mover = in_background(lambda: session.migrate(0, ends["destination"], mode="kv"), errors)
                     wait_until(lambda: info()["migrations"]["bytes_in"] > 0, "the first chunk")
-                    swarm_factory.kill(by_peer[destination])
+                    swarm_factory.kill(by_peer[ends[victim]])
                 mover.join(TIMEOUT_S * 2)
                 assert not mover.is_alive()
 
             actual = remote.generate(input_ids, session=session, max_new_tokens=10, do_sample=False,
-                                     streamer=ActAfterTokens({3: kill_destination_mid_move}))
-            source = session.route[0].peer_id
-            assert (session.moves, session.failovers) == (0, 0)  # it stayed on its source, KV and all
+                                     streamer=ActAfterTokens({3: kill_mid_move}))
+            (survivor,) = set(ends.values()) - {ends[victim]}
+            # on its source with its KV, or replayed on the survivor since its source is gone
+            assert (session.moves, session.failovers) == (0, 0 if victim == "destination" else 1)
+            assert session.route[0].peer_id == survivor
         assert [isinstance(error, SwarmError) for error in errors] == [True]
         assert actual.tolist() == expected.tolist()
-        reply = info_of(client, source)
-        assert reply["migrations"]["failed_out"] == 1 and reply["migrations"]["out"] == {"kv": 0, "replay": 0}
-        assert reply["record"]["pages_free"] == baseline[source]
-    finally:
-        remote.shutdown()
-
-
-def test_a_source_that_dies_mid_transfer_fails_over_and_the_destination_drops_the_import(
-    swarm_factory: SwarmProcesses, tiny_llama: Path
-) -> None:
-    extra = (*SLOW_MOVES, "--import-idle-timeout", "1", "--session-timeout", "4")
-    servers = start_servers(swarm_factory, tiny_llama, ("0:8", *extra), ("0:8", *extra))
-    by_peer = {server.peer_id: server for server in servers}
-    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    remote = DistributedModelForCausalLM.from_pretrained(
-        str(tiny_llama), initial_peers=swarm_factory.initial_peers,
-        client_config=ClientConfig(request_timeout_s=TIMEOUT_S),
-    )
-    try:
-        client = remote.swarm
-        baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
-        input_ids = prompt(200, 12)
-        expected = local.generate(input_ids, max_new_tokens=10, do_sample=False)
-        errors: list[BaseException] = []
-        survivor: list[str] = []
-        with remote.inference_session(max_length=256) as session:
-
-            def kill_source_mid_move() -> None:
-                source = session.route[0].peer_id
-                destination = other_host(client, source)
-                survivor.append(destination)
-                with watching(client, destination) as info:
-                    mover = in_background(lambda: session.migrate(0, destination, mode="kv"), errors)
-                    wait_until(lambda: info()["migrations"]["bytes_in"] > 0, "the first chunk")
-                    swarm_factory.kill(by_peer[source])
-                mover.join(TIMEOUT_S * 2)
-                assert not mover.is_alive()
-
-            actual = remote.generate(input_ids, session=session, max_new_tokens=10, do_sample=False,
-                                     streamer=ActAfterTokens({3: kill_source_mid_move}))
-            assert (session.moves, session.failovers) == (0, 1)  # a replay on the survivor: its source is gone
-            assert session.route[0].peer_id == survivor[0]
-        assert [isinstance(error, SwarmError) for error in errors] == [True]
-        assert actual.tolist() == expected.tolist()
-        # the half-done import received nothing more and was dropped; the replayed session closed with the generation
-        wait_until(lambda: info_of(client, survivor[0])["record"]["pages_free"] == baseline[survivor[0]],
-                   "the destination's pages to return", timeout_s=30)
-        assert info_of(client, survivor[0])["migrations"]["in"] == {"kv": 0, "replay": 0}
+        # the generation closed the session; a half-done import is dropped once it received nothing for a second
+        wait_until(lambda: info_of(client, survivor)["record"]["pages_free"] == baseline[survivor],
+                   "the survivor's pages to return", timeout_s=30)
+        reply = info_of(client, survivor)
+        if victim == "destination":
+            assert reply["migrations"]["failed_out"] == 1 and reply["migrations"]["out"] == {"kv": 0, "replay": 0}
+        else:
+            assert reply["migrations"]["in"] == {"kv": 0, "replay": 0}
     finally:
         remote.shutdown()
 
@@ -369,22 +341,9 @@ def test_a_destination_out_of_pages_refuses_the_move_and_the_session_stays_whole
             baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
             local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
             input_ids = prompt(30, 14)
-            expected = local.generate(input_ids, max_new_tokens=10, do_sample=False)
-            refusals: list[SwarmError] = []
-            with remote.inference_session(max_length=60) as session:
-
-                def try_move() -> None:
-                    assert session.route[0].peer_id == source.peer_id  # the full server refused it at open
-                    try:
-                        session.migrate(0, full.peer_id, mode="kv")
-                    except SwarmError as error:
-                        refusals.append(error)
-
-                actual = remote.generate(input_ids, session=session, max_new_tokens=10, do_sample=False,
-                                         streamer=ActAfterTokens({3: try_move}))
-                assert (session.moves, session.failovers) == (0, 0) and session.route[0].peer_id == source.peer_id
+            # the full server refused the session at open: it opened on the other one
+            refusals = generate_with_a_refused_move(remote, local, input_ids, 60, source.peer_id, full.peer_id)
             assert [type(error) for error in refusals] == [ServerBusy]
-            assert actual.tolist() == expected.tolist()
             replies = infos(client)
             assert replies[source.peer_id]["migrations"]["failed_out"] == 1
             assert {peer: info["record"]["pages_free"] for peer, info in replies.items()} == baseline
@@ -400,11 +359,7 @@ def test_steps_that_arrive_during_a_move_wait_and_follow_it_without_a_replay(
 ) -> None:
     servers = start_servers(swarm_factory, tiny_llama, "0:4", ("4:8", *SLOW_MOVES), ("4:8", *SLOW_MOVES))
     by_peer = {server.peer_id: server for server in servers}
-    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    remote = DistributedModelForCausalLM.from_pretrained(
-        str(tiny_llama), initial_peers=swarm_factory.initial_peers,
-        client_config=ClientConfig(request_timeout_s=TIMEOUT_S, server_push=push),
-    )
+    local, remote = local_and_remote(swarm_factory, tiny_llama, server_push=push)
     try:
         client = remote.swarm
         baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
@@ -458,11 +413,7 @@ def test_servers_of_one_segment_pack_their_sessions_and_the_emptied_one_stands_b
 ) -> None:
     packing = ("--kv-packing", "bf", "--packing-epoch", "0.5")
     servers = start_servers(swarm_factory, tiny_llama, ("0:8", *packing), ("0:8", *packing), ("0:8", *packing))
-    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    remote = DistributedModelForCausalLM.from_pretrained(
-        str(tiny_llama), initial_peers=swarm_factory.initial_peers,
-        client_config=ClientConfig(request_timeout_s=TIMEOUT_S),
-    )
+    local, remote = local_and_remote(swarm_factory, tiny_llama)
     try:
         client = remote.swarm
         wait_until(lambda: len(client.run(client.servers())) == 3, "three servers in the DHT")
