@@ -1,10 +1,15 @@
 """MELL's epoch loop over a live segment (orchestrator.packing.live_epoch): the servers' reports become the packer's
 operations, sessions not where the packer keeps them get migrations, and only the packer's bins plus one spare
-take new sessions."""
+take new sessions; the segment's leader (server.segment_packing) runs it and splits the moves by the budgets."""
 
 from __future__ import annotations
 
+import asyncio
+
 from orchestrator.packing import BestFitPacker, MellPacker, ReportedSession, SegmentPacking
+from server.segment_packing import Report, SegmentPackingLoop, group_of, leader_of
+from swarm.records import ServerRecord
+from tests.test_live_policies import record
 
 KV_BYTES_PER_TOKEN = 15_360  # SmolLM2, 10 blocks, float32
 
@@ -74,3 +79,50 @@ def test_servers_leaving_the_group_rebuild_the_packer_over_those_left():
     assert packing.packer is not None and packing.packer.bins == ("b", "c")
     assert plan.migrations == [] and plan.accepting == {"b": True, "c": True}
     assert packing.epoch({}, []).accepting == {}
+
+
+def test_a_segments_leader_runs_the_packer_on_its_members_reports_and_moves_within_the_budgets():
+    members = {peer: record(peer, start=0, end=10, pages_total=1000).model_copy(
+        update={"network_mbps": 10.0 if peer == "b" else 100.0, "block_prefill_ms_per_token": 0.2})
+        for peer in ("a", "b", "c")}
+    members["x"] = record("x", start=0, end=20)  # another segment
+    segment = group_of(members, 0, 10)
+    assert [r.peer_id for r in segment] == ["a", "b", "c"] and leader_of(segment) == "a"
+    sessions = {"a": [ReportedSession("small", "a", 10, 100)], "b": [ReportedSession("huge", "b", 30, 6000)],
+                "c": [ReportedSession("mid", "c", 10, 100)]}
+    told: dict[str, bool] = {}
+    moved: list[tuple[str, str, str, str]] = []
+
+    async def group() -> list[ServerRecord]:
+        return group_of(members, 0, 10)
+
+    async def report(peer: str, accepting: bool) -> Report:
+        told[peer] = accepting
+        return Report(1000, sessions[peer])
+
+    async def migrate(source: str, session_id: str, destination: str, mode: str) -> None:
+        moved.append((session_id, source, destination, mode))
+        (session,) = [s for s in sessions[source] if s.session_id == session_id]
+        sessions[source].remove(session)
+        sessions[destination].append(ReportedSession(session_id, destination, session.pages, session.tokens))
+
+    def leader(peer_id: str) -> SegmentPackingLoop:
+        return SegmentPackingLoop("bf", peer_id=peer_id, epoch_s=1.0, kv_bytes_per_token=lambda blocks: 1536 * blocks,
+                                  group=group, report=report, migrate=migrate)
+
+    async def epochs(loop: SegmentPackingLoop, count: int) -> None:
+        for _ in range(count):
+            await loop.epoch()
+            await asyncio.sleep(0)  # the moves run as tasks
+
+    packing = leader("a")
+    asyncio.run(epochs(packing, 2))
+    # best fit packs all three on a. mid's 1.5 MB leave more of a's link budget (0.5 s of 100 Mbit/s) free than its
+    # 100 tokens leave of a's prefill budget (0.5 s of 2 ms a token): a KV transfer. huge's 92 MB or 12 s of prefill
+    # fit no epoch's budget: it goes alone, by the mode that ends first over b's 10 Mbit/s link: a replay
+    assert sorted(moved) == [("huge", "b", "a", "replay"), ("mid", "c", "a", "kv")]
+    assert packing.moves == {"kv": 1, "replay": 1, "failed": 0, "deferred": 0}
+    assert told == {"a": True, "b": True, "c": False}  # the second epoch tells them what the first decided
+    follower = leader("b")
+    asyncio.run(epochs(follower, 1))
+    assert follower.epochs == 0  # only the leader packs
