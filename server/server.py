@@ -361,6 +361,8 @@ class SwarmServer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for connection in self._peer_connections.values():
+            await connection.close()
         open_sessions = len(self.sessions)
         if self.pusher is not None:
             await self.pusher.close()
