@@ -282,19 +282,24 @@ def test_a_server_that_dies_mid_transfer_loses_no_token_and_no_page(
     try:
         client = remote.swarm
         baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
-        input_ids = prompt(200, 11)  # 1,600 frames of KV to move
+        input_ids = prompt(400, 11)  # 3,200 frames of KV to move
         expected = local.generate(input_ids, max_new_tokens=10, do_sample=False)
         errors: list[BaseException] = []
         ends: dict[str, str] = {}
-        with remote.inference_session(max_length=256) as session:
+        with remote.inference_session(max_length=448) as session:
 
             def kill_mid_move() -> None:
                 ends["source"] = session.route[0].peer_id
                 ends["destination"] = other_host(client, ends["source"])
+                destination = by_peer[ends["destination"]]
                 with watching(client, ends["destination"]) as info:
                     mover = in_background(lambda: session.migrate(0, ends["destination"], mode="kv"), errors)
                     wait_until(lambda: info()["migrations"]["bytes_in"] > 0, "the first chunk")
-                    swarm_factory.kill(by_peer[ends[victim]])
+                    # the destination stops taking chunks at once: the move cannot commit before the kill
+                    destination.popen.send_signal(signal.SIGSTOP)
+                swarm_factory.kill(by_peer[ends[victim]])
+                if victim == "source":
+                    destination.popen.send_signal(signal.SIGCONT)
                 mover.join(TIMEOUT_S * 2)
                 assert not mover.is_alive()
 
