@@ -77,10 +77,13 @@ class LinkEstimates:
         """Gives the link's bandwidth to `peer_id`: measured on transfers, else the lowest of `measured_mbps`
         (each side's measured inbound throughput), else DEFAULT_LINK_MBPS."""
         known = self._bytes_per_s.get(peer_id)
-        if known is not None:
-            return known
-        rates = [mbps for mbps in measured_mbps if mbps]
-        return (min(rates) if rates else DEFAULT_LINK_MBPS) * 1e6 / 8
+        return known if known is not None else announced_bytes_per_s(*measured_mbps)
+
+
+def announced_bytes_per_s(*measured_mbps: float | None) -> float:
+    """Gives a link's bandwidth from its ends' measured inbound throughput (the lower), else DEFAULT_LINK_MBPS."""
+    rates = [mbps for mbps in measured_mbps if mbps]
+    return (min(rates) if rates else DEFAULT_LINK_MBPS) * 1e6 / 8
 
 
 @dataclass(frozen=True)
@@ -98,13 +101,14 @@ class MoveChoice:
 
 
 def move_costs(*, kv_bytes_per_token: int, bandwidth_bytes_per_s: float, rtt_s: float, prefill_s_per_token: float,
-               replay_bytes_per_token: int, chunk_bytes: int = KV_CHUNK_BYTES) -> MigrationCosts:
+               replay_bytes_per_token: int, chunk_bytes: int = KV_CHUNK_BYTES, epoch_s: float = EPOCH_S
+               ) -> MigrationCosts:
     """Gives the costs of moving one session by either mode, as this server's migrations run: chunks of at most
     `chunk_bytes` each wait for their reply, and a replay costs the client two round trips (the step that learns
     of the move, the open at the destination) and the upload of its saved inputs; both ramp up from TCP's
     initial window (a move's connection is new, or idle long enough for Linux to restart slow start)."""
     return MigrationCosts(
-        kv_bytes_per_token, bandwidth_bytes_per_s, rtt_s, prefill_s_per_token, EPOCH_S,
+        kv_bytes_per_token, bandwidth_bytes_per_s, rtt_s, prefill_s_per_token, epoch_s,
         comm_budget_share=BUDGET_SHARE, comp_budget_share=BUDGET_SHARE, chunk_bytes=chunk_bytes,
         replay_bytes_per_token=replay_bytes_per_token, replay_round_trips=2, initial_window_bytes=TCP_INITIAL_WINDOW,
     )

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.live_model import prefill_ms_per_token
 from orchestrator.packing import (
     BestFitPacker,
     LoadBalancePacker,
@@ -36,6 +37,7 @@ from orchestrator.packing import (
     choose_mode,
     split_migrations,
 )
+from server.migration import announced_bytes_per_s, move_costs
 from swarm.errors import SwarmError
 from swarm.records import ServerRecord, ServerState
 
@@ -45,7 +47,6 @@ PACKERS: dict[str, Callable[[Sequence[str], int], Packer]] = {
     "mell": MellPacker, "bf": BestFitPacker, "wf": WorstFitPacker, "lb": LoadBalancePacker,
 }
 ORPHAN_EPOCHS = 3  # epochs without word from a leader after which a standby takes sessions again
-DEFAULT_LINK_MBPS = 100.0
 
 
 @dataclass(frozen=True)
@@ -151,12 +152,15 @@ class SegmentPackingLoop:
         return kv, replay, waiting
 
     def _costs(self, source: ServerRecord, destination: ServerRecord) -> MigrationCosts:
+        """Gives a move's costs as a source prices its own (`move_costs`), from the two records alone: the leader
+        measures no RTT between members, nor the client's upload of a replay."""
         blocks = destination.block_end - destination.block_start
-        rates = [mbps for mbps in (source.network_mbps, destination.network_mbps) if mbps]
-        bandwidth = (min(rates) if rates else DEFAULT_LINK_MBPS) * 1e6 / 8
-        prefill_ms = destination.block_prefill_ms_per_token or destination.block_compute_ms
-        return MigrationCosts(self._kv_bytes_per_token(blocks), bandwidth, 0.0, max(prefill_ms, 1e-3) * blocks / 1000,
-                              self.epoch_s, comm_budget_share=0.5, comp_budget_share=0.5)
+        return move_costs(
+            kv_bytes_per_token=self._kv_bytes_per_token(blocks),
+            bandwidth_bytes_per_s=announced_bytes_per_s(source.network_mbps, destination.network_mbps), rtt_s=0.0,
+            prefill_s_per_token=prefill_ms_per_token(destination) * blocks / 1000, replay_bytes_per_token=0,
+            epoch_s=self.epoch_s,
+        )
 
     async def _move(self, migration: Migration, mode: str) -> None:
         try:
