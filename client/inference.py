@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 PUSH_WAIT_MARGIN_MS = 500.0
 MAX_MOVES_PER_STEP = 8  # a session that keeps moving while one step waits is failed over instead
+BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S = 0.5, 4.0  # waiting for room while every server answers busy
 
 # Errors after which another server may succeed; anything else (bad input, max length) goes to the caller.
 RECOVERABLE = (
@@ -138,10 +139,28 @@ class RemoteInferenceSession:
                 await span_session.connection.close()
             raise
 
-    async def _open_chain(self, start: int, end: int) -> list[_SpanSession]:
-        """Gives open sessions on a min-latency chain over [start, end), routing around servers that refuse."""
-        for _ in range(self.client.config.max_failovers + 1):
-            route = await self.client.route(start, end, max_length=self.max_length, batch=self.batch)
+    async def _open_chain(self, start: int, end: int, *, busy: set[str] | None = None) -> list[_SpanSession]:
+        """Gives open sessions on a min-latency chain over [start, end), routing around servers that refuse.
+
+        A server that answers busy (no room now) is avoided until every server that could serve the blocks did;
+        then the session waits, backing off, and asks them all again, for up to `ClientConfig.busy_wait_s`, as
+        Petals' client waits for a full swarm (`busy`: servers known busy already). Other refusals ban the server
+        for a while."""
+        config = self.client.config
+        deadline, backoff_s = time.monotonic() + config.busy_wait_s, BUSY_BACKOFF_FIRST_S
+        busy = set(busy or ())
+        refusals = 0
+        while refusals <= config.max_failovers:
+            try:
+                route = await self.client.route(start, end, max_length=self.max_length, batch=self.batch,
+                                                avoid=busy)
+            except NoRouteFound:
+                if not busy or time.monotonic() + backoff_s > deadline:
+                    raise
+                log.info("Every server of blocks %d:%d is busy; asking again in %.1f s", start, end, backoff_s)
+                await asyncio.sleep(backoff_s)
+                backoff_s, busy = min(BUSY_BACKOFF_MAX_S, 2 * backoff_s), set()
+                continue
             opened: list[_SpanSession] = []
             try:
                 for span in route:
@@ -150,19 +169,29 @@ class RemoteInferenceSession:
             except RECOVERABLE_AT_OPEN as error:
                 log.warning("Server %s refused a session (%s: %s); rerouting", span.peer_id,
                             type(error).__name__, error.message)
-                self.client.ban(span.peer_id)
+                if isinstance(error, ServerBusy):
+                    busy.add(span.peer_id)
+                else:
+                    self.client.ban(span.peer_id)
+                    refusals += 1
             finally:
                 if len(opened) != len(route):
                     for span_session in opened:
                         await span_session.connection.close()
         raise NoRouteFound(f"no chain over blocks {start}:{end} accepted a session of {self.max_length} tokens")
 
-    async def _open_span(self, span: Span, *, moved_from: str | None = None) -> _SpanSession:
+    async def _open_span(self, span: Span, *, moved_from: str | None = None,
+                         session_id: str | None = None) -> _SpanSession:
         connection = await self.client.connect(span.record)
-        payload: dict[str, object] = {"session_id": uuid.uuid4().hex, "blocks": [span.start, span.end],
+        payload: dict[str, object] = {"session_id": session_id or uuid.uuid4().hex, "blocks": [span.start, span.end],
                                       "max_length": self.max_length, "batch": self.batch}
+        first_step = max(self.prompt_tokens, self.position)  # the prompt, or what a replay brings
+        if first_step:
+            payload["prompt_tokens"] = first_step
         if moved_from is not None:
             payload["moved_from"] = moved_from
+        if self.lease is not None:
+            payload["lease_id"] = self.lease.lease_id
         try:
             reply = await connection.call("open", payload, timeout=self.client.config.request_timeout_s)
         except BaseException:
@@ -183,9 +212,20 @@ class RemoteInferenceSession:
         if self.client.config.server_push and len(self.spans) > 1 and new_tokens == 1:
             hidden, index = await self._pushed_step(hidden)
         failovers_this_step = moves_this_step = 0
+        follow: SessionMoved | None = None  # the span at `index` moved: follow it, then retry the step there
+        replace: SwarmError | None = None  # the span at `index` failed: replace it by a replay, then retry
         while index < len(self.spans):  # one span at a time: a step's start, or what the pushed step left over
             span_session = self.spans[index]
+            recovering = follow is not None or replace is not None
             try:
+                if follow is not None:
+                    moved, follow = follow, None
+                    await self._follow(index, moved)
+                    continue  # the same step, on the server the span's KV moved to
+                if replace is not None:
+                    failed, replace = replace, None
+                    await self._replace(index, busy=isinstance(failed, ServerBusy | SessionMoved))
+                    continue  # retry the same span index with the replacement servers
                 # No push here: a prefill would cross each link twice (push and client), and a pushed step that
                 # stopped midway goes on from the client anyway.
                 output = await self._call_step(span_session, hidden, step_id=f"{self.position}")
@@ -193,16 +233,20 @@ class RemoteInferenceSession:
                 moves_this_step += 1
                 if moves_this_step > MAX_MOVES_PER_STEP:
                     raise
-                await self._follow(index, moved)
-                continue  # the same step, on the server the span's KV moved to
+                if recovering:  # it moved again while being followed or replayed: rebuild it from its inputs
+                    log.warning("Session on %s moved again while it recovered; replaying it", span_session.peer_id)
+                    replace = moved
+                else:
+                    follow = moved
+                continue
             except RECOVERABLE as error:
                 failovers_this_step += 1
                 if failovers_this_step > self.client.config.max_failovers:
                     raise
                 log.warning("Server %s failed (%s: %s); replacing its span", span_session.peer_id,
                             type(error).__name__, error.message)
-                await self._replace(index)
-                continue  # retry the same span index with the replacement servers
+                replace = error
+                continue
             span_session.history.append(hidden)
             span_session.position += hidden.shape[1]
             hidden = output
@@ -388,11 +432,13 @@ class RemoteInferenceSession:
         if moved.replay:
             await span_session.connection.close()
             try:
-                replacement = await self._open_span(destination, moved_from=span.peer_id)
+                # under the same id: to its segment's packing, the session arrived where it sent it
+                replacement = await self._open_span(destination, moved_from=span.peer_id,
+                                                    session_id=span_session.session_id)
             except SwarmError as error:  # it has no room after all: the session is gone from its source, fail over
                 log.warning("Session moved from %s to %s for a replay, which refused it (%s); failing over",
                             span.peer_id, record.peer_id, error.message)
-                await self._replace(index)
+                await self._replace(index, busy=True)  # its source did nothing wrong: no ban
                 return
             await self._replay_onto(span_session, [replacement])
             self.spans[index] = replacement
@@ -407,13 +453,16 @@ class RemoteInferenceSession:
         log.info("Session moved from %s to %s (blocks %d:%d) %s", span.peer_id, record.peer_id, span.start,
                  span.end, "by a replay" if moved.replay else "with its KV")
 
-    async def _replace(self, index: int) -> None:
-        """Replaces span `index` by a new chain over the same blocks and replays its saved inputs through it."""
+    async def _replace(self, index: int, *, busy: bool = False) -> None:
+        """Replaces span `index` by a new chain over the same blocks and replays its saved inputs through it; a
+        server that failed as `busy` (out of room) is only avoided while the others have room, others are banned."""
         failed = self.spans[index]
-        self.client.ban(failed.peer_id)
+        if not busy:
+            self.client.ban(failed.peer_id)
         await failed.connection.close()
         self.failovers += 1
-        replacements = await self._open_chain(failed.span.start, failed.span.end)
+        replacements = await self._open_chain(failed.span.start, failed.span.end,
+                                              busy={failed.peer_id} if busy else None)
         await self._replay_onto(failed, replacements)
         log.info("Replaced %s (blocks %d:%d) by %s", failed.peer_id, failed.span.start, failed.span.end,
                  " -> ".join(f"{r.peer_id}[{r.span.start}:{r.span.end}]" for r in replacements))

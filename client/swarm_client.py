@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import hivemind
@@ -32,6 +33,7 @@ class ClientConfig:
     rtt_ttl_s: float = 60.0
     ban_s: float = 30.0
     max_failovers: int = 8
+    busy_wait_s: float = 60.0  # how long a session waits for room while every server that could serve it is busy
     max_frame_bytes: int = 64 << 20
     compression: str | None = None
     server_push: bool = True  # servers forward hidden states to the next server (the client's copy follows)
@@ -104,10 +106,12 @@ class SwarmClient:
         self._rtt_ms[record.peer_id] = (rtt_ms, time.monotonic())
         return rtt_ms
 
-    async def route(self, start: int, end: int, *, max_length: int, batch: int = 1) -> list[Span]:
-        """Gives the min-latency chain for blocks [start, end), measuring RTTs of servers not measured recently."""
+    async def route(self, start: int, end: int, *, max_length: int, batch: int = 1,
+                    avoid: Collection[str] = ()) -> list[Span]:
+        """Gives the min-latency chain for blocks [start, end), measuring RTTs of servers not measured recently;
+        the servers in `avoid` are left out, as banned ones are."""
         servers = await self.servers()
-        banned = self.banned()
+        banned = self.banned() | set(avoid)
         candidates = [record for peer, record in sorted(servers.items()) if peer not in banned]
         results = await asyncio.gather(*(self.measure_rtt(r) for r in candidates), return_exceptions=True)
         rtt_ms: dict[str, float] = {}
@@ -119,7 +123,8 @@ class SwarmClient:
                 self.ban(record.peer_id)
             else:
                 rtt_ms[record.peer_id] = result
-        return find_route(servers, start, end, rtt_ms=rtt_ms, max_length=max_length, batch=batch, banned=self.banned())
+        return find_route(servers, start, end, rtt_ms=rtt_ms, max_length=max_length, batch=batch,
+                          banned=self.banned() | set(avoid))
 
     async def _orchestrator_record(self) -> OrchestratorRecord | None:
         """Gives the orchestrator this client asks (the model's active one, or the one named), looked up in the DHT at

@@ -2,8 +2,10 @@
 
 A session holds pages only for the tokens it has, so a server that admitted every session its free pages could
 start would soon have sessions that cannot grow. The rule: each running session is expected to grow by
-`headroom_tokens` more tokens (capped at its max_length); a new session is admitted only while the free pages,
-less what the running sessions are expected to still take, cover the new session's own expected pages.
+`headroom_tokens` more tokens (capped at its max_length) past its prompt, if its client announced one, or past what
+it holds; a new session is admitted only while the free pages, less what the running sessions are expected to still
+take, cover the new session's own expected pages. A session that arrives by migration is admitted on the pages it
+needs now (`server.sessions.SessionTable.open`): the move chose this server for it.
 The default headroom, 256 tokens, is about the mean output of the Azure LLM inference 2023 conversation trace
 (211 tokens; median 129, p90 424). A running session that outgrows its expectation still takes any free page; only
 when none is left does it fail (the client fails over), as a vLLM request is preempted.

@@ -43,7 +43,7 @@ class ServerConfig:
     push_timeout_s: float = 10.0
     migration_chunk_bytes: int = KV_CHUNK_BYTES  # KV bytes one import_kv frame of a migration carries at most
     import_idle_timeout_s: float = IMPORT_IDLE_S  # an import whose source sent nothing this long is dropped
-    kv_packing: str | None = None  # "mell", "bf", "wf" or "lb": its segment packs sessions (server.segment_packing)
+    kv_packing: str | None = None  # "mell", "bf", "wf" or "lb": its segment packs sessions (packing.segment_loop)
     packing_epoch_s: float = 1.0  # how often the segment's leader packs
     max_batch_tokens: int | None = None  # tokens one batch computes at most (decode steps, then prefill chunks);
     # None: the device's default (server.scheduler.DEFAULT_MAX_BATCH_TOKENS)

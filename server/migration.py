@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.packing import MigrationCosts
-from orchestrator.packing.migration_split import Mode
+from orchestrator.packing.migration_split import KV_CHUNK_BYTES, Mode, announced_bytes_per_s
 from server.sessions import Session, SessionTable, StepResult
 from swarm.errors import InvalidTensor, SessionMoved, SessionNotFound, SwarmError
 from swarm.model.paged_kv import PagedKV
@@ -41,7 +40,6 @@ from swarm.wire import decode_tensor, encode_tensor
 
 log = logging.getLogger(__name__)
 
-KV_CHUNK_BYTES = 4 << 20  # keys and values one import_kv frame carries at most
 IMPORT_IDLE_S = 30.0  # an import that received nothing this long is dropped (its source died)
 MOVED_TTL_S = 900.0  # how long a source remembers where a session went
 MAX_MOVED = 4096
@@ -50,11 +48,7 @@ STEP_WAIT_S = 30.0  # how long a move waits for the session's running step to fi
 POLL_S = 0.005
 MODES: tuple[Mode, ...] = ("kv", "replay")
 AUTO = "auto"  # a move's mode chosen by `choose_mode` from measured costs
-DEFAULT_LINK_MBPS = 100.0  # a link's bandwidth before anything was measured on it
 MIN_BANDWIDTH_SAMPLE_BYTES = 256 << 10  # transfers smaller than this say little about a link's bandwidth
-EPOCH_S = 1.0
-TCP_INITIAL_WINDOW = 10 * 1460  # bytes a fresh (or idle) TCP connection sends in its first round trip (Linux)
-BUDGET_SHARE = 0.5  # of an epoch, for the link's bytes and for the destination's replay prefill alike
 
 
 class LinkEstimates:
@@ -73,17 +67,15 @@ class LinkEstimates:
         previous = self._bytes_per_s.get(peer_id)
         self._bytes_per_s[peer_id] = sample if previous is None else 0.25 * previous + 0.75 * sample
 
+    def known(self) -> dict[str, float]:
+        """Gives the bandwidth measured so far to each peer (bytes/s)."""
+        return dict(self._bytes_per_s)
+
     def bytes_per_s(self, peer_id: str, *measured_mbps: float | None) -> float:
         """Gives the link's bandwidth to `peer_id`: measured on transfers, else the lowest of `measured_mbps`
         (each side's measured inbound throughput), else DEFAULT_LINK_MBPS."""
         known = self._bytes_per_s.get(peer_id)
         return known if known is not None else announced_bytes_per_s(*measured_mbps)
-
-
-def announced_bytes_per_s(*measured_mbps: float | None) -> float:
-    """Gives a link's bandwidth from its ends' measured inbound throughput (the lower), else DEFAULT_LINK_MBPS."""
-    rates = [mbps for mbps in measured_mbps if mbps]
-    return (min(rates) if rates else DEFAULT_LINK_MBPS) * 1e6 / 8
 
 
 @dataclass(frozen=True)
@@ -98,20 +90,6 @@ class MoveChoice:
         expected = {} if self.kv_s is None else {"expected_s": {"kv": round(self.kv_s, 4),
                                                                 "replay": round(self.replay_s or 0.0, 4)}}
         return {"mode": self.mode, **expected}
-
-
-def move_costs(*, kv_bytes_per_token: int, bandwidth_bytes_per_s: float, rtt_s: float, prefill_s_per_token: float,
-               replay_bytes_per_token: int, chunk_bytes: int = KV_CHUNK_BYTES, epoch_s: float = EPOCH_S
-               ) -> MigrationCosts:
-    """Gives the costs of moving one session by either mode, as this server's migrations run: chunks of at most
-    `chunk_bytes` each wait for their reply, and a replay costs the client two round trips (the step that learns
-    of the move, the open at the destination) and the upload of its saved inputs; both ramp up from TCP's
-    initial window (a move's connection is new, or idle long enough for Linux to restart slow start)."""
-    return MigrationCosts(
-        kv_bytes_per_token, bandwidth_bytes_per_s, rtt_s, prefill_s_per_token, epoch_s,
-        comm_budget_share=BUDGET_SHARE, comp_budget_share=BUDGET_SHARE, chunk_bytes=chunk_bytes,
-        replay_bytes_per_token=replay_bytes_per_token, replay_round_trips=2, initial_window_bytes=TCP_INITIAL_WINDOW,
-    )
 
 
 @dataclass
@@ -186,6 +164,7 @@ class Migrations:
             await destination.call("import_open", {
                 "session_id": session.session_id, "blocks": [session.start, session.end], "batch": session.batch,
                 "max_length": session.max_length, "position": session.position, "client": session.opener,
+                **({"lease_id": session.lease_id} if session.lease_id else {}),
             }, timeout=timeout_s)
             chunks_started = time.perf_counter()
             for frame in self._frames(session):
@@ -296,23 +275,27 @@ class Migrations:
         self._moved[session_id] = (peer_id, list(addrs), mode, now)
         self.unclaimed = {sid for sid in self.unclaimed if sid in self._moved} | {session_id}
 
-    def note_replayed_in(self) -> None:
-        """Counts a session that arrived by replay (its client opened it here, naming the server it came from)."""
+    def note_replayed_in(self, session_id: str) -> None:
+        """Counts a session that arrived by replay (its client opened it here, naming the server it came from, under
+        its id there); if it had left this server before, it is back."""
         self.stats.sessions_in["replay"] += 1
+        self._moved.pop(session_id, None)
+        self.unclaimed.discard(session_id)
 
     # ---- the destination
 
     def open_import(
         self, source: str, session_id: str, start: int, end: int, *, batch: int, max_length: int, position: int,
-        client: str,
+        client: str, lease_id: str | None = None,
     ) -> Session:
         """Opens `session_id` with pages for its `position` tokens, importing from `source`; `client`, the peer
-        that opened the session where it came from, may move it on from here."""
+        that opened the session where it came from, may move it on from here; `lease_id`, the orchestrator's lease
+        it runs under, goes with it."""
         if position < 0:
             raise InvalidTensor(f"a session's position is at least 0, got {position}")
         session = self.sessions.open(session_id, start, end, batch=batch, max_length=max_length, opener=client,
-                                     tokens=max(1, position))
-        session.importing_from = source
+                                     tokens=max(1, position), moved_in=True)
+        session.importing_from, session.lease_id = source, lease_id
         self._moved.pop(session_id, None)
         return session
 

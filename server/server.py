@@ -16,15 +16,23 @@ from hivemind.p2p import P2P
 
 from orchestrator.block_selection import HostedSpan, better_start, blocks_that_fit, choose_start
 from orchestrator.live_model import replay_prefill_ms_per_token
-from orchestrator.packing import ReportedSession, choose_mode
+from orchestrator.packing import choose_mode
+from orchestrator.packing.migration_split import move_costs
+from orchestrator.packing.segment_loop import (
+    ORPHAN_EPOCHS,
+    Report,
+    SegmentPackingLoop,
+    group_of,
+    leader_of,
+    packing_capacity,
+)
 from server.compute import DECODE_BATCHES, BlockSpeed, cached_block_speed
 from server.config import ServerConfig
 from server.emulated_gpu import load_profile
 from server.hosting import Hosting
-from server.migration import AUTO, MAX_PIECES_PER_FRAME, MODES, Migrations, MoveChoice, move_costs
+from server.migration import AUTO, MAX_PIECES_PER_FRAME, MODES, Migrations, MoveChoice
 from server.push import Pusher
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS, StepScheduler
-from server.segment_packing import ORPHAN_EPOCHS, Report, SegmentPackingLoop, group_of, leader_of
 from server.sessions import Session, SessionTable, Step, StepResult
 from swarm.dht import Announcer, lookup_block_async, lookup_servers_async
 from swarm.errors import (
@@ -42,7 +50,7 @@ from swarm.errors import (
     StepNotPushed,
     SwarmError,
 )
-from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, parse_size
+from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, kv_pages_for, parse_size
 from swarm.model import BlockRange, ModelSource, parse_block_range, pick_device, pick_dtype, resolve_model
 from swarm.records import SOFTWARE_VERSION, BatchTiming, NextHop, ServerRecord, ServerState
 from swarm.rpc import CallContext, RpcConnection, RpcServer, dial
@@ -413,9 +421,18 @@ class SwarmServer:
         start, end = _block_pair(payload)
         max_length = field(payload, "max_length", int)
         batch = field(payload, "batch", int, optional=True) or 1
-        self.sessions.open(session_id, start, end, batch=batch, max_length=max_length, opener=ctx.peer_id)
-        if field(payload, "moved_from", str, optional=True):  # a client replaying a session another server handed over
-            self.migrations.note_replayed_in()
+        prompt_tokens = field(payload, "prompt_tokens", int, optional=True) or 0
+        if prompt_tokens < 0:
+            raise MalformedFrame(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+        moved_in = bool(field(payload, "moved_from", str, optional=True))  # a replay of a session handed over here
+        lease_id = field(payload, "lease_id", str, optional=True)
+        if lease_id is not None and len(lease_id) > 128:
+            raise MalformedFrame("lease_id is longer than 128 characters")
+        session = self.sessions.open(session_id, start, end, batch=batch, max_length=max_length,
+                                     opener=ctx.peer_id, prompt_tokens=prompt_tokens, moved_in=moved_in)
+        session.lease_id = lease_id
+        if moved_in:
+            self.migrations.note_replayed_in(session_id)
         ctx.add_close_callback(lambda: self.sessions.close(session_id))
         return {"session_id": session_id, "blocks": [start, end], "max_length": max_length, "position": 0}
 
@@ -594,16 +611,14 @@ class SwarmServer:
         addrs = await self._announced_addrs(peer_id, session.start)
         if addrs is None:
             raise PeerUnreachable(f"server {peer_id} announces no block {session.start} of {self.source.model_id}")
-        if mode == "replay":
-            await self.migrations.hand_over(session, peer_id, addrs)
-            return MoveChoice("replay")
         assert self._p2p is not None, "the server moves sessions only once started"
         connection = await dial(self._p2p, peer_id, addrs, timeout=self.config.push_timeout_s,
                                 max_frame_bytes=self.config.max_frame_bytes)
         try:
             rtt_s, destination = await self._probe(connection)
-            choice = self._choose_mode(session, peer_id, rtt_s, destination) if mode == AUTO else MoveChoice("kv")
+            choice = self._choose_mode(session, peer_id, rtt_s, destination) if mode == AUTO else MoveChoice(mode)
             if choice.mode == "replay":
+                self._check_room_for_replay(session, destination)
                 await self.migrations.hand_over(session, peer_id, addrs)
             else:
                 await self.migrations.send(session, connection, addrs, timeout_s=self.config.push_timeout_s,
@@ -611,6 +626,16 @@ class SwarmServer:
         finally:
             await connection.close()
         return choice
+
+    def _check_room_for_replay(self, session: Session, destination: ServerRecord | None) -> None:
+        """Raises ServerBusy, keeping the session here, when the destination's fresh record shows too few free pages
+        for the session as it is now: a replay hands the session over before the destination has taken anything."""
+        if destination is None:
+            return
+        needed = session.blocks * session.batch * kv_pages_for(session.position, self.kv.tokens_per_page)
+        if destination.pages_free < needed:
+            raise ServerBusy(f"server {destination.peer_id} has {destination.pages_free} free KV pages, session "
+                             f"{session.session_id!r} needs {needed} there; it stays here")
 
     async def _probe(self, connection: RpcConnection) -> tuple[float, ServerRecord | None]:
         """Gives the round-trip time to the server at the other end (an `info` call on a warm stream) and its fresh
@@ -687,7 +712,7 @@ class SwarmServer:
             log.info("Draining: %d moved session(s) sent no step before the deadline; their clients will replay",
                      len(self.migrations.unclaimed))
 
-    # ---- packing of its segment without an orchestrator (server.segment_packing)
+    # ---- packing of its segment without an orchestrator (orchestrator.packing.segment_loop)
 
     async def _segment_group(self, *, max_age_s: float = 2.0) -> list[ServerRecord]:
         """Gives the online servers hosting exactly this server's blocks, itself included (cached `max_age_s`)."""
@@ -713,17 +738,21 @@ class SwarmServer:
     async def _kv_report(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         """Answers its segment's leader with its KV capacity and sessions, and takes new sessions or stands by as
         the leader says (`accepting`)."""
-        if not await self._leads_me(ctx.peer_id):
-            raise AssignmentRefused(f"{ctx.peer_id} does not lead the segment of server {self.peer_id}")
+        if ctx.peer_id not in self.config.orchestrators and not await self._leads_me(ctx.peer_id):
+            raise AssignmentRefused(f"{ctx.peer_id} is neither an orchestrator of server {self.peer_id} nor the "
+                                    f"leader of its segment")
         self._set_accepting(field(payload, "accepting", bool, optional=True) is not False)
         return self._own_report()
 
     def _own_report(self) -> dict[str, Any]:
         stats = self.pool.stats()
         # a session still arriving is its source's; one that is leaving is still here until the move commits
-        sessions = [{"session_id": s.session_id, "pages": s.pages_held, "tokens": s.position} for s in self.sessions
-                    if s.importing_from is None]
-        return {"capacity_pages": stats.pages_total - stats.pages_params, "sessions": sessions}
+        sessions = [{"session_id": s.session_id, "pages": self.sessions.packed_pages(s), "tokens": s.position,
+                     "settling": s.position == 0 or s.position < s.prompt_tokens, "lease_id": s.lease_id}
+                    for s in self.sessions if s.importing_from is None]
+        kv_pages = stats.pages_total - stats.pages_params
+        return {"capacity_pages": packing_capacity(kv_pages, self.sessions.block_end - self.sessions.block_start),
+                "sessions": sessions, "links": self.migrations.links.known()}
 
     def _set_accepting(self, accepting: bool) -> None:
         self._accepting_told_s = time.monotonic()
@@ -743,10 +772,7 @@ class SwarmServer:
         else:
             connection = await self._peer_connection(peer_id)
             reply = await connection.call("kv_report", {"accepting": accepting}, timeout=self.config.push_timeout_s)
-        return Report(int(reply["capacity_pages"]), [
-            ReportedSession(str(item["session_id"]), peer_id, int(item["pages"]), int(item["tokens"]))
-            for item in reply["sessions"]
-        ])
+        return Report.from_wire(peer_id, reply)
 
     async def _ask_to_migrate(self, source: str, session_id: str, destination: str, mode: str) -> None:
         """Moves a session of its segment: its own directly, a member's through that member's `migrate`."""
@@ -775,12 +801,13 @@ class SwarmServer:
             raise MalformedFrame("session_id is longer than 128 characters")
         start, end = _block_pair(payload)
         client = field(payload, "client", str, optional=True) or ctx.peer_id
-        if len(client) > 128:
-            raise MalformedFrame("client is longer than 128 characters")
+        lease_id = field(payload, "lease_id", str, optional=True)
+        if len(client) > 128 or len(lease_id or "") > 128:
+            raise MalformedFrame("client or lease_id is longer than 128 characters")
         self.migrations.open_import(
             ctx.peer_id, session_id, start, end, batch=field(payload, "batch", int),
             max_length=field(payload, "max_length", int), position=field(payload, "position", int),
-            client=client,
+            client=client, lease_id=lease_id,
         )
         return {}
 

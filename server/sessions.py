@@ -54,6 +54,8 @@ class Session:
     admitted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     last_active_s: float = field(default_factory=time.monotonic)
     opener: str = ""  # the peer that opened it (its client), also after it migrated here
+    prompt_tokens: int = 0  # the tokens its client said its first step brings (its expected growth starts there)
+    lease_id: str | None = None  # the orchestrator's lease its client runs it under, if any
     importing_from: str | None = None  # the source server while its KV arrives; it takes no steps until then
     moving: asyncio.Future[None] | None = None  # set while its KV leaves for another server: its steps wait
 
@@ -131,9 +133,20 @@ class SessionTable:
         """Gives the free pages the open sessions are expected to still take (the headroom rule)."""
         return self.policy.growth_reserve(self._kv_of(session) for session in self._sessions.values())
 
+    def packed_pages(self, session: Session) -> int:
+        """Gives the pages `session` is packed with by its segment's packing: what it holds, or what its announced
+        prompt will take once its first step arrives (a new session is packed at its size, not at one page)."""
+        return max(session.pages_held,
+                   session.blocks * session.batch * kv_pages_for(session.prompt_tokens, self.tokens_per_page))
+
+    def prompt_reserve(self) -> int:
+        """Gives the free pages the open sessions' announced prompts are still to take."""
+        return sum(self.packed_pages(session) - session.pages_held for session in self._sessions.values())
+
     def _kv_of(self, session: Session) -> SessionKV:
         expected = self.policy.expected_pages(
-            tokens=session.position, max_length=session.max_length, sequences=session.blocks * session.batch
+            tokens=max(session.position, session.prompt_tokens), max_length=session.max_length,
+            sequences=session.blocks * session.batch,
         )
         return SessionKV(pages_held=session.pages_held, pages_expected=expected)
 
@@ -160,9 +173,16 @@ class SessionTable:
 
     def open(
         self, session_id: str, start: int, end: int, *, batch: int, max_length: int, opener: str = "", tokens: int = 1,
+        prompt_tokens: int = 0, moved_in: bool = False,
     ) -> Session:
         """Gives a new session holding pages for its first `tokens` tokens (1: its first page) per block and row, or
-        raises a typed error and holds nothing."""
+        raises a typed error and holds nothing.
+
+        Admission (`orchestrator.admission`): a session is expected to grow to its prompt (`prompt_tokens`, what
+        its client said its first step brings) and then by the headroom. A session that `moved_in` by migration is
+        admitted on the pages it needs now, next to the prompts announced here and not yet arrived: whoever moved
+        it here (its segment's packing, a drain, its client) chose this server for it, and the sessions here keep
+        taking free pages as they grow."""
         if not (self.block_start <= start < end <= self.block_end):
             hosted = f"hosts {self.block_start}:{self.block_end}" if self.block_end > self.block_start else "hosts none"
             raise BlocksNotHosted(f"blocks {start}:{end} requested, but this server {hosted} for new sessions")
@@ -172,17 +192,24 @@ class SessionTable:
             raise MaxLengthExceeded(f"batch {batch} is outside 1..{MAX_BATCH_ROWS}")
         if session_id in self._sessions or session_id in self._closing:
             raise ServerBusy(f"session {session_id!r} is already open on this server, or still closing")
-        expected = self.policy.expected_pages(tokens=tokens - 1, max_length=max_length, sequences=(end - start) * batch)
-        reserve, pages_free = self.growth_reserve(), self.pool.pages_free
+        if not 0 < tokens <= max_length:
+            raise MaxLengthExceeded(f"a session of {tokens} tokens does not fit its max_length {max_length}")
+        prompt_tokens = min(max(0, prompt_tokens), max_length)
+        sequences = (end - start) * batch
+        if moved_in:
+            expected, reserve = sequences * kv_pages_for(tokens, self.tokens_per_page), self.prompt_reserve()
+        else:
+            expected = self.policy.expected_pages(tokens=max(tokens - 1, prompt_tokens), max_length=max_length,
+                                                  sequences=sequences)
+            reserve = self.growth_reserve()
+        pages_free = self.pool.pages_free
         if not self.policy.admits(pages_free=pages_free, reserve=reserve, new_session_pages=expected):
             raise ServerBusy(
                 f"no room for a session of {end - start} blocks x {batch} row(s): it is expected to take {expected} "
                 f"pages, {pages_free} are free and the {len(self)} open session(s) are expected to take {reserve} "
                 f"more as they grow"
             )
-        if not 0 < tokens <= max_length:
-            raise MaxLengthExceeded(f"a session of {tokens} tokens does not fit its max_length {max_length}")
-        session = Session(session_id, start, end, batch, max_length, opener=opener)
+        session = Session(session_id, start, end, batch, max_length, opener=opener, prompt_tokens=prompt_tokens)
         self._sessions[session_id] = session
         try:
             self._grow(session, tokens)

@@ -1,13 +1,17 @@
 """MELL's epoch loop over a live segment (orchestrator.packing.live_epoch): the servers' reports become the packer's
 operations, sessions not where the packer keeps them get migrations, and only the packer's bins plus one spare
-take new sessions; the segment's leader (server.segment_packing) runs it and splits the moves by the budgets."""
+take new sessions; the segment's leader (orchestrator.packing.segment_loop) runs it and splits the moves by the
+budgets, and the orchestrator's leases follow the moves it makes."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from orchestrator.packing import BestFitPacker, MellPacker, ReportedSession, SegmentPacking
-from server.segment_packing import Report, SegmentPackingLoop, group_of, leader_of
+from orchestrator.packing.segment_loop import Report, SegmentPackingLoop, group_of, leader_of
+from swarm.errors import MalformedFrame
 from swarm.records import ServerRecord
 from tests.test_live_policies import record
 
@@ -28,7 +32,7 @@ def test_sessions_routed_apart_are_packed_together_and_the_emptied_server_stands
     ]
     assert plan.accepting == {"a": True, "b": True, "c": False}  # the packer's bin and one spare
     # while s2 moves, the next epoch plans nothing new for it; once it arrived, nothing is left to move
-    assert packing.epoch(capacities, reports, in_flight=["s2"]).migrations == []
+    assert packing.epoch(capacities, reports, in_flight={"s2": "a"}).migrations == []
     moved = [reports[0], ReportedSession("s2", "a", 2, 201)]
     assert packing.epoch(capacities, moved).migrations == []
 
@@ -126,3 +130,58 @@ def test_a_segments_leader_runs_the_packer_on_its_members_reports_and_moves_with
     follower = leader("b")
     asyncio.run(epochs(follower, 1))
     assert follower.epochs == 0  # only the leader packs
+
+
+def test_a_leader_prices_kv_moves_with_the_bandwidth_its_members_measured():
+    members = {peer: record(peer, start=0, end=10, pages_total=1000).model_copy(
+        update={"network_mbps": 10.0, "block_prefill_ms_per_token": 0.2}) for peer in ("a", "b")}
+    sessions = {"a": [ReportedSession("small", "a", 10, 100)], "b": [ReportedSession("huge", "b", 30, 6000)]}
+    moved: list[tuple[str, str]] = []
+
+    async def group() -> list[ServerRecord]:
+        return group_of(members, 0, 10)
+
+    async def report(peer: str, accepting: bool) -> Report:
+        return Report.from_wire(peer, {"capacity_pages": 1000, "links": {"a": 1e9} if peer == "b" else {},
+                                       "sessions": [{"session_id": s.session_id, "pages": s.pages,
+                                                     "tokens": s.tokens} for s in sessions[peer]]})
+
+    async def migrate(source: str, session_id: str, destination: str, mode: str) -> None:
+        moved.append((session_id, mode))
+
+    async def run() -> None:
+        loop = SegmentPackingLoop("bf", peer_id="a", epoch_s=1.0, kv_bytes_per_token=lambda blocks: 1536 * blocks,
+                                  group=group, report=report, migrate=migrate)
+        await loop.epoch()
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+    # huge's 92 MB: 0.09 s at the 1 GB/s b measured to a (9 s at the 10 Mbit/s the records announce), 12 s of replay
+    assert moved == [("huge", "kv")]
+    with pytest.raises(MalformedFrame):
+        Report.from_wire("b", {"capacity_pages": 10, "sessions": [{"session_id": "s"}]})
+
+
+def test_a_session_whose_first_step_has_not_arrived_is_packed_but_not_moved_yet():
+    packing = best_fit()
+    capacities = {"a": 10, "b": 10}
+    settling = [ReportedSession("s1", "a", 4, 400), ReportedSession("s2", "b", 4, 0, settling=True)]
+    plan = packing.epoch(capacities, settling)
+    assert plan.migrations == [] and packing.packer is not None and packing.packer.bin_of("s2") == "a"
+    arrived = [settling[0], ReportedSession("s2", "b", 4, 380)]
+    assert [(m.session_id, m.src, m.dst) for m in packing.epoch(capacities, arrived).migrations] == [("s2", "b", "a")]
+
+
+def test_a_session_moved_by_replay_is_kept_on_its_destination_until_its_client_reopens_it():
+    packing = best_fit()
+    capacities = {"a": 10, "b": 10, "c": 10}
+    reports = [ReportedSession("s1", "a", 4, 400), ReportedSession("s2", "b", 4, 400)]
+    assert [(m.session_id, m.dst) for m in packing.epoch(capacities, reports).migrations] == [("s2", "a")]
+    # handed over: no server reports s2 while its client reopens it on a; it neither departs nor frees its bin
+    plan = packing.epoch(capacities, reports[:1], in_flight={"s2": "a"})
+    assert plan.migrations == [] and packing.packer is not None and packing.packer.assignment() == {"s1": "a",
+                                                                                                    "s2": "a"}
+    packing.epoch(capacities, [reports[0], ReportedSession("s2", "a", 4, 401)])
+    assert packing.packer.assignment() == {"s1": "a", "s2": "a"}
+    packing.epoch(capacities, reports[:1])  # gone, and no move of it runs: it departed
+    assert packing.packer.assignment() == {"s1": "a"}

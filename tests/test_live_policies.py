@@ -185,3 +185,28 @@ def test_past_every_stable_c_the_orchestrator_plans_for_the_most_throughput(tiny
     assert plan is not None and plan.chains and not plan.stable
     others = [plan_for_capacity(model, c, 1e6 / 1000, 0.7) for c in (1, 2, 4, 8, 16)]
     assert plan.total_rate_per_ms >= max(other.total_rate_per_ms for other in others if other.chains)
+
+
+def test_a_lease_follows_its_session_to_the_chain_a_move_gives_it_when_that_chain_has_room() -> None:
+    async def body() -> None:
+        table = LeaseTable(lease_ttl_s=5.0)
+        a, b = chain("a", time_ms=10.0), chain("b", time_ms=20.0)  # capacity 1 each
+        table.install([a, b], 0.0)
+        on_a, on_b = (await table.request(1, 0.0)[1]), (await table.request(1, 0.0)[1])
+        _, waiting = table.request(1, 0.0)
+        assert (on_a.chain, on_b.chain) == (a, b) and not waiting.done()
+        # a is full: b's session may not move there; a chain of no plan ("b" -> "z") is no place either
+        assert not table.can_follow(on_b.lease_id, "b", "a") and not table.can_follow(on_b.lease_id, "b", "z")
+        table.release(on_a.lease_id, 1.0)  # a's slot goes to the queue's head
+        assert (await waiting).chain == a and not table.can_follow(on_b.lease_id, "b", "a")
+        table.release((await waiting).lease_id, 2.0)
+        assert table.can_follow(on_b.lease_id, "b", "a")
+        _, queued = table.request(1, 2.5)
+        assert (await queued).chain == a  # the queue is empty again: a new session takes a at once
+        table.release((await queued).lease_id, 3.0)
+        table.follow(on_b.lease_id, "b", "a", 3.0)  # the move ran: the lease counts on a, b's slot is free
+        assert (table.in_use(0), table.in_use(1)) == (1, 0) and table.renew(on_b.lease_id, 3.5).chain == a
+        _, next_one = table.request(1, 4.0)
+        assert (await next_one).chain == b
+
+    asyncio.run(body())

@@ -327,16 +327,17 @@ def test_a_destination_out_of_pages_refuses_the_move_and_the_session_stays_whole
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:
     swarm_factory.start_dht()
-    # 20 free KV pages of 16 KB (62 tokens of 8 blocks a page each): room for one session of 64 tokens
+    # 20 free KV pages of 16 KB (62 tokens of one block each): a session of 100 tokens over the 8 blocks holds 16 of
+    # them, and one moving in needs 8 for its first 62 tokens
     full = swarm_factory.start_server(tiny_llama, "0:8", "--memory", "1600KB", "--page-size", "16KB",
-                                      "--max-length", "64")
+                                      "--max-length", "128")
     config = ClientConfig(request_timeout_s=TIMEOUT_S)
     squatter = DistributedModelForCausalLM.from_pretrained(str(tiny_llama), initial_peers=swarm_factory.initial_peers,
                                                           client_config=config)
     remote = None
     try:
-        with squatter.inference_session(max_length=64) as held:
-            squatter.generate(prompt(20, 13), session=held, max_new_tokens=2, do_sample=False)
+        with squatter.inference_session(max_length=124) as held:
+            squatter.generate(prompt(20, 13), session=held, max_new_tokens=80, min_new_tokens=80, do_sample=False)
             assert held.route[0].peer_id == full.peer_id
             source = swarm_factory.start_server(tiny_llama, "0:8")
             remote = DistributedModelForCausalLM.from_pretrained(

@@ -151,3 +151,28 @@ def test_headroom_rule_counts_growth_capped_at_max_length() -> None:
     assert policy.admits(pages_free=26, reserve=6, new_session_pages=20)
     assert not policy.admits(pages_free=25, reserve=6, new_session_pages=20)
     assert policy.sessions_fit(pages_free=5, reserve=6, pages_per_session=1) == 0
+
+
+def test_a_prompt_counts_in_admission_and_a_migration_is_admitted_on_what_it_holds() -> None:
+    async def scenario() -> None:
+        # 40 pages over 4 blocks, headroom 16 tokens: a session announcing a 100-token prompt expects 8 pages per block
+        sessions = table(40, headroom_tokens=16)
+        sessions.open("long", 0, 4, batch=1, max_length=128, prompt_tokens=100)
+        assert sessions.growth_reserve() == 4 * 8 - 4  # before its prompt arrives, it is expected to reach 116 tokens
+        with pytest.raises(ServerBusy):  # 36 free - 28 reserved < 4 x 3 pages for a 20-token prompt + 16
+            sessions.open("short", 0, 4, batch=1, max_length=128, prompt_tokens=20)
+        moved = sessions.open("moved", 0, 4, batch=1, max_length=128, tokens=20, moved_in=True)
+        assert moved.pages_held == 4 * 2  # 20 tokens now; the headroom of "long" does not keep it out
+        with pytest.raises(ServerBusy):  # but the pages "long"'s prompt is to take do: 28 free - 4 x 6 < 4 x 2
+            sessions.open("next", 0, 4, batch=1, max_length=128, tokens=20, moved_in=True)
+        sessions.grow(sessions.get("long"), 100)  # its prompt arrived: 4 x 7 pages, 4 left free
+        assert sessions.prompt_reserve() == 0
+        sessions.close("moved")
+        sessions.open("next", 0, 4, batch=1, max_length=128, tokens=20, moved_in=True)  # 12 free, 8 taken
+        assert set(s.session_id for s in sessions) == {"long", "next"}
+        for session_id in ("long", "next"):
+            sessions.close(session_id)
+        assert sessions.pool.stats().pages_kv == 0
+        sessions.pool.check_invariants()
+
+    run(scenario)

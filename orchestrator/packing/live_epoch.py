@@ -12,8 +12,10 @@ Each epoch (`SegmentPacking.epoch`):
 2. Live arrivals are already on a server (the client's route put them there) when the packer first sees them, so
    the packer's placement of an arrival is a move like any other [adapted]: every managed session whose reported
    server is not the bin the packer keeps it on gets a migration from the one to the other, unless a move of it is
-   still in flight, or unless its destination really holds too much to take it now (sessions the packer does not
-   manage count there; the move is offered again the next epoch) [chosen]. Batching prunes nothing more here: what
+   still in flight, or its first step has not arrived yet (`settling`: a move would race the prompt, or the replay,
+   that is filling its KV), or unless its destination really holds too much to take it now (sessions the packer does not
+   manage count there, and so do the sessions moving to it now; the move is offered again the next epoch)
+   [chosen]. Batching prunes nothing more here: what
    the packer planned during the epoch is only visible as where each session ends, one net move per session, as
    `batch_operations` gives.
 3. `accepting`: servers the packer has sessions on take new ones, and so does one more (the first idle server in
@@ -27,7 +29,8 @@ group whose capacities agree within 10%; the caller groups). Pure: no I/O, no cl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from orchestrator.packing.batching import Allocate, Depart, Operation, Update, apply_operation, epoch_order
@@ -39,12 +42,14 @@ PackerFactory = Callable[[Sequence[str], int], Packer]
 
 @dataclass(frozen=True)
 class ReportedSession:
-    """A session one server reports: where its KV is, the pages it holds there and its tokens."""
+    """A session one server reports: where its KV is, the pages it holds there and its tokens; `settling` while its
+    prompt (or the replay that brings it) has not arrived: it is packed, but not moved until it has."""
 
     session_id: str
     server: str
     pages: int
     tokens: int
+    settling: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,13 +71,23 @@ class SegmentPacking:
         self.packer: Packer | None = None
         self._servers: tuple[str, ...] = ()
         self._capacity = 0
+        self._last: dict[str, ReportedSession] = {}  # the sessions of the last epoch
 
     def epoch(self, capacities: dict[str, int], reports: Iterable[ReportedSession],
-              in_flight: Iterable[str] = ()) -> SegmentEpoch:
+              in_flight: Mapping[str, str] | None = None) -> SegmentEpoch:
         """Gives this epoch's plan for servers `capacities` (id -> KV pages) from the sessions they report; sessions
-        in `in_flight` are moving now and get no new migration."""
+        in `in_flight` (session -> its destination) are moving now: they get no new migration, and their pages
+        count on both sides (their destination took them as the move began; its report leaves them to the
+        source's until the move commits); one that no server reports (a replay its client has not reopened yet)
+        is kept, on its destination, as the last epoch saw it."""
         servers = tuple(sorted(capacities))
         sessions = {report.session_id: report for report in reports if report.server in capacities}
+        moving = dict(in_flight or {})
+        for session_id, destination in moving.items():  # moved by replay: on no server until its client reopens it
+            last = self._last.get(session_id)
+            if session_id not in sessions and last is not None and destination in capacities:
+                sessions[session_id] = dataclasses.replace(last, server=destination, settling=True)
+        self._last = sessions
         capacity = min(capacities.values(), default=0)
         if self.packer is None or servers != self._servers or capacity != self._capacity:
             self.packer = self.make_packer(servers, capacity) if servers and capacity > 0 else None
@@ -81,14 +96,16 @@ class SegmentPacking:
         if packer is None:
             return SegmentEpoch([], {server: True for server in servers}, sorted(sessions))
         unmanaged = self._run_operations(packer, self._operations(packer, sessions))
-        moving = set(in_flight)
         held = {server: 0 for server in servers}  # pages the servers really hold, unmanaged sessions included
         for report in sessions.values():
             held[report.server] += report.pages
+            destination = moving.get(report.session_id)
+            if destination in held and destination != report.server:
+                held[destination] += report.pages
         migrations = []
         for session_id, bin_id in sorted(packer.assignment().items()):
             report = sessions[session_id]
-            if bin_id == report.server or session_id in moving:
+            if bin_id == report.server or session_id in moving or report.settling:
                 continue
             if held[bin_id] + report.pages > capacities[bin_id]:
                 continue  # not yet: what it holds now leaves no room (it is offered again next epoch)

@@ -128,6 +128,11 @@ class MigrationCosts:
     def replay_budget_tokens(self) -> float:
         return self.comp_budget_share * self.epoch_s / self.prefill_s_per_token
 
+    def fits_no_budget(self, migration: Migration) -> bool:
+        """Gives whether `migration` exceeds both budgets even with nothing else in its epoch (it would wait for ever:
+        such a move runs on its own, by the mode that ends first)."""
+        return migration.kv_bytes > self.link_budget_bytes and migration.replay_tokens > self.replay_budget_tokens
+
     def kv_round_trips(self, tokens: int) -> int:
         if self.chunk_bytes <= 0:
             return 1
@@ -170,3 +175,30 @@ def choose_mode(costs: MigrationCosts, tokens: int, src: str = "src", dst: str =
     if split.replay_moves:
         return "replay"
     return "kv" if kv_s <= replay_s else "replay"  # too large for one epoch either way: the one that ends first
+
+
+KV_CHUNK_BYTES = 4 << 20  # keys and values one import_kv frame of the live servers carries at most
+DEFAULT_LINK_MBPS = 100.0  # a link's bandwidth before anything was measured on it
+EPOCH_S = 1.0
+TCP_INITIAL_WINDOW = 10 * 1460  # bytes a fresh (or idle) TCP connection sends in its first round trip (Linux)
+BUDGET_SHARE = 0.5  # of an epoch, for the link's bytes and for the destination's replay prefill alike
+
+
+def announced_bytes_per_s(*measured_mbps: float | None) -> float:
+    """Gives a link's bandwidth from its ends' measured inbound throughput (the lower), else DEFAULT_LINK_MBPS."""
+    rates = [mbps for mbps in measured_mbps if mbps]
+    return (min(rates) if rates else DEFAULT_LINK_MBPS) * 1e6 / 8
+
+
+def move_costs(*, kv_bytes_per_token: int, bandwidth_bytes_per_s: float, rtt_s: float, prefill_s_per_token: float,
+               replay_bytes_per_token: int, chunk_bytes: int = KV_CHUNK_BYTES, epoch_s: float = EPOCH_S
+               ) -> MigrationCosts:
+    """Gives the costs of moving one session by either mode, as this server's migrations run: chunks of at most
+    `chunk_bytes` each wait for their reply, and a replay costs the client two round trips (the step that learns
+    of the move, the open at the destination) and the upload of its saved inputs; both ramp up from TCP's
+    initial window (a move's connection is new, or idle long enough for Linux to restart slow start)."""
+    return MigrationCosts(
+        kv_bytes_per_token, bandwidth_bytes_per_s, rtt_s, prefill_s_per_token, epoch_s,
+        comm_budget_share=BUDGET_SHARE, comp_budget_share=BUDGET_SHARE, chunk_bytes=chunk_bytes,
+        replay_bytes_per_token=replay_bytes_per_token, replay_round_trips=2, initial_window_bytes=TCP_INITIAL_WINDOW,
+    )

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--announce-period", type=float, default=10.0, help="seconds between DHT announcements")
     parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds the record lives unless refreshed")
     parser.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a lease lives unless renewed")
+    parser.add_argument("--kv-packing", choices=("mell", "bf", "wf", "lb"),
+                        help="pack the sessions of followers that host the same blocks onto as few of them as the "
+                             "policy keeps, moving them live (JFFC's leases follow)")
+    parser.add_argument("--packing-epoch", type=float, default=1.0, help="seconds between two packings")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -79,7 +83,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         prior_rate_per_s=args.prior_rate, prior_prompt_tokens=args.prior_prompt_tokens,
         prior_output_tokens=args.prior_output_tokens, rate_window_s=args.rate_window, cache_tokens=args.cache_tokens,
         refresh_period_s=args.refresh_period, announce_period_s=args.announce_period, record_ttl_s=args.record_ttl,
-        lease_ttl_s=args.lease_ttl,
+        lease_ttl_s=args.lease_ttl, kv_packing=args.kv_packing, packing_epoch_s=args.packing_epoch,
     )
 
 

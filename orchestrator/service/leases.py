@@ -12,6 +12,7 @@ Runs on the orchestrator's event loop; times come in as arguments.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -53,6 +54,10 @@ class LiveChain:
             spans.append(Span(peer_id, start, start + blocks))
             start += blocks
         return LiveChain(tuple(spans), chain.capacity, chain.service_time_ms)
+
+
+def _swapped(spans: tuple[Span, ...], source: str, destination: str) -> tuple[Span, ...]:
+    return tuple(Span(destination if span.peer_id == source else span.peer_id, span.start, span.end) for span in spans)
 
 
 @dataclass
@@ -171,6 +176,43 @@ class LeaseTable:
             if following is not None:
                 self._start(str(following), lease.chain_index, now_s)
         return lease
+
+    def holds(self, lease_id: str) -> bool:
+        return lease_id in self._leases
+
+    def can_follow(self, lease_id: str, source: str, destination: str) -> bool:
+        """Gives whether the session of `lease_id` may move its span from server `source` to `destination`: the
+        chain that makes is one of the plan's, with a free slot (a lease the plan no longer counts may go anywhere)."""
+        lease = self._leases.get(lease_id)
+        if lease is None or self._jffc is None:
+            return False
+        if lease.chain_index is None:
+            return True
+        target = self._index_of(_swapped(lease.chain.spans, source, destination))
+        if target is None:
+            return False
+        return target == lease.chain_index or self._jffc.busy(target) < self._jffc.capacity(target)
+
+    def follow(self, lease_id: str, source: str, destination: str, now_s: float) -> None:
+        """Moves the lease of a session whose span moved from `source` to `destination` to the chain it now runs
+        on: its old chain's slot frees (the queue's head may take it), the new chain's is taken."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return
+        spans = _swapped(lease.chain.spans, source, destination)
+        target = self._index_of(spans) if lease.chain_index is not None and self._jffc is not None else None
+        if target is not None:
+            assert self._jffc is not None
+            self._jffc.occupy(target)
+        if lease.chain_index is not None and self._jffc is not None:
+            following = self._jffc.complete(lease.chain_index)
+            if following is not None:
+                self._start(str(following), lease.chain_index, now_s)
+        lease.chain_index = target  # None: on no chain of the plan now, it runs to its end uncounted
+        lease.chain = self.chains[target] if target is not None else dataclasses.replace(lease.chain, spans=spans)
+
+    def _index_of(self, spans: tuple[Span, ...]) -> int | None:
+        return next((index for index, chain in enumerate(self.chains) if chain.spans == spans), None)
 
     def expire(self, now_s: float) -> list[Lease]:
         """Releases every lease not renewed within `lease_ttl_s`; gives them."""

@@ -34,6 +34,8 @@ from orchestrator.baselines.jffc import whole_model_chains
 from orchestrator.dispatch_policy import NoFeasiblePlan
 from orchestrator.live_model import JobSizes, server_spec, swarm_model
 from orchestrator.observed_load import ObservedLoad
+from orchestrator.packing import Migration
+from orchestrator.packing.segment_loop import Report, SegmentPackingLoop
 from orchestrator.replan import Range, match_roles, move_order, placement_ranges
 from orchestrator.service.leases import LeaseTable, LiveChain
 from orchestrator.swarm_model import Chain, Placement, SwarmModel, per_ms
@@ -46,7 +48,7 @@ from orchestrator.tuning import (
     tune_capacity,
 )
 from swarm.dht import announce_orchestrator_async, lookup_orchestrators_async, lookup_servers_async
-from swarm.errors import MalformedFrame, NoRouteFound, ServerBusy, SwarmError
+from swarm.errors import MalformedFrame, NoRouteFound, PeerUnreachable, ServerBusy, SwarmError
 from swarm.model import resolve_model
 from swarm.records import SOFTWARE_VERSION, OrchestratorRecord, ServerRecord, ServerState, active_orchestrator
 from swarm.rpc import CallContext, RpcConnection, RpcServer, dial
@@ -92,6 +94,8 @@ class OrchestratorConfig:
     lease_ttl_s: float = 30.0
     request_timeout_s: float = 15.0
     block_change_timeout_s: float = 300.0
+    kv_packing: str | None = None  # mell, bf, wf or lb: pack the sessions of the followers that host one segment
+    packing_epoch_s: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,9 @@ class Orchestrator:
         self._connections: dict[str, RpcConnection] = {}
         self._misses: dict[str, int] = {}  # consecutive refreshes a follower did not answer
         self._refreshed = asyncio.Event()
+        self.packings: dict[Range, SegmentPackingLoop] = {}  # per segment two or more followers host exactly
+        self._packing_connections: dict[str, RpcConnection] = {}
+        self._lease_of: dict[str, str] = {}  # server session id -> the lease its client runs it under
 
     @property
     def peer_id(self) -> str:
@@ -183,8 +190,11 @@ class Orchestrator:
             self.rpc.add_method(name, method)
         await self.rpc.start()
         await self._announce()
-        for loop, name in ((self._announce_loop, "announce"), (self._refresh_loop, "refresh"),
-                           (self._expire_loop, "expire-leases")):
+        loops = [(self._announce_loop, "announce"), (self._refresh_loop, "refresh"),
+                 (self._expire_loop, "expire-leases")]
+        if self.config.kv_packing:
+            loops.append((self._packing_loop, "kv-packing"))
+        for loop, name in loops:
             self._tasks.append(asyncio.create_task(loop(), name=name))
 
     async def shutdown(self) -> None:
@@ -192,7 +202,7 @@ class Orchestrator:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for connection in self._connections.values():
+        for connection in (*self._connections.values(), *self._packing_connections.values()):
             await connection.close()
         if self.rpc is not None:
             await self.rpc.stop()
@@ -390,6 +400,88 @@ class Orchestrator:
         start, end = reply["blocks"]
         return int(start), int(end)
 
+    # ---- KV packing (MELL) over the segments followers share ----
+
+    async def _packing_loop(self) -> None:
+        while True:
+            started = time.monotonic()
+            if self.active:
+                try:
+                    await self.pack()
+                except Exception:  # a failed epoch must not end the loop: the next one retries
+                    log.exception("packing epoch failed")
+            await asyncio.sleep(max(0.0, self.config.packing_epoch_s - (time.monotonic() - started)))
+
+    async def pack(self) -> None:
+        """Runs one packing epoch over every segment that two or more followers host exactly (`--kv-packing`): the
+        servers' own loop (`orchestrator.packing.segment_loop`), led by this orchestrator, whose moves keep JFFC's
+        leases right: a move runs only if the chain it makes is one of the plan's with a free slot, and the lease
+        follows it."""
+        segments: dict[Range, list[ServerRecord]] = {}
+        for record in self.followers.values():
+            segments.setdefault((record.block_start, record.block_end), []).append(record)
+        self.packings = {segment: loop for segment, loop in self.packings.items()
+                         if len(segments.get(segment, [])) >= 2}
+        for segment, members in sorted(segments.items()):
+            if len(members) < 2:
+                continue
+            if segment not in self.packings:
+                self.packings[segment] = self._segment_packing(segment, members[0].kv_bytes_per_token)
+            await self.packings[segment].epoch()
+
+    def _segment_packing(self, segment: Range, kv_bytes_per_token: int) -> SegmentPackingLoop:
+        async def group() -> list[ServerRecord]:
+            return [record for record in self.followers.values()
+                    if (record.block_start, record.block_end) == segment]
+
+        assert self.config.kv_packing is not None
+        return SegmentPackingLoop(
+            self.config.kv_packing, peer_id=self.peer_id, epoch_s=self.config.packing_epoch_s,
+            kv_bytes_per_token=lambda blocks: kv_bytes_per_token * blocks, group=group, report=self._kv_report,
+            migrate=self._move_session, leads=lambda members: True, allow=self._lease_allows,
+        )
+
+    async def _kv_report(self, peer_id: str, accepting: bool) -> Report:
+        connection = self._packing_connections.get(peer_id)
+        if connection is None or connection.is_closed:
+            record = self.followers.get(peer_id)
+            if record is None:
+                raise PeerUnreachable(f"server {peer_id} no longer follows this orchestrator")
+            connection = self._packing_connections[peer_id] = await self._dial(record)
+        reply = await connection.call("kv_report", {"accepting": accepting}, timeout=self.config.request_timeout_s)
+        report = Report.from_wire(peer_id, reply)
+        self._lease_of = {sid: lease for sid, lease in self._lease_of.items() if self.leases.holds(lease)}
+        self._lease_of.update(report.leases)
+        return report
+
+    def _lease_allows(self, migration: Migration) -> bool:
+        lease_id = self._lease_of.get(migration.session_id)
+        return lease_id is None or self.leases.can_follow(lease_id, migration.src, migration.dst)
+
+    async def _move_session(self, source: str, session_id: str, destination: str, mode: str) -> None:
+        """Moves a session, its lease booked on the chain it goes to before anything awaits (moves of one epoch
+        start one after the other, so each sees the slots the ones before it took) and booked back if it fails."""
+        lease_id = self._lease_of.get(session_id)
+        if lease_id is not None:
+            if not self.leases.can_follow(lease_id, source, destination):
+                raise ServerBusy(f"moving session {session_id} to {destination} would put it on no chain of the "
+                                 f"plan with a free slot")
+            self.leases.follow(lease_id, source, destination, time.monotonic())
+        try:
+            record = self.followers.get(source)
+            if record is None:
+                raise PeerUnreachable(f"server {source} no longer follows this orchestrator")
+            connection = await self._dial(record)
+            try:
+                await connection.call("migrate", {"session_id": session_id, "peer_id": destination, "mode": mode},
+                                      timeout=self.config.block_change_timeout_s)
+            finally:
+                await connection.close()
+        except BaseException:
+            if lease_id is not None:
+                self.leases.follow(lease_id, destination, source, time.monotonic())
+            raise
+
     # ---- RPC methods ----
 
     def _check_active(self) -> None:
@@ -464,6 +556,7 @@ class Orchestrator:
             "bounds": {"lower_ms": None if plan is None else finite(plan.lower_ms),
                        "upper_ms": None if plan is None else finite(plan.upper_ms)},
             "jobs": {"prompt_tokens": jobs.prompt_tokens, "output_tokens": jobs.output_tokens},
+            "packing": {f"{start}:{end}": loop.to_wire() for (start, end), loop in sorted(self.packings.items())},
             "servers": {peer: {"rtt_ms": self.rtt_ms.get(peer, (None, 0))[0],
                                "tau_p_ms": server_spec(record, self.rtt_ms.get(peer, (0.0, 0))[0], jobs).tau_p_ms}
                         for peer, record in sorted(self.followers.items())},
