@@ -1,4 +1,5 @@
-"""The client side of `benchmarks/table1.py`: replays a request list against a swarm, one thread per request.
+"""The client side of `benchmarks/table1.py` and `benchmarks/mell_live.py`: replays a request list against a swarm,
+one thread per request.
 
     python benchmarks/table1_client.py --model PATH --initial-peers MADDR... --requests REQ.json --out OUT.jsonl
         [--orchestrator auto|none] [--dilation F]
@@ -6,8 +7,10 @@
 Each request `{id, at_s, prompt_tokens, output_tokens}` starts `at_s` after the replay starts: it opens a session
 (through the orchestrator's JFFC queue, or by routing over DHT records with Petals' retry and exponential backoff
 while no server has room, its delays stretched by the run's time dilation) and generates exactly `output_tokens`
-greedy tokens. One JSON line per request: `{id, arrival_s, started_s, ended_s, failovers, route, error}`: waiting =
-started - arrival, service = ended - started. With `--servers-out`, each server's batch statistics at the end.
+greedy tokens. One JSON line per request: `{id, arrival_s, arrival_wall, started_s, ended_s, failovers, first_route,
+route, error}`: waiting = started - arrival, service = ended - started; `first_route` is the chain the session
+opened on, `route` the one it ended on; `arrival_wall` is the arrival by the wall clock. With `--servers-out`, each
+server's batch statistics at the end.
 Prints `ready` once connected and `done` at the end.
 """
 
@@ -39,7 +42,7 @@ def serve_request(model: DistributedModelForCausalLM, request: dict, started_at:
     prompt, output = int(request["prompt_tokens"]), int(request["output_tokens"])
     input_ids = torch.randint(3, model.config.vocab_size, (1, prompt),
                               generator=torch.Generator().manual_seed(int(request["id"])))
-    record: dict = {"id": request["id"], "arrival_s": arrival_s}
+    record: dict = {"id": request["id"], "arrival_s": arrival_s, "arrival_wall": time.time()}
     backoff_s = BACKOFF_FIRST_S * dilation
     try:
         while True:
@@ -52,6 +55,7 @@ def serve_request(model: DistributedModelForCausalLM, request: dict, started_at:
                 time.sleep(backoff_s)
                 backoff_s = min(BACKOFF_MAX_S * dilation, backoff_s * 2)
         record["started_s"] = time.perf_counter() - started_at
+        record["first_route"] = [span.peer_id for span in session.route]
         with session:
             model.generate(input_ids, session=session, max_new_tokens=output, min_new_tokens=output,
                            do_sample=False)

@@ -3,6 +3,7 @@ migrations, moves take their time and hold both sides, and a packer out of bins 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 
@@ -246,3 +247,23 @@ def test_lengths_scale_and_clip_to_a_bin_and_the_histogram_counts_final_sizes():
     sessions = [SessionSpec("x", 0, 100, 28), SessionSpec("y", 0, 500, 100), SessionSpec("z", 0, 10, 1)]
     counts = class_histogram(sessions, 16, 64)  # 8 pages (C/8: tiny), 38 (over C/2: L) and 1 (tiny)
     assert counts == {"L": 1, "M": 0, "S": 0, "T": 0, "tiny": 2}
+
+
+def test_a_replayed_live_session_moves_from_where_it_landed_and_decodes_at_its_own_speed():
+    # blocks=2: a session of 102 tokens holds 2 x 11 pages; "a" decodes 2 tokens/s, "b" the run's 1 token/s
+    sessions = [SessionSpec("a", 0.0, 100, 4, decode_tokens_per_s=2.0, landed="gpu01"),
+                SessionSpec("b", 0.0, 100, 3, landed="gpu00")]
+    cfg = config(capacity_pages=100, tokens_per_page=10, blocks=2, decode_tokens_per_s=1.0, bandwidth_bytes_per_s=1e6,
+                 rtt_ms=8.0, prefill_ms_per_token=10.0)
+    recorder = EpochRecorder(BestFitPacker(BINS[:4], 100))
+    result = simulate(sessions, recorder, cfg)
+    assert recorder.epochs[1] == [Allocate(Item("a", 22)), Allocate(Item("b", 22))]
+    assert result.departed_s == {"a": 2.0, "b": 3.0}
+    # best fit puts both on gpu00: "b" is where it landed, "a" moves there from gpu01 by KV one epoch later (as live,
+    # once its first step arrived), with 102 tokens: 102 KB / 1 MB/s + 8 ms; gpu01 holds it until then
+    summary = result.summary
+    assert (summary.kv_migrations, summary.replay_migrations, summary.planned_moves) == (1, 0, 1)
+    assert summary.mean_migration_s == pytest.approx(0.110)
+    assert [r.active_bins for r in result.epochs] == [2, 2, 1, 0]
+    one_by_one = simulate(sessions, BestFitPacker(BINS[:4], 100), dataclasses.replace(cfg, batching=False))
+    assert one_by_one.summary.kv_migrations == 1 and one_by_one.departed_s == result.departed_s

@@ -2,13 +2,18 @@
 bins of C pages by any `Packer` (MELL or a baseline, unchanged), epoch by epoch, with migrations that take time.
 
 Time runs in epochs of `epoch_s`. A session arriving in (t_{k-1}, t_k] is admitted at the boundary t_k (its prefill
-is taken as instantaneous) and then decodes `decode_tokens_per_s`; after n epochs it holds
+is taken as instantaneous) and then decodes `decode_tokens_per_s` (or its own rate); after n epochs it holds
 prompt + min(output, floor(n x rate x epoch)) tokens, and it departs at the first boundary where all its output is
 decoded. At each boundary the packer gets the epoch's operations, in batching order (Departs, Updates, Allocates):
 Allocate for admissions, Update for sessions whose page count changed, Depart for completions. A session's pages are
 what it will hold by the END of the coming epoch, ceil(tokens / tokens_per_page), so that the packer's bins never
 overflow between boundaries (a server reserves ahead by at most one epoch of decoding) [chosen]. With
 `reserve_final` a session takes its final size at admission instead (spec 5.2, phase 1) and no Update ever fires.
+
+A session with a `landed` bin (a live run replayed: where its client's route put it) is allocated like any other,
+and moves from `landed` to the packer's bin for it, as a live segment's packing moves an arrival [adapted, as
+`orchestrator.packing.live_epoch`]; its other moves in the epoch of its arrival are folded into that one, and the
+move starts one epoch later at the earliest, as the live packing moves no session before its first step arrived.
 
 With `batching`, the epoch's moves are pruned as `batch_operations` prunes them; without it every operation's moves
 run, in the same order (the packer's state is the same either way, only the migrations differ). The epoch is run by
@@ -73,7 +78,6 @@ def simulate(sessions: Sequence[SessionSpec], packer: Packer, config: PackingSim
 class _Simulation:
     def __init__(self, sessions: Sequence[SessionSpec], packer: Packer, config: PackingSimConfig) -> None:
         self.config, self.packer = config, packer
-        self.tokens_per_epoch = config.decode_tokens_per_s * config.epoch_s
         self.arrivals: dict[int, list[SessionSpec]] = {}
         for spec in sorted(sessions, key=lambda s: (s.arrival_s, s.session_id)):
             epoch = max(0, math.ceil(spec.arrival_s / config.epoch_s - 1e-12))
@@ -90,8 +94,12 @@ class _Simulation:
 
     # ---- sizes
 
+    def tokens_per_epoch_of(self, spec: SessionSpec) -> float:
+        rate = spec.decode_tokens_per_s if spec.decode_tokens_per_s is not None else self.config.decode_tokens_per_s
+        return rate * self.config.epoch_s
+
     def tokens(self, run: _Running, epoch: int) -> int:
-        decoded = math.floor((epoch - run.admitted) * self.tokens_per_epoch)
+        decoded = math.floor((epoch - run.admitted) * self.tokens_per_epoch_of(run.spec))
         return run.spec.prompt_tokens + min(run.spec.output_tokens, decoded)
 
     def pages_ahead(self, run: _Running, epoch: int) -> int:
@@ -121,7 +129,9 @@ class _Simulation:
             self.moves.drop(session_id)
             self.departed_s[session_id] = now
         for move in moves:
-            self.moves.plan(move.session_id, move.src, move.dst)
+            landing = move.session_id in admitted and self.running[move.session_id].spec.landed is not None
+            self.moves.plan(move.session_id, move.src, move.dst,
+                            not_before_s=now + self.config.epoch_s if landing else 0.0)
         started = self.moves.start(now, lambda s: self.tokens(self.running[s], epoch))
         totals = self.totals
         totals.kv += started.kv
@@ -152,7 +162,7 @@ class _Simulation:
                 operations.append(Update(session_id, pages))
         admitted = set()
         for spec in self.arrivals.pop(epoch, []):
-            decode_epochs = max(1, math.ceil(spec.output_tokens / self.tokens_per_epoch))
+            decode_epochs = max(1, math.ceil(spec.output_tokens / self.tokens_per_epoch_of(spec)))
             run = _Running(spec, epoch, epoch + decode_epochs, 0)
             run.pages = self.pages_ahead(run, epoch)
             self.running[spec.session_id] = run
@@ -185,11 +195,24 @@ class _Simulation:
                 departed.append(operation.item_id)
             elif isinstance(operation, Update):
                 self.running[operation.item_id].pages = operation.new_pages
+        landings = self.landings(admitted)
+        buffered = [m for m in buffered if m.session_id not in landings] + list(landings.values())
         if self.config.batching:
-            return prune_moves(buffered, departed, admitted), buffered, departed, rejected
+            executed = prune_moves(buffered, departed, admitted - set(landings))
+            return executed, buffered, departed, rejected
         # one by one, an arrival's KV is where its Allocate put it, and its later moves in the epoch carry it on
         gone = set(departed)
         return [m for m in buffered if m.session_id not in gone], buffered, departed, rejected
+
+    def landings(self, admitted: set[str]) -> dict[str, Move]:
+        """Gives the move of each admitted session that landed on a bin other than the packer's for it."""
+        moves = {}
+        for session_id in sorted(admitted):
+            run = self.running[session_id]
+            landed, packed = run.spec.landed, self.packer.bin_of(session_id)
+            if landed is not None and landed != packed:
+                moves[session_id] = Move(session_id, landed, packed, run.pages, session_id)
+        return moves
 
     def evict(self, session_id: str, departed: list[str]) -> list[Move]:
         try:

@@ -41,6 +41,7 @@ class Hop:
     mode: str | None = None
     start_s: float = 0.0
     end_s: float = 0.0
+    not_before_s: float = 0.0  # it is offered from this time on
 
     @property
     def running(self) -> bool:
@@ -72,17 +73,18 @@ class MigrationQueue:
     def sessions(self) -> Iterable[str]:
         return self.hops.keys()
 
-    def plan(self, session_id: str, src: str, dst: str) -> None:
-        """Adds a planned move src -> dst of `session_id` after its other hops (merged when batching)."""
+    def plan(self, session_id: str, src: str, dst: str, *, not_before_s: float = 0.0) -> None:
+        """Adds a planned move src -> dst of `session_id` after its other hops (merged when batching), offered from
+        `not_before_s` on."""
         hops = self.hops.setdefault(session_id, [])
         if hops and hops[-1].dst != src:
             raise AssertionError(f"session {session_id}: a move from {src} but its last hop ends on {hops[-1].dst}")
         if self.merge and hops and not hops[-1].running:
             last = hops.pop()
             if last.src != dst:
-                hops.append(Hop(last.src, dst))
+                hops.append(Hop(last.src, dst, not_before_s=max(last.not_before_s, not_before_s)))
         else:
-            hops.append(Hop(src, dst))
+            hops.append(Hop(src, dst, not_before_s=not_before_s))
         if not hops:
             del self.hops[session_id]
 
@@ -111,7 +113,8 @@ class MigrationQueue:
         used_bytes: dict[str, float] = {}
         used_tokens: dict[str, float] = {}
         counts = StartedCounts()
-        offered = {s for s, hops in self.hops.items() if any(not hop.running for hop in hops)}
+        offered = {s for s, hops in self.hops.items()
+                   if any(not hop.running for hop in hops) and self._next_waiting(s).not_before_s <= now_s}
         while offered:
             waiting = []
             for session_id in sorted(offered):
@@ -129,7 +132,7 @@ class MigrationQueue:
                 self._run(migration, REPLAY, now_s, counts)
             ran = {m.session_id for m in (*kv_moves, *replay_moves)}
             for migration in deferred:
-                if self._oversized(migration):
+                if self.costs.fits_no_budget(migration):
                     kv_end = self._kv_start(migration, now_s) + costs.kv_seconds(migration.replay_tokens)
                     replay_end = self._replay_start(migration, now_s) + self._replay_s(migration)
                     self._run(migration, KV if kv_end <= replay_end else REPLAY, now_s, counts)
@@ -137,16 +140,11 @@ class MigrationQueue:
                     ran.add(migration.session_id)
                 else:
                     counts.deferred += 1
-            offered = {s for s in ran if not self.hops[s][-1].running}
+            offered = {s for s in ran if not self.hops[s][-1].running and self._next_waiting(s).not_before_s <= now_s}
         return counts
 
     def _next_waiting(self, session_id: str) -> Hop:
         return next(hop for hop in self.hops[session_id] if not hop.running)
-
-    def _oversized(self, migration: Migration) -> bool:
-        """Tells whether a migration fits neither budget even when nothing else uses it."""
-        costs = self.costs
-        return migration.kv_bytes > costs.link_budget_bytes and migration.replay_tokens > costs.replay_budget_tokens
 
     def _earliest(self, session_id: str, now_s: float) -> float:
         """Gives when the session's next waiting hop may start: now, or when its hop before ends."""

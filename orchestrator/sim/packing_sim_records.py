@@ -9,12 +9,18 @@ from orchestrator.packing import MigrationCosts
 
 @dataclass(frozen=True)
 class SessionSpec:
-    """One request: when it arrives (s), its prompt and its output in tokens."""
+    """One request: when it arrives (s), its prompt and its output in tokens.
+
+    Replaying a live run, a session may carry its own measured decode speed, and the bin its client's route put it
+    on (`landed`): the packer still allocates it, and where that is not `landed` the session moves there.
+    """
 
     session_id: str
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    decode_tokens_per_s: float | None = None  # None: the run's `decode_tokens_per_s`
+    landed: str | None = None  # None: it starts on the bin the packer allocates
 
     @property
     def final_tokens(self) -> int:
@@ -27,7 +33,7 @@ class PackingSimConfig:
 
     capacity_pages: int
     tokens_per_page: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # of a session, over all its blocks
     decode_tokens_per_s: float
     bandwidth_bytes_per_s: float
     rtt_ms: float
@@ -38,10 +44,11 @@ class PackingSimConfig:
     comp_budget_share: float = 0.25
     check_invariants: bool = False  # the packer's own check after every epoch (slow; for tests)
     reserve_final: bool = False  # spec 5.2 phase 1: a session takes its final size at admission and never grows
+    blocks: int = 1  # blocks a session's KV spans on a bin: each holds ceil(tokens / tokens_per_page) pages
 
     def __post_init__(self) -> None:
-        if min(self.capacity_pages, self.tokens_per_page, self.kv_bytes_per_token) < 1:
-            raise ValueError("capacity, tokens per page and KV bytes per token must be >= 1")
+        if min(self.capacity_pages, self.tokens_per_page, self.kv_bytes_per_token, self.blocks) < 1:
+            raise ValueError("capacity, tokens per page, KV bytes per token and blocks must be >= 1")
         if self.decode_tokens_per_s <= 0 or self.epoch_s <= 0 or self.bandwidth_bytes_per_s <= 0:
             raise ValueError("the decode rate, the epoch and the bandwidth must be > 0")
         if self.rtt_ms < 0 or self.prefill_ms_per_token <= 0:
@@ -60,7 +67,7 @@ class PackingSimConfig:
         )
 
     def pages(self, tokens: int) -> int:
-        return -(-tokens // self.tokens_per_page)
+        return self.blocks * -(-tokens // self.tokens_per_page)
 
 
 @dataclass(frozen=True)
