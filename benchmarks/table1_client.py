@@ -2,7 +2,7 @@
 one thread per request.
 
     python benchmarks/table1_client.py --model PATH --initial-peers MADDR... --requests REQ.json --out OUT.jsonl
-        [--orchestrator auto|none] [--dilation F]
+        [--orchestrator auto|none] [--dilation F] [--busy-wait S]
 
 Each request `{id, at_s, prompt_tokens, output_tokens}` starts `at_s` after the replay starts: it opens a session
 (through the orchestrator's JFFC queue, or by routing over DHT records with Petals' retry and exponential backoff
@@ -90,10 +90,13 @@ def main() -> None:
     parser.add_argument("--servers-out", type=Path, help="where to write each server's batch statistics at the end")
     parser.add_argument("--orchestrator", default="auto")
     parser.add_argument("--dilation", type=float, default=1.0, help="the swarm's time dilation: backoffs stretch too")
+    parser.add_argument("--busy-wait", type=float, default=0.0,
+                        help="ClientConfig.busy_wait_s: 0 leaves a full swarm's retries to this script's own backoff")
     args = parser.parse_args()
     requests = json.loads(args.requests.read_text())
     config = ClientConfig(orchestrator=None if args.orchestrator == "none" else args.orchestrator,
-                          request_timeout_s=600.0, orchestrator_queue_timeout_s=3600.0, max_failovers=16)
+                          request_timeout_s=600.0, orchestrator_queue_timeout_s=3600.0, max_failovers=16,
+                          busy_wait_s=args.busy_wait)
     model = DistributedModelForCausalLM.from_pretrained(args.model, initial_peers=args.initial_peers,
                                                         client_config=config)
     print("ready", flush=True)

@@ -155,8 +155,11 @@ class RemoteInferenceSession:
                 route = await self.client.route(start, end, max_length=self.max_length, batch=self.batch,
                                                 avoid=busy)
             except NoRouteFound:
-                if not busy or time.monotonic() + backoff_s > deadline:
+                if not busy:
                     raise
+                if time.monotonic() + backoff_s > deadline:
+                    raise ServerBusy(f"every server of blocks {start}:{end} that could take this session was busy "
+                                     f"for {config.busy_wait_s:g} s") from None
                 log.info("Every server of blocks %d:%d is busy; asking again in %.1f s", start, end, backoff_s)
                 await asyncio.sleep(backoff_s)
                 backoff_s, busy = min(BUSY_BACKOFF_MAX_S, 2 * backoff_s), set()
