@@ -47,12 +47,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from benchmarks.table1_client import trace_requests
 from netem import netns
 from netem.network import EmulatedNetwork
 from netem.topology import Topology
 from orchestrator.packing.segment_loop import PACKERS, packing_capacity
 from orchestrator.sim.packing_sim import PackingSimConfig, PackingSimResult, SessionSpec, simulate
-from orchestrator.sim.workload import load_azure_trace
 from swarm.local_swarm import SwarmProcesses, threads_per_server
 from swarm.model import DEFAULT_MODEL, resolve_model
 
@@ -84,21 +84,6 @@ def replica_memory(token_pages: int) -> int:
     probe = BlockRange(source, 0, 1)
     block_pages = -(-probe.block_bytes(0) // PAGE_BYTES) + 1  # +1: the pool aligns each tensor's start
     return (source.num_blocks * (block_pages + token_pages)) * PAGE_BYTES
-
-
-def trace_requests(count: int, offset: int, rate_per_s: float, scale: float, max_tokens: int) -> list[dict]:
-    """Gives `count` requests of the conversation trace from `offset`: lengths / `scale`, cut to `max_tokens` in all
-    (the output kept, the prompt shortened), arrival times stretched to `rate_per_s` on average."""
-    trace = load_azure_trace(TRACE)
-    seconds = trace.seconds[offset : offset + count] - trace.seconds[offset]
-    native = (count - 1) / float(seconds[-1])
-    requests = []
-    for index in range(count):
-        output = max(1, min(max_tokens - 1, round(trace.generated_tokens[offset + index] / scale)))
-        prompt = max(1, min(max_tokens - output, round(trace.context_tokens[offset + index] / scale)))
-        requests.append({"id": index, "at_s": float(seconds[index] * native / rate_per_s), "prompt_tokens": prompt,
-                         "output_tokens": output})
-    return requests
 
 
 @dataclass
@@ -194,7 +179,8 @@ def run_live(policy: str, args: argparse.Namespace, workdir: Path, memory: int) 
             first = _read_jsonl(polls_path)[0]
             capacity = packing_capacity(first["capacity_pages"], first["blocks"])
             bin_tokens = capacity // first["blocks"] * first["kv_tokens_per_page"]
-            requests = trace_requests(args.requests, args.offset, args.rate, args.scale, min(MAX_TOKENS, bin_tokens))
+            requests = trace_requests(TRACE, args.requests, args.rate, offset=args.offset, prompt_scale=args.scale,
+                                      output_scale=args.scale, max_tokens=min(MAX_TOKENS, bin_tokens))
             requests_path = workdir / "requests.json"
             requests_path.write_text(json.dumps(requests))
             print(f"  {policy}: swarm up in {time.monotonic() - started:.0f} s; KV pages {first['capacity_pages']}, "

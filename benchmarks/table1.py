@@ -54,12 +54,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import numpy as np
 
+from benchmarks.table1_client import trace_requests as client_trace_requests
 from netem import ripe
 from netem.network import EmulatedNetwork
 from netem.topology import Topology
 from orchestrator.live_model import JobSizes
 from orchestrator.sim.runner import run_policy
-from orchestrator.sim.workload import Workload, load_azure_trace
+from orchestrator.sim.workload import Workload
 from orchestrator.swarm_model import ModelSpec, ServerSpec, SwarmModel
 from server.emulated_gpu import PROFILES
 from swarm.local_swarm import SwarmProcesses
@@ -100,17 +101,9 @@ def write_model(path: Path) -> Path:
 
 
 def trace_requests(count: int, rate_per_s: float, output_scale: float) -> list[dict]:
-    """Gives the first `count` requests of the conversation trace, time-scaled to `rate_per_s`."""
-    trace = load_azure_trace(TRACE)
-    seconds = trace.seconds[:count] - trace.seconds[0]
-    native = (count - 1) / float(seconds[-1])
-    requests = []
-    for index in range(count):
-        output = int(max(1, round(trace.generated_tokens[index] / output_scale)))
-        prompt = int(max(1, min(MAX_SEQUENCE - output, trace.context_tokens[index])))  # the paper's longest sequence
-        requests.append({"id": index, "at_s": float(seconds[index] * native / rate_per_s), "prompt_tokens": prompt,
-                         "output_tokens": output})
-    return requests
+    """Gives the first `count` requests of the conversation trace, time-scaled to `rate_per_s`, cut to the paper's
+    longest sequence."""
+    return client_trace_requests(TRACE, count, rate_per_s, output_scale=output_scale, max_tokens=MAX_SEQUENCE)
 
 
 @dataclass

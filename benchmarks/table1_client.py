@@ -69,6 +69,25 @@ def serve_request(model: DistributedModelForCausalLM, request: dict, started_at:
         out.flush()
 
 
+def trace_requests(path: Path, count: int, rate_per_s: float, *, offset: int = 0, prompt_scale: float = 1.0,
+                   output_scale: float = 1.0, max_tokens: int) -> list[dict]:
+    """Gives `count` requests of an Azure LLM trace from request `offset`, as this client replays them: prompt and
+    output lengths divided by their scales and cut to `max_tokens` in all (the output kept, the prompt shortened),
+    arrival times stretched to `rate_per_s` on average (the trace's burstiness kept)."""
+    from orchestrator.sim.workload import load_azure_trace
+
+    trace = load_azure_trace(path)
+    seconds = trace.seconds[offset : offset + count] - trace.seconds[offset]
+    native = (count - 1) / float(seconds[-1])
+    requests = []
+    for index in range(count):
+        output = max(1, min(max_tokens - 1, round(trace.generated_tokens[offset + index] / output_scale)))
+        prompt = max(1, min(max_tokens - output, round(trace.context_tokens[offset + index] / prompt_scale)))
+        requests.append({"id": index, "at_s": float(seconds[index] * native / rate_per_s), "prompt_tokens": prompt,
+                         "output_tokens": output})
+    return requests
+
+
 async def server_batches(swarm: SwarmClient) -> dict[str, dict]:
     """Gives each online server's batch statistics (`info`'s `batches`), by peer id."""
     stats: dict[str, dict] = {}

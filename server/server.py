@@ -50,7 +50,7 @@ from swarm.errors import (
     StepNotPushed,
     SwarmError,
 )
-from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, kv_pages_for, parse_size
+from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, parse_size
 from swarm.model import BlockRange, ModelSource, parse_block_range, pick_device, pick_dtype, resolve_model
 from swarm.records import SOFTWARE_VERSION, BatchTiming, NextHop, ServerRecord, ServerState
 from swarm.rpc import CallContext, RpcConnection, RpcServer, dial
@@ -632,7 +632,7 @@ class SwarmServer:
         for the session as it is now: a replay hands the session over before the destination has taken anything."""
         if destination is None:
             return
-        needed = session.blocks * session.batch * kv_pages_for(session.position, self.kv.tokens_per_page)
+        needed = self.sessions.pages_for(session, session.position)
         if destination.pages_free < needed:
             raise ServerBusy(f"server {destination.peer_id} has {destination.pages_free} free KV pages, session "
                              f"{session.session_id!r} needs {needed} there; it stays here")
@@ -748,7 +748,7 @@ class SwarmServer:
         stats = self.pool.stats()
         # a session still arriving is its source's; one that is leaving is still here until the move commits
         sessions = [{"session_id": s.session_id, "pages": self.sessions.packed_pages(s), "tokens": s.position,
-                     "settling": s.position == 0 or s.position < s.prompt_tokens, "lease_id": s.lease_id}
+                     "settling": s.settling, "lease_id": s.lease_id}
                     for s in self.sessions if s.importing_from is None]
         kv_pages = stats.pages_total - stats.pages_params
         return {"capacity_pages": packing_capacity(kv_pages, self.sessions.block_end - self.sessions.block_start),

@@ -64,6 +64,11 @@ class Session:
         return self.end - self.start
 
     @property
+    def settling(self) -> bool:
+        """Whether its first step (its prompt, or the replay that rebuilds it) has not arrived yet."""
+        return self.position == 0 or self.position < self.prompt_tokens
+
+    @property
     def pages_held(self) -> int:
         return sum(len(pages) for rows in self.page_tables.values() for pages in rows)
 
@@ -133,11 +138,14 @@ class SessionTable:
         """Gives the free pages the open sessions are expected to still take (the headroom rule)."""
         return self.policy.growth_reserve(self._kv_of(session) for session in self._sessions.values())
 
+    def pages_for(self, session: Session, tokens: int) -> int:
+        """Gives the pages `session` holds at `tokens` tokens, over all its blocks and rows."""
+        return session.blocks * session.batch * kv_pages_for(tokens, self.tokens_per_page)
+
     def packed_pages(self, session: Session) -> int:
         """Gives the pages `session` is packed with by its segment's packing: what it holds, or what its announced
         prompt will take once its first step arrives (a new session is packed at its size, not at one page)."""
-        return max(session.pages_held,
-                   session.blocks * session.batch * kv_pages_for(session.prompt_tokens, self.tokens_per_page))
+        return max(session.pages_held, self.pages_for(session, session.prompt_tokens))
 
     def prompt_reserve(self) -> int:
         """Gives the free pages the open sessions' announced prompts are still to take."""

@@ -123,7 +123,7 @@ def test_cli_up_exec_ping_down(tmp_path: Path) -> None:
                                cwd=REPO, capture_output=True, text=True, timeout=30, check=True).stdout
         assert shown.splitlines()[0] == "10.77.0.2" and "10.77.0.2/32" in shown
         out_json = tmp_path / "ping.json"
-        ping = subprocess.run([*cli, "ping", run_id, "--json", str(out_json), "--count", "8"], cwd=REPO,
+        ping = subprocess.run([*cli, "ping", run_id, "--json", str(out_json), "--count", "20"], cwd=REPO,
                               capture_output=True, text=True, timeout=60, check=True)
         print(ping.stdout)
         result = json.loads(out_json.read_text())

@@ -13,11 +13,10 @@ Each epoch (`SegmentPacking.epoch`):
    the packer's placement of an arrival is a move like any other [adapted]: every managed session whose reported
    server is not the bin the packer keeps it on gets a migration from the one to the other, unless a move of it is
    still in flight, or its first step has not arrived yet (`settling`: a move would race the prompt, or the replay,
-   that is filling its KV), or unless its destination really holds too much to take it now (sessions the packer does not
+   that is filling its KV), or its destination really holds too much to take it now (sessions the packer does not
    manage count there, and so do the sessions moving to it now; the move is offered again the next epoch)
-   [chosen]. Batching prunes nothing more here: what
-   the packer planned during the epoch is only visible as where each session ends, one net move per session, as
-   `batch_operations` gives.
+   [chosen]. Batching prunes nothing more here: what the packer planned during the epoch is only visible as where
+   each session ends, one net move per session, as `batch_operations` gives.
 3. `accepting`: servers the packer has sessions on take new ones, and so does one more (the first idle server in
    the packer's order), so that arrivals always find room; the others are standbys [chosen].
 

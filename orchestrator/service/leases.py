@@ -90,6 +90,7 @@ class LeaseTable:
     _leases: dict[str, Lease] = field(default_factory=dict)
     _waiting: dict[str, _Waiter] = field(default_factory=dict)
     _paused: deque[str] = field(default_factory=deque)  # requests that arrived while paused, in order
+    _index: dict[tuple[Span, ...], int] = field(default_factory=dict)  # the plan's chains by their spans
 
     @property
     def paused(self) -> bool:
@@ -116,9 +117,9 @@ class LeaseTable:
         self.chains = list(chains)
         self._jffc = JFFC([Chain(tuple(s.peer_id for s in c.spans), tuple(s.end - s.start for s in c.spans),
                                  c.capacity, c.service_time_ms) for c in chains])
-        index_of = {chain.spans: index for index, chain in enumerate(chains)}
+        self._index = {chain.spans: index for index, chain in enumerate(chains)}
         for lease in self._leases.values():
-            lease.chain_index = index_of.get(lease.chain.spans)
+            lease.chain_index = self._index.get(lease.chain.spans)
             if lease.chain_index is not None:
                 self._jffc.occupy(lease.chain_index)
         waiting, self._paused = list(self._paused), deque()
@@ -188,7 +189,7 @@ class LeaseTable:
             return False
         if lease.chain_index is None:
             return True
-        target = self._index_of(_swapped(lease.chain.spans, source, destination))
+        target = self._index.get(_swapped(lease.chain.spans, source, destination))
         if target is None:
             return False
         return target == lease.chain_index or self._jffc.busy(target) < self._jffc.capacity(target)
@@ -200,7 +201,7 @@ class LeaseTable:
         if lease is None:
             return
         spans = _swapped(lease.chain.spans, source, destination)
-        target = self._index_of(spans) if lease.chain_index is not None and self._jffc is not None else None
+        target = self._index.get(spans) if lease.chain_index is not None and self._jffc is not None else None
         if target is not None:
             assert self._jffc is not None
             self._jffc.occupy(target)
@@ -210,9 +211,6 @@ class LeaseTable:
                 self._start(str(following), lease.chain_index, now_s)
         lease.chain_index = target  # None: on no chain of the plan now, it runs to its end uncounted
         lease.chain = self.chains[target] if target is not None else dataclasses.replace(lease.chain, spans=spans)
-
-    def _index_of(self, spans: tuple[Span, ...]) -> int | None:
-        return next((index for index, chain in enumerate(self.chains) if chain.spans == spans), None)
 
     def expire(self, now_s: float) -> list[Lease]:
         """Releases every lease not renewed within `lease_ttl_s`; gives them."""
