@@ -22,7 +22,10 @@ The paper's testbed, reproduced with the shipped code:
   next to the emulated times, as in time-dilated network emulation. (Dilation 8 measured no less than 4 for the
   proposed method: past 4, what separates the live times from the profiles' is not the CPU; see RESULTS.md.)
 Methods, same trace, seed and topology:
-- proposed: `swarm-orchestrator --variant proposed` (c tuned by the lower bound, GBP-CR, GCA, JFFC);
+- proposed: `swarm-orchestrator --variant proposed` (c tuned by the lower bound, GBP-CR, GCA, JFFC ranking chains
+  by their service time at the batches their servers run now: see `orchestrator.dispatch`);
+- proposed-paper (only when asked for): the same with `--no-batch-aware`, JFFC ranking chains as the paper does, by
+  the time of a job alone;
 - PETALS: servers choose their blocks (`--num-blocks`: 24 fast, 12 slow, the paper's footnote), clients route
   min-latency over DHT records;
 - jffc-only: `swarm-orchestrator --variant jffc-only` (the whole model on every server that fits it, JFFC).
@@ -90,6 +93,12 @@ PAPER = {  # seconds: response mean / median / P95 / P99, waiting mean, service 
     "jffc-only": (10.0, 8.5, 22.1, 29.6, 1.5, 8.5),
     "proposed": (7.3, 6.5, 15.2, 21.4, 0.6, 6.7),
 }
+PAPER["proposed-paper"] = PAPER["proposed"]
+ORCHESTRATOR_ARGS = {  # the orchestrator's variant for each method that has one
+    "proposed": ("--variant", "proposed"),
+    "proposed-paper": ("--variant", "proposed", "--no-batch-aware"),
+    "jffc-only": ("--variant", "jffc-only"),
+}
 
 
 def write_model(path: Path) -> Path:
@@ -151,12 +160,11 @@ def run_method(method: str, args: argparse.Namespace, topology: Topology, model:
             for host in SERVERS:  # one by one, as volunteers join: each sees the others' records
                 server(host, "--num-blocks", str(PETALS_BLOCKS[PROFILE_OF[host]]), "--rebalance-period", "30")
         else:
-            variant = "proposed" if method == "proposed" else "jffc-only"
             orchestrator = swarm.start_orchestrator(
-                model, "--variant", variant, "--prior-rate", str(args.rate / args.dilation), "--prior-prompt-tokens",
-                f"{prompt_mean:.1f}", "--prior-output-tokens", f"{output_mean:.1f}", "--refresh-period", "5",
-                "--rate-window", "120", "--cache-tokens", str(MAX_SEQUENCE), name="orch", host=network.address("orch"),
-                launcher=network.command("orch", []),
+                model, *ORCHESTRATOR_ARGS[method], "--prior-rate", str(args.rate / args.dilation),
+                "--prior-prompt-tokens", f"{prompt_mean:.1f}", "--prior-output-tokens", f"{output_mean:.1f}",
+                "--refresh-period", "5", "--rate-window", "120", "--cache-tokens", str(MAX_SEQUENCE), name="orch",
+                host=network.address("orch"), launcher=network.command("orch", []),
             )
             procs = [server(host, "--orchestrator", orchestrator.peer_id, wait=False) for host in SERVERS]
             for proc in procs:
@@ -230,7 +238,7 @@ def petals_memory_gb(host: str) -> float:
 
 def profile_file(host: str, workdir: Path, dilation: float, *, petals: bool) -> Path:
     """Gives a profile file: `host`'s GPU times stretched `dilation` times, with its whole memory, or with what a
-    PETALS server uses."""
+    PETALS server uses. Without `batching`: the paper's model (no tau_p_batch, fixed service times)."""
     profile = PROFILES[PROFILE_OF[host]]
     path = workdir / f"{'petals-' if petals else ''}{host}.json"
     path.write_text(json.dumps({
@@ -241,10 +249,11 @@ def profile_file(host: str, workdir: Path, dilation: float, *, petals: bool) -> 
     return path
 
 
-def sim_model(topology: Topology, jobs: JobSizes, *, petals: bool = False) -> SwarmModel:
+def sim_model(topology: Topology, jobs: JobSizes, *, petals: bool = False, batching: bool = True) -> SwarmModel:
     """Gives the chain-composition model the live orchestrator builds for these emulated servers (see
-    `orchestrator.live_model`, s_c at the maximum length), with the client's RTTs from the topology; with
-    `petals`, each server's memory is what a PETALS server uses."""
+    `orchestrator.live_model`, s_c at the maximum length, tau_p_batch from the decode times by batch size the
+    servers announce), with the client's RTTs from the topology; with `petals`, each server's memory is what a
+    PETALS server uses. Without `batching`: the paper's model (no tau_p_batch, fixed service times)."""
     block_pages = -(-PROFILES["a100-3g.40gb"].block_bytes(KV_BYTES_PER_TOKEN) // PAGE_BYTES)
     job_pages = kv_pages_for(MAX_SEQUENCE, PAGE_BYTES // KV_BYTES_PER_TOKEN)
     servers = []
@@ -254,7 +263,9 @@ def sim_model(topology: Topology, jobs: JobSizes, *, petals: bool = False) -> Sw
         pages = int(memory_gb * 1e9 * profile.scale(KV_BYTES_PER_TOKEN)) // PAGE_BYTES
         tau_p = jobs.prompt_tokens * profile.prefill_ms_per_token + jobs.output_tokens * profile.decode_ms(1)
         tau_c = (jobs.output_tokens + 1) * topology.rtt("client", host)
-        servers.append(ServerSpec(host, pages * PAGE_BYTES / 1e9, tau_c, tau_p))
+        slope = (profile.decode_ms(32) - profile.decode_ms(1)) / 31  # `live_model.decode_slope_ms` of its record
+        tau_p_batch = jobs.output_tokens * slope if batching else 0.0
+        servers.append(ServerSpec(host, pages * PAGE_BYTES / 1e9, tau_c, tau_p, tau_p_batch))
     return SwarmModel(ModelSpec(NUM_BLOCKS, block_pages * PAGE_BYTES / 1e9, job_pages * PAGE_BYTES / 1e9),
                       tuple(servers))
 
@@ -272,9 +283,11 @@ def sim_workload(requests: list[dict], topology: Topology) -> Workload:
 
 
 def simulate(method: str, model: SwarmModel, workload: Workload, seed: int) -> float:
-    """Gives swarm-sim's mean response (s) for `method` on the replayed requests."""
+    """Gives swarm-sim's mean response (s) for `method` on the replayed requests (batched service: a server's jobs
+    slow each other down by its tau_p_batch)."""
     rate_per_ms = (len(workload.arrivals_ms) - 1) / float(workload.arrivals_ms[-1])
-    result = run_policy(method, model, workload, rate_per_ms, 0.7, seed, warmup_jobs=0)
+    policy, batch_aware = ("proposed", False) if method == "proposed-paper" else (method, True)
+    result = run_policy(policy, model, workload, rate_per_ms, 0.7, seed, warmup_jobs=0, batch_aware=batch_aware)
     if isinstance(result, Exception):
         return math.nan
     return float(np.mean(result.end_ms - result.arrivals_ms)) / 1000
@@ -285,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--rate", type=float, default=2.57, help="requests/s the trace is time-scaled to")
     parser.add_argument("--output-scale", type=float, default=8.4)
-    parser.add_argument("--methods", default="proposed,petals,jffc-only")
+    parser.add_argument("--methods", default="proposed,petals,jffc-only",
+                        help="of proposed, proposed-paper, petals, jffc-only")
     parser.add_argument("--seed", type=int, default=0, help="which RIPE anchors the hosts get")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one method's replay may take")
     parser.add_argument("--dilation", type=float, default=4.0, help="time dilation factor (see above)")
@@ -310,12 +324,15 @@ def main(argv: list[str] | None = None) -> int:
     measured: dict[str, Measured] = {}
     for method in args.methods.split(","):
         measured[method] = run_method(method, args, dilated, model, requests, workdir / method)
+    fixed_spec, fixed_petals = sim_model(topology, jobs, batching=False), sim_model(topology, jobs, petals=True,
+                                                                                      batching=False)
     print("\n| method | response mean / median / P95 / P99 s | waiting mean / P95 s | service mean s | errors | "
-          "paper response mean / P99 s | swarm-sim mean s | sim / measured |")
-    print("|---|---|---|---|---|---|---|---|")
+          "paper response mean / P99 s | swarm-sim mean s | sim / measured | swarm-sim, paper's fixed service s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for method, row in measured.items():
-        spec = petals_spec if method == "petals" else model_spec
+        spec, fixed = (petals_spec, fixed_petals) if method == "petals" else (model_spec, fixed_spec)
         sim_mean = simulate(SIM_POLICY.get(method, method), spec, workload, args.seed)
+        fixed_mean = simulate(SIM_POLICY.get(method, method), fixed, workload, args.seed)
         mean = statistics.mean(row.response_s) if row.response_s else math.nan
         paper = PAPER.get(method)
         response = row.response_s
@@ -323,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
               f" / {percentile(response, 0.99):.2f} | {statistics.mean(row.waiting_s or [math.nan]):.2f} / "
               f"{percentile(row.waiting_s, 0.95):.2f} | {statistics.mean(row.service_s or [math.nan]):.2f} | "
               f"{row.errors} | {f'{paper[0]} / {paper[3]}' if paper else '-'} | {sim_mean:.2f} | "
-              f"{sim_mean / mean:.2f} |")
+              f"{sim_mean / mean:.2f} | {fixed_mean:.2f} |")
     for method, row in measured.items():
         if row.note:
             print(f"{method}: {row.note}")

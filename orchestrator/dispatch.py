@@ -4,6 +4,13 @@ An arriving job starts on the fastest chain that runs fewer jobs than its capaci
 when a job completes on a chain, the head of the queue starts on that chain. Jobs never migrate. The free
 chains sit in a heap keyed by their speed rank, so each event costs O(log K).
 
+Load-aware ranking (our extension; the paper's model has none): where servers announce how their per-block time
+grows with the jobs they batch (`ServerSpec.tau_p_batch_ms`), "fastest" is the service time a job would see now:
+T_k plus, per server of the chain, m_ij * tau_p_batch[j] * (jobs the server runs). A chain that already batches
+many jobs can then be slower than an idle slower one, and the job goes there. Capacities, the queue and the
+completions are as in Alg. 3. Without slopes the ranking is the paper's, and it is the heap's; with them, an arrival
+scans the free chains (O(K x hops)).
+
 `JFFC` is the dispatcher itself; `JFFCPolicy` puts it behind the `DispatchPolicy` interface the simulator drives. The
 live orchestrator and the simulator both use `JFFC` from here.
 """
@@ -11,20 +18,24 @@ live orchestrator and the simulator both use `JFFC` from here.
 from __future__ import annotations
 
 import heapq
-from collections import deque
-from collections.abc import Hashable, Sequence
+from collections import Counter, deque
+from collections.abc import Hashable, Mapping, Sequence
 
-from orchestrator.dispatch_policy import Route, Start
-from orchestrator.swarm_model import Chain, Placement
+from orchestrator.dispatch_policy import Route, Start, batch_slopes, loaded_service_time_ms
+from orchestrator.swarm_model import Chain, Placement, SwarmModel
 
 
 class JFFC:
     """Join-the-Fastest-Free-Chain over fixed chains; jobs are opaque hashable values (not None) owned by the caller.
 
-    Chains of equal rate are ranked by index (the lowest first), so every decision is deterministic.
+    Chains of equal rate are ranked by index (the lowest first), so every decision is deterministic. With
+    `batch_slopes` (server -> tau_p growth per other job, ms per block) chains rank by their loaded service time.
     """
 
-    def __init__(self, chains: Sequence[Chain]) -> None:
+    def __init__(self, chains: Sequence[Chain], batch_slopes: Mapping[str, float] | None = None) -> None:
+        self._chains = list(chains)
+        self._slopes = {name: slope for name, slope in (batch_slopes or {}).items() if slope > 0}
+        self._server_jobs: Counter[str] = Counter()  # jobs each server runs, over all chains
         self._capacities = [chain.capacity for chain in chains]
         if any(capacity < 0 for capacity in self._capacities):
             raise ValueError("chain capacities must be >= 0")
@@ -62,6 +73,27 @@ class JFFC:
         """Gives c_k: the most jobs chain `chain_index` runs at once."""
         return self._capacities[chain_index]
 
+    def service_time_ms(self, chain_index: int) -> float:
+        """Gives the service time a job starting on chain `chain_index` now would see: T_k, plus the batching
+        slowdown of the jobs its servers already run (with `batch_slopes`)."""
+        chain = self._chains[chain_index]
+        if not self._slopes:
+            return chain.service_time_ms
+        return loaded_service_time_ms(chain.service_time_ms, chain.servers, chain.blocks_per_server, self._slopes,
+                                      self._server_jobs)
+
+    def _fastest_free(self) -> int:
+        if not self._slopes:
+            return self._chain_of_rank[self._free_ranks[0]]
+        best = min(self._free_ranks, key=lambda rank: (self.service_time_ms(self._chain_of_rank[rank]), rank))
+        return self._chain_of_rank[best]
+
+    def _count(self, chain_index: int, jobs: int) -> None:
+        self._busy[chain_index] += jobs
+        self._running += jobs
+        for name in self._chains[chain_index].servers:
+            self._server_jobs[name] += jobs
+
     def arrive(self, job: Hashable) -> int | None:
         """Gives the chain `job` starts on now (the fastest with a free slot), or None when it joins the queue.
 
@@ -72,12 +104,20 @@ class JFFC:
         if not self._free_ranks:
             self._queue.append(job)
             return None
-        index = self._chain_of_rank[self._free_ranks[0]]
-        self._busy[index] += 1
-        self._running += 1
+        index = self._fastest_free()
+        self._count(index, 1)
         if self._busy[index] == self._capacities[index]:
-            heapq.heappop(self._free_ranks)
+            self._take_rank(index)
         return index
+
+    def _take_rank(self, chain_index: int) -> None:
+        """Takes a chain that just filled off the free heap (the top in O(log K), as the paper's rule takes it)."""
+        rank = self._rank_of_chain[chain_index]
+        if self._free_ranks[0] == rank:
+            heapq.heappop(self._free_ranks)
+        else:
+            self._free_ranks.remove(rank)
+            heapq.heapify(self._free_ranks)
 
     def withdraw(self, job: Hashable) -> bool:
         """Takes `job` out of the queue (its client went away before it started); gives whether it was queued."""
@@ -90,11 +130,9 @@ class JFFC:
     def occupy(self, chain_index: int) -> None:
         """Counts a job that already runs on `chain_index` (carried over from a previous plan) in one of its slots;
         a chain already full then runs one more than its capacity, and takes no new job until it is below again."""
-        self._busy[chain_index] += 1
-        self._running += 1
+        self._count(chain_index, 1)
         if self._busy[chain_index] == self._capacities[chain_index]:
-            self._free_ranks.remove(self._rank_of_chain[chain_index])
-            heapq.heapify(self._free_ranks)
+            self._take_rank(chain_index)
 
     def queued(self) -> list[Hashable]:
         """Gives the queued jobs, head first."""
@@ -108,22 +146,23 @@ class JFFC:
             return self._queue.popleft()  # the head takes the freed slot at once: Z_k is unchanged
         if self._busy[chain_index] == self._capacities[chain_index]:
             heapq.heappush(self._free_ranks, self._rank_of_chain[chain_index])
-        self._busy[chain_index] -= 1
-        self._running -= 1
+        self._count(chain_index, -1)
         return None
 
 
 class JFFCPolicy:
-    """Join-the-Fastest-Free-Chain over fixed chains with one central FIFO queue."""
+    """Join-the-Fastest-Free-Chain over fixed chains with one central FIFO queue; load-aware when `swarm`'s servers
+    have batch slopes."""
 
-    def __init__(self, chains: Sequence[Chain], placement: Placement, name: str = "jffc") -> None:
+    def __init__(self, chains: Sequence[Chain], placement: Placement, name: str = "jffc",
+                 swarm: SwarmModel | None = None) -> None:
         if not chains:
             raise ValueError("JFFC needs at least one chain")
         self.name = name
         self.placement = placement
         self.chains = tuple(chains)
         self._routes = [Route.of_chain(chain, index) for index, chain in enumerate(self.chains)]
-        self._dispatcher = JFFC(list(self.chains))
+        self._dispatcher = JFFC(list(self.chains), batch_slopes(swarm) if swarm is not None else None)
         self._chain_of: dict[int, int] = {}
 
     def arrive(self, job: int, now_ms: float) -> list[Start]:

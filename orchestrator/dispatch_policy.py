@@ -11,7 +11,7 @@ Policies are pure: no I/O, no clocks (time comes in as `now_ms`), randomness onl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -101,6 +101,22 @@ def path_service_time_ms(swarm: SwarmModel, servers: Sequence[str], blocks_per_s
         server = swarm.server(name)
         total += server.tau_c_ms + server.tau_p_ms * count
     return total
+
+
+def batch_slopes(swarm: SwarmModel) -> dict[str, float]:
+    """Gives each server's tau_p growth per other job it runs at once (ms per block), for servers that have one."""
+    return {server.name: server.tau_p_batch_ms for server in swarm.servers if server.tau_p_batch_ms > 0}
+
+
+def loaded_service_time_ms(
+    base_ms: float, servers: Sequence[str], blocks_per_server: Sequence[int], slopes: Mapping[str, float],
+    others: Mapping[str, int],
+) -> float:
+    """Gives a route's service time when its servers run `others` other jobs each: its time alone (`base_ms`) plus,
+    per hop, m_ij * tau_p_batch[j] * others[j]."""
+    extra = sum(count * slopes.get(name, 0.0) * others.get(name, 0)
+                for name, count in zip(servers, blocks_per_server, strict=True))
+    return base_ms + extra
 
 
 def server_slots(swarm: SwarmModel, placement: Placement) -> dict[str, int]:

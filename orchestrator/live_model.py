@@ -10,6 +10,9 @@ GBP-CR, GCA, the tuning of c and JFFC take (spec: `shared/specs/chain-compositio
   and each server's headroom rule turns away what does not fit (the client then fails over);
 - tau_p[j]: one job through one block: prompt tokens x the measured prefill time per token (of a chunk) + output
   tokens x the decode step at batch 1;
+- tau_p_batch[j] (our extension, `ServerSpec.tau_p_batch_ms`): how much tau_p grows per other job the server
+  batches with it: output tokens x the measured decode step's growth per row (between the smallest and the largest
+  batch the record announces);
 - tau_c[j]: one job's communication with server j: one round trip per output token plus one for the prompt
   (every step of a job crosses the link), at the measured RTT. The paper counts one RTT + 18 ms per job, which
   fits its relayed setting; ours is what a job's steps actually wait for.
@@ -72,6 +75,16 @@ def decode_step_ms(record: ServerRecord, batch: int = 1) -> float:
     return timings[0][1] if batch < timings[0][0] else timings[-1][1]
 
 
+def decode_slope_ms(record: ServerRecord) -> float:
+    """Gives one block's decode step growth per session in the batch: the slope between the smallest and the largest
+    announced batch (0 when fewer than two are announced, or the step does not grow)."""
+    timings = sorted((timing.batch, timing.ms) for timing in record.block_decode_ms)
+    if len(timings) < 2:
+        return 0.0
+    (low_batch, low_ms), (high_batch, high_ms) = timings[0], timings[-1]
+    return max(0.0, (high_ms - low_ms) / (high_batch - low_batch))
+
+
 def prefill_ms_per_token(record: ServerRecord) -> float:
     """Gives one block's prefill time per prompt token: as measured on a prefill chunk, else (a server that does not
     announce it) the largest measured decode batch's time per token."""
@@ -94,23 +107,26 @@ def replay_prefill_ms_per_token(record: ServerRecord, tokens: int) -> float:
     return max(start + growth * tokens / 2, MIN_TIME_MS)
 
 
-def server_spec(record: ServerRecord, rtt_ms: float, jobs: JobSizes) -> ServerSpec:
-    """Gives server j of the model: its memory, tau_c and tau_p for the mean job."""
+def server_spec(record: ServerRecord, rtt_ms: float, jobs: JobSizes, *, batching: bool = True) -> ServerSpec:
+    """Gives server j of the model: its memory, tau_c, tau_p and (with `batching`) tau_p_batch for the mean job."""
     tau_p = jobs.prompt_tokens * prefill_ms_per_token(record) + jobs.output_tokens * decode_step_ms(record, 1)
     tau_c = (jobs.output_tokens + 1) * max(rtt_ms, 0.0)
     return ServerSpec(
         name=record.peer_id, memory_gb=record.pages_total * record.page_bytes / GB, tau_c_ms=tau_c,
         tau_p_ms=max(tau_p, MIN_TIME_MS),
+        tau_p_batch_ms=jobs.output_tokens * decode_slope_ms(record) if batching else 0.0,
     )
 
 
 def swarm_model(
     records: Mapping[str, ServerRecord], rtt_ms: Mapping[str, float], jobs: JobSizes, num_blocks: int,
-    *, cache_tokens: int | None = None,
+    *, cache_tokens: int | None = None, batching: bool = True,
 ) -> SwarmModel:
     """Gives the chain-composition model of the servers in `records` (peer ids in sorted order) for `num_blocks`
     blocks and the mean job; a server never measured gets the largest RTT measured (or 0 if none is). s_c is the
-    mean job's KV unless `cache_tokens` fixes the tokens a job is planned to hold (the paper: the maximum length)."""
+    mean job's KV unless `cache_tokens` fixes the tokens a job is planned to hold (the paper: the maximum length).
+    Without `batching`, servers get no batch slope: the paper's model, where a chain runs c jobs at the speed of
+    one."""
     if not records:
         raise ValueError("no servers to model")
     fallback_rtt = max(rtt_ms.values(), default=0.0)
@@ -120,5 +136,6 @@ def swarm_model(
         block_gb=max(block_pages_bytes(record) for record in ordered) / GB,
         cache_gb=max(job_cache_bytes(record, cache_tokens or jobs.total_tokens) for record in ordered) / GB,
     )
-    servers = tuple(server_spec(record, rtt_ms.get(record.peer_id, fallback_rtt), jobs) for record in ordered)
+    servers = tuple(server_spec(record, rtt_ms.get(record.peer_id, fallback_rtt), jobs, batching=batching)
+                    for record in ordered)
     return SwarmModel(model, servers)

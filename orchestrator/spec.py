@@ -6,8 +6,10 @@
  "arrival_rate": 0.2, "rho_bar": 0.7}
 ```
 `block_gb` is one block's parameters, `cache_gb` one block's KV cache for one job; `tau_c_ms` is a job's whole
-communication time with the server and `tau_p_ms` its whole computation time through one block; `arrival_rate`
-is in jobs per second; `rho_bar` (default 0.7) is the target maximum load.
+communication time with the server and `tau_p_ms` its whole computation time through one block (alone on the
+server); the optional `tau_p_batch_ms` (default 0, the paper's model) is how much `tau_p_ms` grows per other job the
+server runs at once, and makes JFFC and the simulator load-dependent; `arrival_rate` is in jobs per second;
+`rho_bar` (default 0.7) is the target maximum load.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class ServerEntry(_Strict):
     memory_gb: float = Field(ge=0, allow_inf_nan=False, description="memory for blocks and caches, GB (M_j)")
     tau_c_ms: float = Field(ge=0, allow_inf_nan=False, description="communication time of one job, ms")
     tau_p_ms: float = Field(gt=0, allow_inf_nan=False, description="computation time of one job per block, ms")
+    tau_p_batch_ms: float = Field(default=0.0, ge=0, allow_inf_nan=False,
+                                  description="growth of tau_p_ms per other job on the server, ms")
 
 
 class SwarmSpec(_Strict):
@@ -66,7 +70,7 @@ class SwarmSpec(_Strict):
     def swarm(self) -> SwarmModel:
         """Gives the swarm model (servers in the spec's order)."""
         model = ModelSpec(self.model.blocks, self.model.block_gb, self.model.cache_gb)
-        servers = tuple(ServerSpec(s.name, s.memory_gb, s.tau_c_ms, s.tau_p_ms) for s in self.servers)
+        servers = tuple(ServerSpec(s.name, s.memory_gb, s.tau_c_ms, s.tau_p_ms, s.tau_p_batch_ms) for s in self.servers)
         return SwarmModel(model, servers)
 
     @property

@@ -28,22 +28,30 @@ def units_that_fit(amount_gb: float, unit_gb: float) -> int:
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """One server: its name, memory and the time it takes per job (whole job, not per token)."""
+    """One server: its name, memory and the time it takes per job (whole job, not per token).
+
+    `tau_p_batch_ms` is how much tau_p grows for each other job the server runs at the same time (its decode steps
+    share batches: a batch of n costs a + b * n per block, so a job's tau_p at n jobs is tau_p + (n - 1) * output
+    tokens * b). The paper's model has none (a chain runs c jobs at the speed of one): 0, the default, is that model.
+    """
 
     name: str
     memory_gb: float
     tau_c_ms: float  # communication time of one job to this server
-    tau_p_ms: float  # computation time of one job through one block
+    tau_p_ms: float  # computation time of one job through one block, alone on the server
+    tau_p_batch_ms: float = 0.0  # growth of tau_p per other job running on the server at once
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a server needs a non-empty name")
-        if not (self.memory_gb >= 0 and self.tau_c_ms >= 0 and self.tau_p_ms > 0):
-            raise ValueError(f"server {self.name!r}: memory_gb >= 0, tau_c_ms >= 0 and tau_p_ms > 0 are required")
+        if not (self.memory_gb >= 0 and self.tau_c_ms >= 0 and self.tau_p_ms > 0 and self.tau_p_batch_ms >= 0):
+            raise ValueError(f"server {self.name!r}: memory_gb >= 0, tau_c_ms >= 0, tau_p_ms > 0 and "
+                             "tau_p_batch_ms >= 0 are required")
 
-    def job_time_ms(self, blocks: int) -> float:
-        """Gives tau_c + tau_p * blocks: the time one job spends here when it runs `blocks` of the model's blocks."""
-        return self.tau_c_ms + self.tau_p_ms * blocks
+    def job_time_ms(self, blocks: int, others: int = 0) -> float:
+        """Gives tau_c + (tau_p + others * tau_p_batch) * blocks: the time one job spends here when it runs `blocks`
+        of the model's blocks beside `others` jobs."""
+        return self.tau_c_ms + (self.tau_p_ms + others * self.tau_p_batch_ms) * blocks
 
 
 @dataclass(frozen=True)

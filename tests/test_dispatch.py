@@ -91,3 +91,64 @@ def test_no_chain_idles_while_jobs_wait(chain_specs: list[tuple[int, int]], even
             if waiting:  # work conservation: nothing free while anyone waits
                 assert jffc.busy(index) == spec.capacity
         assert jffc.queue_length == len(waiting)
+
+
+def test_with_batch_slopes_a_job_joins_the_chain_that_is_fastest_at_its_servers_present_batches() -> None:
+    fast = Chain(("a",), (2,), 5, 100.0)  # a job alone: 100 ms; each job already on `a` adds 2 blocks x 15 ms
+    slow = Chain(("b",), (1,), 5, 150.0)  # no slope: batching does not slow `b` down
+    jffc = JFFC([fast, slow], {"a": 15.0, "b": 0.0})
+    assert [jffc.arrive(job) for job in "xy"] == [0, 0]  # 100, then 130 < 150
+    assert jffc.service_time_ms(0) == pytest.approx(160.0)
+    assert jffc.arrive("z") == 1  # 160 > 150: the idle slow chain is faster now
+    assert jffc.complete(0) is None and jffc.service_time_ms(0) == pytest.approx(130.0)
+    assert jffc.arrive("w") == 0
+    assert JFFC([fast, slow]).service_time_ms(0) == 100.0  # no slopes: the paper's ranking, by the time alone
+
+
+def test_batch_slopes_count_the_jobs_a_server_runs_for_every_chain_through_it() -> None:
+    shared_first = Chain(("a", "b"), (1, 1), 2, 100.0)
+    shared_second = Chain(("a", "c"), (1, 1), 3, 110.0)
+    other = Chain(("d",), (2,), 3, 125.0)
+    jffc = JFFC([shared_first, shared_second, other], {"a": 10.0, "d": 10.0})
+    # 100; 110 (vs 120, 125); the first is full: 130 vs 125; 130 (two on `a`) vs 145 (one on `d`, 2 blocks)
+    assert [jffc.arrive(job) for job in range(4)] == [0, 0, 2, 1]
+    assert jffc.service_time_ms(0) == pytest.approx(130.0) and jffc.service_time_ms(1) == pytest.approx(140.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 5), st.integers(0, 3), st.integers(0, 2)), min_size=1, max_size=6),
+    st.lists(st.integers(0, 99), max_size=120),
+)
+def test_load_aware_jffc_starts_each_job_on_the_free_chain_of_least_loaded_service_time(
+    chain_specs: list[tuple[int, int, int]], events: list[int],
+) -> None:
+    """Chains over three servers with slopes: each start checked against T_k + sum of m x slope x jobs there."""
+    slopes = {"s0": 0.0, "s1": 0.7, "s2": 2.5}
+    chains = [Chain((f"s{server}",), (1,), capacity, float(time)) for time, capacity, server in chain_specs]
+    jffc = JFFC(chains, slopes)
+    running: list[list[int]] = [[] for _ in chains]
+    waiting: list[int] = []
+    for job, event in enumerate(events):
+        busy_chains = [index for index, jobs in enumerate(running) if jobs]
+        if event % 3 and busy_chains:
+            index = busy_chains[event % len(busy_chains)]
+            running[index].pop(0)
+            started = jffc.complete(index)
+            assert started == (waiting.pop(0) if waiting else None)
+            if started is not None:
+                running[index].append(started)
+            continue
+        on_server = {name: sum(len(running[i]) for i, c in enumerate(chains) if c.servers[0] == name)
+                     for name in slopes}
+        free = [index for index, spec in enumerate(chains) if len(running[index]) < spec.capacity]
+        loaded = {i: chains[i].service_time_ms + slopes[chains[i].servers[0]] * on_server[chains[i].servers[0]]
+                  for i in free}
+        target = jffc.arrive(job)
+        if free:
+            best = min(loaded.values())
+            assert target in free and loaded[target] == pytest.approx(best)
+            running[target].append(job)
+        else:
+            assert target is None
+            waiting.append(job)

@@ -58,6 +58,16 @@ def test_records_become_the_policy_model_in_whole_pages_and_per_job_times() -> N
     assert replay_prefill_ms_per_token(long, 2 * LONG_PREFILL_HISTORY_TOKENS) == pytest.approx(0.15)
 
 
+def test_the_decode_growth_by_batch_size_becomes_tau_p_batch_unless_the_model_is_the_papers() -> None:
+    jobs = JobSizes(prompt_tokens=100, output_tokens=28)
+    (a,) = swarm_model({"a": record("a", decode_ms=1.0)}, {"a": 5.0}, jobs, 32).servers
+    assert a.tau_p_batch_ms == pytest.approx(28 * (4.0 - 1.0) / (8 - 1))  # per output token, the step's slope
+    (paper,) = swarm_model({"a": record("a", decode_ms=1.0)}, {"a": 5.0}, jobs, 32, batching=False).servers
+    assert paper.tau_p_batch_ms == 0.0 and paper.tau_p_ms == a.tau_p_ms
+    alone = record("a").model_copy(update={"block_decode_ms": [BatchTiming(batch=1, ms=2.0)]})
+    assert swarm_model({"a": alone}, {}, jobs, 32).servers[0].tau_p_batch_ms == 0.0  # one batch size: no slope
+
+
 def test_roles_go_to_the_servers_of_a_kind_that_keep_most_blocks() -> None:
     target = placement_ranges(Placement({"a": (1, 4), "b": (5, 4), "c": (1, 8)}))
     assert target == {"a": (0, 4), "b": (4, 8), "c": (0, 8)}
@@ -160,6 +170,20 @@ def test_leases_start_at_once_queue_when_full_and_pass_on_release_or_expiry() ->
         assert table.in_use(0) == 1 and not later.done()
         table.release((await third).lease_id, 8.0)
         assert (await later).chain == fast
+
+    asyncio.run(body())
+
+
+def test_leases_rank_chains_by_their_service_time_at_the_batches_their_servers_run() -> None:
+    async def body() -> None:
+        table = LeaseTable(lease_ttl_s=5.0)
+        fast, slow = chain("a", time_ms=10.0, capacity=4), chain("c", time_ms=30.0, capacity=4)
+        table.install([fast, slow], 0.0, {"a": 1.0})  # each session on `a` adds 8 blocks x 1 ms
+        leases = [await table.request(9, 0.0)[1] for _ in range(4)]
+        assert [lease.chain for lease in leases] == [fast, fast, fast, slow]  # 10, 18, 26, then 34 > 30
+        assert table.service_time_ms(0) == pytest.approx(34.0) and table.service_time_ms(1) == pytest.approx(30.0)
+        table.release(leases[0].lease_id, 1.0)
+        assert (await table.request(9, 1.0)[1]).chain == fast
 
     asyncio.run(body())
 

@@ -328,3 +328,56 @@ def test_fig8_rejects_an_unknown_policy_with_a_typed_error(capsys):
     code = swarm_sim(["fig8", "--policies", "petals,nonsense", "--seeds", "1", "--no-plot", "--no-progress"])
     assert code == 2
     assert "swarm-sim fig8: error: unknown policy nonsense" in capsys.readouterr().err
+
+
+def test_shared_service_slows_jobs_by_the_batch_on_their_servers_and_speeds_them_up_as_others_end():
+    """One server, one block, tau_p = 10 ms alone, +10 ms per other job: a job at t = 0, another at t = 5."""
+    from orchestrator.sim.service import SharedService
+
+    swarm = SwarmModel(ModelSpec(1, 1.0, 1.0), (ServerSpec("k", 10.0, 0.0, 10.0, 10.0),))
+    route = Route(("k",), (1,), 10.0)
+    clock = SharedService(swarm)
+    clock.start(0, route, 1.0, 0.0)
+    assert clock.next_end_ms() == pytest.approx(10.0)
+    clock.start(1, route, 1.0, 5.0)  # job 0 is half done; both now take 20 ms each in all
+    assert clock.finish() == (pytest.approx(15.0), 0)
+    assert clock.finish() == (pytest.approx(20.0), 1)  # half done at 15, alone again at 10 ms in all
+    assert clock.next_end_ms() == math.inf
+
+
+def test_without_slopes_shared_service_ends_jobs_when_the_papers_fixed_service_does():
+    from orchestrator.sim.service import FixedService, SharedService
+
+    rng = np.random.default_rng(5)
+    swarm, placement, chains = one_block_chains([1.0, 0.5, 0.25], [3, 3, 3])
+    shared, fixed = SharedService(swarm), FixedService()
+    ends: dict[str, list[tuple[float, int]]] = {"shared": [], "fixed": []}
+    arrivals = np.cumsum(rng.exponential(0.5, size=100))
+    for job, now in enumerate(arrivals):
+        while fixed.next_end_ms() <= now:  # jobs that end before this arrival end first, as in the engine
+            ends["shared"].append(shared.finish())
+            ends["fixed"].append(fixed.finish())
+        route = Route.of_chain(chains[int(rng.integers(3))], 0)
+        size = float(rng.exponential())
+        for clock in (shared, fixed):
+            clock.start(job, route, size, float(now))
+    while fixed.next_end_ms() < math.inf:
+        ends["shared"].append(shared.finish())
+        ends["fixed"].append(fixed.finish())
+    assert [j for _, j in ends["shared"]] == [j for _, j in ends["fixed"]]
+    assert [t for t, _ in ends["shared"]] == pytest.approx([t for t, _ in ends["fixed"]])
+
+
+def test_batched_servers_make_jffc_spread_jobs_and_the_simulator_slow_each_batch_down():
+    """Two one-block servers: `fast` 10 ms alone but +8 ms per job it batches, `slow` 20 ms flat. Five jobs at once."""
+    model = ModelSpec(blocks=1, block_gb=1.0, cache_gb=1.0)
+    batched = SwarmModel(model, (ServerSpec("fast", 6.0, 0.0, 10.0, 8.0), ServerSpec("slow", 6.0, 0.0, 20.0)))
+    placement = Placement({"fast": (1, 1), "slow": (1, 1)})
+    chains = [Chain(("fast",), (1,), 5, 10.0), Chain(("slow",), (1,), 5, 20.0)]
+    workload = Workload(np.zeros(5), np.ones(5), "five at once")
+    aware = simulate(JFFCPolicy(chains, placement, swarm=batched), workload, batched)
+    assert aware.chain_of.tolist() == [0, 0, 1, 1, 1]  # fast at 10, 18, then 26 against slow's flat 20
+    blind = simulate(JFFCPolicy(chains, placement), workload, batched)
+    assert blind.chain_of.tolist() == [0] * 5  # the paper's ranking fills the fast chain
+    assert blind.end_ms.max() == pytest.approx(10.0 + 4 * 8.0)  # five in one batch: 42 ms each
+    assert aware.end_ms.tolist() == pytest.approx([18.0, 18.0, 20.0, 20.0, 20.0])

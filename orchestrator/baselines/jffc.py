@@ -35,7 +35,8 @@ def whole_model_chains(swarm: SwarmModel) -> tuple[Placement, list[Chain]]:
     return Placement(blocks), chains
 
 
-def jffc_only(swarm: SwarmModel) -> JFFCPolicy:
-    """Gives the "JFFC only" baseline: whole-model servers as chains, dispatched by JFFC."""
+def jffc_only(swarm: SwarmModel, *, batch_aware: bool = True) -> JFFCPolicy:
+    """Gives the "JFFC only" baseline: whole-model servers as chains, dispatched by JFFC (ranking by loaded service
+    times where servers have batch slopes, if `batch_aware`)."""
     placement, chains = whole_model_chains(swarm)
-    return JFFCPolicy(chains, placement, name="jffc-only")
+    return JFFCPolicy(chains, placement, name="jffc-only", swarm=swarm if batch_aware else None)

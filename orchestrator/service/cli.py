@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pack the sessions of followers that host the same blocks onto as few of them as the "
                              "policy keeps, moving them live (JFFC's leases follow)")
     parser.add_argument("--packing-epoch", type=float, default=1.0, help="seconds between two packings")
+    parser.add_argument("--batch-aware", action=argparse.BooleanOptionalAction, default=True,
+                        help="JFFC ranks chains by their service time at the batches their servers run now, from "
+                        "the decode times by batch size the servers announce (--no-batch-aware: the paper's ranking "
+                        "by the time of a job alone)")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -84,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         prior_output_tokens=args.prior_output_tokens, rate_window_s=args.rate_window, cache_tokens=args.cache_tokens,
         refresh_period_s=args.refresh_period, announce_period_s=args.announce_period, record_ttl_s=args.record_ttl,
         lease_ttl_s=args.lease_ttl, kv_packing=args.kv_packing, packing_epoch_s=args.packing_epoch,
+        batch_aware=args.batch_aware,
     )
 
 
@@ -139,13 +144,15 @@ def format_state(state: dict[str, Any]) -> str:
         "|---|---|",
         *(f"| {peer} | {start}:{end} |" for peer, (start, end) in state["blocks"].items()),
         "",
-        "| chain | servers (blocks) | capacity | in use | service time ms |",
+        "| chain | servers (blocks) | capacity | in use | service time ms: alone / now |",
         "|---|---|---|---|---|",
     ]
     for index, chain in enumerate(state["chains"]):
         hops = " -> ".join(f"{peer[-8:]}[{start}:{end}]"
                            for peer, (start, end) in zip(chain["servers"], chain["blocks"], strict=True))
-        lines.append(f"| {index} | {hops} | {chain['capacity']} | {chain['in_use']} | {chain['service_time_ms']:.0f} |")
+        now_ms = chain.get("service_time_now_ms", chain["service_time_ms"])
+        lines.append(f"| {index} | {hops} | {chain['capacity']} | {chain['in_use']} | "
+                     f"{chain['service_time_ms']:.0f} / {now_ms:.0f} |")
     return "\n".join(lines)
 
 

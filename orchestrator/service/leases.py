@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import uuid
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from orchestrator.dispatch import JFFC
@@ -104,19 +105,26 @@ class LeaseTable:
         """Gives the sessions chain `chain_index` runs now."""
         return self._jffc.busy(chain_index) if self._jffc is not None else 0
 
+    def service_time_ms(self, chain_index: int) -> float:
+        """Gives the service time a session starting on chain `chain_index` now would see (JFFC's ranking)."""
+        if self._jffc is None:
+            return self.chains[chain_index].service_time_ms
+        return self._jffc.service_time_ms(chain_index)
+
     def pause(self) -> None:
         """Stops starting jobs (blocks are about to move); queued and new requests wait for `install`."""
         if self._jffc is not None:
             self._paused.extend(job for job in self._jffc.queued() if job in self._waiting)
             self._jffc = None
 
-    def install(self, chains: list[LiveChain], now_s: float) -> None:
-        """Dispatches over `chains` from now on: carries over the leases of chains it keeps, then starts or queues
-        the waiting requests in their order."""
+    def install(self, chains: list[LiveChain], now_s: float, batch_slopes: Mapping[str, float] | None = None) -> None:
+        """Dispatches over `chains` from now on (ranked by their service time at their servers' present batches,
+        with `batch_slopes`: see `orchestrator.dispatch`): carries over the leases of chains it keeps, then starts
+        or queues the waiting requests in their order."""
         self.pause()
         self.chains = list(chains)
         self._jffc = JFFC([Chain(tuple(s.peer_id for s in c.spans), tuple(s.end - s.start for s in c.spans),
-                                 c.capacity, c.service_time_ms) for c in chains])
+                                 c.capacity, c.service_time_ms) for c in chains], batch_slopes)
         self._index = {chain.spans: index for index, chain in enumerate(chains)}
         for lease in self._leases.values():
             lease.chain_index = self._index.get(lease.chain.spans)

@@ -31,7 +31,7 @@ from hivemind.utils import get_dht_time
 
 from orchestrator.allocation import gca
 from orchestrator.baselines.jffc import whole_model_chains
-from orchestrator.dispatch_policy import NoFeasiblePlan
+from orchestrator.dispatch_policy import NoFeasiblePlan, batch_slopes
 from orchestrator.live_model import JobSizes, server_spec, swarm_model
 from orchestrator.observed_load import ObservedLoad
 from orchestrator.packing import Migration
@@ -95,6 +95,7 @@ class OrchestratorConfig:
     request_timeout_s: float = 15.0
     block_change_timeout_s: float = 300.0
     kv_packing: str | None = None  # mell, bf, wf or lb: pack the sessions of the followers that host one segment
+    batch_aware: bool = True  # JFFC ranks chains by their service time at the batches their servers run now
     packing_epoch_s: float = 1.0
 
 
@@ -329,7 +330,8 @@ class Orchestrator:
     def _model(self, followers: dict[str, ServerRecord], now_s: float) -> SwarmModel:
         rtt = {peer: value for peer, (value, _) in self.rtt_ms.items()}
         jobs, cache_tokens = self.load.jobs(now_s), self.config.cache_tokens
-        return swarm_model(followers, rtt, jobs, self.num_blocks, cache_tokens=cache_tokens)
+        return swarm_model(followers, rtt, jobs, self.num_blocks, cache_tokens=cache_tokens,
+                           batching=self.config.batch_aware)
 
     def _compose(self, model: SwarmModel, rate_per_s: float) -> TunedPlan | None:
         """Gives the tuned plan for `rate_per_s`; when no c keeps the swarm stable at that rate, the plan of most
@@ -386,7 +388,7 @@ class Orchestrator:
             if method in TUNING:
                 method += f", c by {TUNING[method]}"
             self.plan = LivePlan(tuned.c, method, ranges, chains, lower_ms, upper_ms, rate_per_s, frozenset(followers))
-            self.leases.install(list(chains), time.monotonic())
+            self.leases.install(list(chains), time.monotonic(), batch_slopes(model))
         log.info("plan installed: c=%d, %d chain(s), capacities %s", tuned.c, len(chains),
                  [chain.capacity for chain in chains])
 
@@ -529,6 +531,11 @@ class Orchestrator:
         self.load.end(now_s, prompt_tokens=lease.prompt_tokens, output_tokens=tokens - lease.prompt_tokens)
         return {}
 
+    def _server_view(self, record: ServerRecord, jobs: JobSizes) -> dict[str, float | None]:
+        spec = server_spec(record, self.rtt_ms.get(record.peer_id, (0.0, 0))[0], jobs)
+        return {"rtt_ms": self.rtt_ms.get(record.peer_id, (None, 0))[0], "tau_p_ms": spec.tau_p_ms,
+                "tau_p_batch_ms": spec.tau_p_batch_ms}
+
     async def _plan(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         """Gives the live state: c, method, blocks, chains, arrival rate, queue, sessions dispatched, bounds."""
         return self.state()
@@ -543,7 +550,7 @@ class Orchestrator:
         chains = [] if plan is None else [
             {"servers": [span.peer_id for span in chain.spans], "blocks": [[s.start, s.end] for s in chain.spans],
              "capacity": chain.capacity, "in_use": self.leases.in_use(index),
-             "service_time_ms": chain.service_time_ms}
+             "service_time_ms": chain.service_time_ms, "service_time_now_ms": self.leases.service_time_ms(index)}
             for index, chain in enumerate(plan.chains)
         ]
         jobs = self.load.jobs(now_s)
@@ -557,7 +564,5 @@ class Orchestrator:
                        "upper_ms": None if plan is None else finite(plan.upper_ms)},
             "jobs": {"prompt_tokens": jobs.prompt_tokens, "output_tokens": jobs.output_tokens},
             "packing": {f"{start}:{end}": loop.to_wire() for (start, end), loop in sorted(self.packings.items())},
-            "servers": {peer: {"rtt_ms": self.rtt_ms.get(peer, (None, 0))[0],
-                               "tau_p_ms": server_spec(record, self.rtt_ms.get(peer, (0.0, 0))[0], jobs).tau_p_ms}
-                        for peer, record in sorted(self.followers.items())},
+            "servers": {peer: self._server_view(record, jobs) for peer, record in sorted(self.followers.items())},
         }

@@ -1,6 +1,7 @@
 """The discrete-event engine: drives a `DispatchPolicy` through a workload and times every job.
 
-Events are arrivals (from the workload, in order), completions (a heap keyed by time, then by start order) and the
+Events are arrivals (from the workload, in order), completions (from the service clock, `orchestrator.sim.service`:
+the paper's fixed service times, or times its servers' batches stretch; ties in start order) and the
 wake-ups a `Waking` policy asks for, so a run is a pure function of the policy, the workload and the seed that made
 them. At equal times completions go first (a job that ends at t frees its slots for a job arriving at t), then
 wake-ups, then arrivals. The engine checks every start: the job has
@@ -11,7 +12,6 @@ and no fixed chain runs more jobs than its capacity.
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
@@ -27,6 +27,7 @@ from orchestrator.dispatch_policy import (
     server_slots,
 )
 from orchestrator.sim.metrics import RunResult
+from orchestrator.sim.service import service_clock
 from orchestrator.sim.workload import Workload
 from orchestrator.swarm_model import SwarmModel
 
@@ -62,11 +63,9 @@ def simulate(policy: DispatchPolicy, workload: Workload, swarm: SwarmModel, *, w
     slot_ms = dict.fromkeys(slots, 0.0)
     routes: dict[int, Route] = {}
     checked_routes: set[Route] = set()
-    completions: list[tuple[float, int, int]] = []
-    order = 0
+    clock = service_clock(swarm)
 
     def begin(started: list[Start], now: float) -> None:
-        nonlocal order
         for item in started:
             job, route = item.job, item.route
             if not 0 <= job < jobs or job in routes or not np.isnan(start[job]) or arrivals[job] > now:
@@ -75,25 +74,25 @@ def simulate(policy: DispatchPolicy, workload: Workload, swarm: SwarmModel, *, w
             _take(ledger, route, policy)
             routes[job] = route
             start[job] = now
-            end[job] = now + sizes[job] * route.service_time_ms
             chain_of[job] = -1 if route.chain is None else route.chain
-            for name, count in zip(route.servers, route.blocks_per_server, strict=True):
-                slot_ms[name] += count * (end[job] - now)
-            heapq.heappush(completions, (float(end[job]), order, job))
-            order += 1
+            clock.start(job, route, float(sizes[job]), now)
 
     waking = policy if isinstance(policy, Waking) else None
     next_arrival = 0
     while True:
         arrival = float(arrivals[next_arrival]) if next_arrival < jobs else math.inf
-        completion = completions[0][0] if completions else math.inf
+        completion = clock.next_end_ms()
         wake = waking.next_wake_ms() if waking is not None else None
         wake = math.inf if wake is None else wake
         if min(arrival, completion, wake) == math.inf:
             break
         if completion <= min(arrival, wake):
-            now, _, job = heapq.heappop(completions)
-            _release(ledger, routes.pop(job))
+            now, job = clock.finish()
+            end[job] = now
+            route = routes.pop(job)
+            for name, count in zip(route.servers, route.blocks_per_server, strict=True):
+                slot_ms[name] += count * (now - start[job])
+            _release(ledger, route)
             begin(policy.complete(job, now), now)
         elif wake <= arrival:
             assert waking is not None

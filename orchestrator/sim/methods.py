@@ -80,13 +80,17 @@ def build_policy(
     seed: int,
     *,
     capacity: int | None = None,
+    batch_aware: bool = True,
 ) -> DispatchPolicy:
-    """Gives a fresh policy `name` for one run; raises NoFeasiblePlan when it cannot serve this swarm."""
+    """Gives a fresh policy `name` for one run; raises NoFeasiblePlan when it cannot serve this swarm. JFFC ranks
+    chains by their loaded service time where servers have batch slopes, unless not `batch_aware` (the paper's
+    ranking; the simulator still slows batched jobs down)."""
     rng = np.random.default_rng([seed, POLICY_STREAM])
+    ranking = swarm if batch_aware else None
     if name in PROPOSED or name in LOAD_BALANCERS:
         plan = compose(swarm, arrival_rate_per_ms, rho_bar, capacity, name if name in PROPOSED else "proposed")
         if name in (*PROPOSED, "jffc"):
-            return JFFCPolicy(plan.chains, plan.placement, name=name)
+            return JFFCPolicy(plan.chains, plan.placement, name=name, swarm=ranking)
         return DedicatedQueues(plan.chains, plan.placement, name, rng)
     if name == "petals":
         return petals(swarm, rng)
@@ -99,5 +103,5 @@ def build_policy(
     if name == "helix":
         return helix(swarm)
     if name == "jffc-only":
-        return jffc_only(swarm)
+        return jffc_only(swarm, batch_aware=batch_aware)
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

@@ -42,10 +42,12 @@ def run_policy(
     *,
     warmup_jobs: int,
     capacity: int | None = None,
+    batch_aware: bool = True,
 ) -> RunResult | NoFeasiblePlan:
     """Gives one run of policy `name`, or the NoFeasiblePlan it raised (a result too: the policy cannot serve)."""
     try:
-        policy = build_policy(name, swarm, arrival_rate_per_ms, rho_bar, seed, capacity=capacity)
+        policy = build_policy(name, swarm, arrival_rate_per_ms, rho_bar, seed, capacity=capacity,
+                              batch_aware=batch_aware)
     except NoFeasiblePlan as error:
         return error
     return simulate(policy, workload, swarm, warmup_jobs=warmup_jobs)
