@@ -29,9 +29,13 @@ Methods, same trace, seed and topology:
 - PETALS: servers choose their blocks (`--num-blocks`: 24 fast, 12 slow, the paper's footnote), clients route
   min-latency over DHT records;
 - jffc-only: `swarm-orchestrator --variant jffc-only` (the whole model on every server that fits it, JFFC).
-Next to each: the paper's numbers and what `swarm-sim` predicts for the same swarm model and trace.
+Next to each: the paper's numbers and what `swarm-sim` predicts for the same swarm model and trace, twice: with
+the batching engine's service (`orchestrator.sim.service.SharedService`: every job running on a server slows the
+others there by its decode rows and its prompt's chunks, `world_slopes`; the policies see what the live
+orchestrator sees) and with the paper's fixed service times.
 
     sudo .venv/bin/python benchmarks/table1.py [--requests 200] [--rate 2.57] [--methods proposed,petals,jffc-only]
+    .venv/bin/python benchmarks/table1.py --measured WORKDIR  # the table again from an earlier run's results
 
 Targets: proposed <= 0.2x PETALS' mean response and P99 <= 0.25x; the simulator within 15% of the measured mean for
 each method. Never asserts. Needs root (network namespaces).
@@ -45,6 +49,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -61,10 +66,13 @@ from benchmarks.table1_client import trace_requests as client_trace_requests
 from netem import ripe
 from netem.network import EmulatedNetwork
 from netem.topology import Topology
+from orchestrator.baselines.petals import PetalsRetry, PetalsRouting
 from orchestrator.live_model import JobSizes
+from orchestrator.sim.engine import simulate as run
+from orchestrator.sim.metrics import RunResult
 from orchestrator.sim.runner import run_policy
 from orchestrator.sim.workload import Workload
-from orchestrator.swarm_model import ModelSpec, ServerSpec, SwarmModel
+from orchestrator.swarm_model import ModelSpec, Placement, ServerSpec, SwarmModel
 from server.emulated_gpu import PROFILES
 from swarm.local_swarm import SwarmProcesses
 from swarm.memory import kv_pages_for
@@ -81,8 +89,9 @@ PAGE_BYTES = 64 << 10
 KV_BYTES_PER_TOKEN = 2 * 2 * 16 * 4  # the tiny model: 2 KV heads x 16, keys and values, float32
 MAX_SEQUENCE = 2048  # the paper reserves KV for this many tokens per job (static allocation, as Petals does)
 REFERENCE_BLOCK_GB, REFERENCE_KV_GB_PER_TOKEN = 0.404, 2 * 32 * 128 * 2 / 1e9  # LLaMA-2-7B, fp16
-# swarm-sim's policy for each method: PETALS as the live clients wait (back off and route again, not queued on a path)
-SIM_POLICY = {"petals": "petals-retry"}
+# swarm-sim's policy for each method: PETALS as the live clients wait (back off and route again, not queued on a path);
+# "petals-paper" is the paper's PETALS (it waits on its path holding slots), printed for comparison
+SIM_POLICY = {"petals": "petals-retry", "proposed-paper": "proposed", "petals-paper": "petals"}
 PETALS_CACHE_JOBS = 2  # Petals' attention cache: 2 sessions of the maximum length (as swarm-sim's PETALS)
 # Every server reserves KV for a session's whole max_length as it opens (a headroom of --max-length tokens: a
 # session's expected pages are those of min(max_length, position + 8192)), as the paper's and Petals' servers do.
@@ -205,13 +214,21 @@ def run_method(method: str, args: argparse.Namespace, topology: Topology, model:
     servers_path = workdir / "servers.json"
     if servers_path.is_file():
         note += "; " + server_summary(json.loads(servers_path.read_text()), args.dilation)
+    (workdir / "note.txt").write_text(note)
+    return read_measured(method, workdir, len(requests), args.dilation)
+
+
+def read_measured(method: str, workdir: Path, requested: int, dilation: float) -> Measured:
+    """Gives what one method's replay measured, from the files its run left in `workdir`."""
+    out, note_path = workdir / "results.jsonl", workdir / "note.txt"
     records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     done = [r for r in records if "ended_s" in r]
-    scale = 1 / args.dilation  # back to emulated seconds
+    scale = 1 / dilation  # back to emulated seconds
     return Measured(
         method, [(r["ended_s"] - r["arrival_s"]) * scale for r in done],
         [(r["started_s"] - r["arrival_s"]) * scale for r in done],
-        [(r["ended_s"] - r["started_s"]) * scale for r in done], len(requests) - len(done), note,
+        [(r["ended_s"] - r["started_s"]) * scale for r in done], requested - len(done),
+        note_path.read_text() if note_path.is_file() else "",
     )
 
 
@@ -249,11 +266,11 @@ def profile_file(host: str, workdir: Path, dilation: float, *, petals: bool) -> 
     return path
 
 
-def sim_model(topology: Topology, jobs: JobSizes, *, petals: bool = False, batching: bool = True) -> SwarmModel:
+def sim_model(topology: Topology, jobs: JobSizes, *, petals: bool = False) -> SwarmModel:
     """Gives the chain-composition model the live orchestrator builds for these emulated servers (see
     `orchestrator.live_model`, s_c at the maximum length, tau_p_batch from the decode times by batch size the
     servers announce), with the client's RTTs from the topology; with `petals`, each server's memory is what a
-    PETALS server uses. Without `batching`: the paper's model (no tau_p_batch, fixed service times)."""
+    PETALS server uses."""
     block_pages = -(-PROFILES["a100-3g.40gb"].block_bytes(KV_BYTES_PER_TOKEN) // PAGE_BYTES)
     job_pages = kv_pages_for(MAX_SEQUENCE, PAGE_BYTES // KV_BYTES_PER_TOKEN)
     servers = []
@@ -264,33 +281,76 @@ def sim_model(topology: Topology, jobs: JobSizes, *, petals: bool = False, batch
         tau_p = jobs.prompt_tokens * profile.prefill_ms_per_token + jobs.output_tokens * profile.decode_ms(1)
         tau_c = (jobs.output_tokens + 1) * topology.rtt("client", host)
         slope = (profile.decode_ms(32) - profile.decode_ms(1)) / 31  # `live_model.decode_slope_ms` of its record
-        tau_p_batch = jobs.output_tokens * slope if batching else 0.0
-        servers.append(ServerSpec(host, pages * PAGE_BYTES / 1e9, tau_c, tau_p, tau_p_batch))
+        servers.append(ServerSpec(host, pages * PAGE_BYTES / 1e9, tau_c, tau_p, jobs.output_tokens * slope))
     return SwarmModel(ModelSpec(NUM_BLOCKS, block_pages * PAGE_BYTES / 1e9, job_pages * PAGE_BYTES / 1e9),
                       tuple(servers))
+
+
+def world_slopes(jobs: JobSizes) -> dict[str, float]:
+    """Gives, per server, how much one more job running beside it slows a job's time per block in the simulated
+    world: its decode rows in every batch (output tokens x the profile's cost of a row at the mean history) and its
+    prompt, whose chunks ride in the batches of every session decoding there (prompt tokens x prefill time per
+    token). The live orchestrator's model ranks chains by the first only (see `orchestrator.dispatch`)."""
+    history = jobs.prompt_tokens + jobs.output_tokens / 2
+    slopes = {}
+    for host in SERVERS:
+        profile = PROFILES[PROFILE_OF[host]]
+        row_ms = profile.decode_ms(2, history) - profile.decode_ms(1, history)
+        slopes[host] = jobs.output_tokens * row_ms + jobs.prompt_tokens * profile.prefill_ms_per_token
+    return slopes
 
 
 def sim_workload(requests: list[dict], topology: Topology) -> Workload:
     """Gives the replayed requests as swarm-sim's workload, in emulated time: their arrivals, and sizes (mean 1) in
     proportion to each job's time on a fast server at the mean client RTT (its prompt's prefill, then a decode step
-    and a round trip per output token), the per-job times `sim_model` builds the chains' service times from."""
+    and a round trip per output token), the per-job times `sim_model` builds the chains' service times from; and
+    the KV each holds, as the servers admit it: the pages of its own length (the client opens a session of prompt +
+    output tokens) over those of the maximum length that s_c plans for."""
     profile = PROFILES["a100-3g.40gb"]
     rtt_ms = statistics.mean(topology.rtt("client", host) for host in SERVERS)
     work = np.array([NUM_BLOCKS * (r["prompt_tokens"] * profile.prefill_ms_per_token + r["output_tokens"]
                                    * profile.decode_ms(1)) + (r["output_tokens"] + 1) * rtt_ms for r in requests])
+    tokens_per_page = PAGE_BYTES // KV_BYTES_PER_TOKEN
+    units = np.array([kv_pages_for(r["prompt_tokens"] + r["output_tokens"], tokens_per_page) for r in requests])
     arrivals = np.array([r["at_s"] * 1000 for r in requests])
-    return Workload(arrivals - arrivals[0], work / work.mean(), f"{len(requests)} replayed requests")
+    return Workload(arrivals - arrivals[0], work / work.mean(), f"{len(requests)} replayed requests",
+                    units / kv_pages_for(MAX_SEQUENCE, tokens_per_page))
 
 
-def simulate(method: str, model: SwarmModel, workload: Workload, seed: int) -> float:
-    """Gives swarm-sim's mean response (s) for `method` on the replayed requests (batched service: a server's jobs
-    slow each other down by its tau_p_batch)."""
+def simulate(method: str, view: SwarmModel, workload: Workload, seed: int, world: dict[str, float] | None,
+             petals_blocks: Placement | None = None) -> float:
+    """Gives swarm-sim's mean response (s) for `method` on the replayed requests. The policies see `view` (the live
+    orchestrator's model; proposed-paper ranks without its slopes); jobs run in `view` with the batch slopes of
+    `world` (None: the paper's fixed service times, and no slopes anywhere). PETALS runs on `petals_blocks`, the
+    blocks its live servers chose, when known (else on the placement swarm-sim's PETALS would choose)."""
     rate_per_ms = (len(workload.arrivals_ms) - 1) / float(workload.arrivals_ms[-1])
-    policy, batch_aware = ("proposed", False) if method == "proposed-paper" else (method, True)
-    result = run_policy(policy, model, workload, rate_per_ms, 0.7, seed, warmup_jobs=0, batch_aware=batch_aware)
+    policy = SIM_POLICY.get(method, method)
+    ranking = view if world is not None and method != "proposed-paper" else view.with_batch_slopes({})
+    swarm = view.with_batch_slopes(world or {})
+    if policy in ("petals", "petals-retry") and petals_blocks is not None:
+        routing = PetalsRetry if policy == "petals-retry" else PetalsRouting
+        result: RunResult | Exception = run(routing(swarm, petals_blocks, job_units=workload.units), workload, swarm)
+    else:
+        result = run_policy(policy, swarm, workload, rate_per_ms, 0.7, seed, warmup_jobs=0, ranking=ranking)
     if isinstance(result, Exception):
         return math.nan
     return float(np.mean(result.end_ms - result.arrivals_ms)) / 1000
+
+
+def live_petals_blocks(workdir: Path) -> Placement | None:
+    """Gives the blocks each PETALS server of a run served last (from its log's `blocks S:E -> S2:E2` lines), as a
+    placement (1-based starts), or None when a log is missing."""
+    blocks: dict[str, tuple[int, int]] = {}
+    for host in SERVERS:
+        log = workdir / f"{host}.log"
+        if not log.is_file():
+            return None
+        changes = re.findall(r"blocks \d+:\d+ -> (\d+):(\d+)", log.read_text())
+        if not changes:
+            return None
+        start, end = map(int, changes[-1])
+        blocks[host] = (start + 1, end - start)
+    return Placement(blocks)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,9 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one method's replay may take")
     parser.add_argument("--dilation", type=float, default=4.0, help="time dilation factor (see above)")
     parser.add_argument("--workdir", type=Path)
+    parser.add_argument("--measured", type=Path,
+                        help="no live runs: read each method's results from this workdir of an earlier run with the "
+                        "same arguments, and print the table with the simulator as it is now")
     args = parser.parse_args(argv)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="table1-"))
-    model = write_model(workdir / "tiny-llama-32")
+    workdir = args.measured or args.workdir or Path(tempfile.mkdtemp(prefix="table1-"))
+    model = workdir / "tiny-llama-32" if args.measured else write_model(workdir / "tiny-llama-32")
     topology = ripe.from_ripe_atlas(len(HOSTS), seed=args.seed, hosts=list(HOSTS))
     requests = trace_requests(args.requests, args.rate / args.dilation, args.output_scale)
     dilated = topology.scaled(args.dilation)
@@ -321,18 +384,21 @@ def main(argv: list[str] | None = None) -> int:
           f"time dilation {args.dilation:g} (times below are in emulated seconds)")
     model_spec, petals_spec = sim_model(topology, jobs), sim_model(topology, jobs, petals=True)
     workload = sim_workload(trace_requests(args.requests, args.rate, args.output_scale), topology)
+    world = world_slopes(jobs)
     measured: dict[str, Measured] = {}
     for method in args.methods.split(","):
-        measured[method] = run_method(method, args, dilated, model, requests, workdir / method)
-    fixed_spec, fixed_petals = sim_model(topology, jobs, batching=False), sim_model(topology, jobs, petals=True,
-                                                                                      batching=False)
+        if args.measured:
+            measured[method] = read_measured(method, args.measured / method, len(requests), args.dilation)
+        else:
+            measured[method] = run_method(method, args, dilated, model, requests, workdir / method)
+    petals_blocks = live_petals_blocks(workdir / "petals")
     print("\n| method | response mean / median / P95 / P99 s | waiting mean / P95 s | service mean s | errors | "
           "paper response mean / P99 s | swarm-sim mean s | sim / measured | swarm-sim, paper's fixed service s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for method, row in measured.items():
-        spec, fixed = (petals_spec, fixed_petals) if method == "petals" else (model_spec, fixed_spec)
-        sim_mean = simulate(SIM_POLICY.get(method, method), spec, workload, args.seed)
-        fixed_mean = simulate(SIM_POLICY.get(method, method), fixed, workload, args.seed)
+        spec = petals_spec if method == "petals" else model_spec
+        sim_mean = simulate(method, spec, workload, args.seed, world, petals_blocks)
+        fixed_mean = simulate(method, spec, workload, args.seed, None, petals_blocks)
         mean = statistics.mean(row.response_s) if row.response_s else math.nan
         paper = PAPER.get(method)
         response = row.response_s
@@ -345,8 +411,9 @@ def main(argv: list[str] | None = None) -> int:
         if row.note:
             print(f"{method}: {row.note}")
     if "petals" in measured:
+        held = simulate("petals-paper", petals_spec, workload, args.seed, world, petals_blocks)
         print(f"swarm-sim's petals-retry models the live clients; its paper PETALS, where a request waits on its path "
-              f"holding the slots it got, predicts {simulate('petals', petals_spec, workload, args.seed):.2f} s")
+              f"holding the slots it got, predicts {held:.2f} s")
     if "proposed" in measured and "petals" in measured:
         proposed, petals = measured["proposed"], measured["petals"]
         mean_ratio = statistics.mean(proposed.response_s) / statistics.mean(petals.response_s)

@@ -9,7 +9,8 @@ rates are in jobs per ms; callers convert a per-second arrival rate with `per_ms
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 # rounding slack before a floor, so exact quotients (26 / 13, 0.33 / 0.11) do not come out one short
@@ -87,6 +88,11 @@ class SwarmModel:
     def server(self, name: str) -> ServerSpec:
         """Gives the server called `name` (KeyError if there is none)."""
         return self._by_name[name]
+
+    def with_batch_slopes(self, slopes_ms: Mapping[str, float]) -> SwarmModel:
+        """Gives this swarm with each server's tau_p_batch set from `slopes_ms` (0 for servers it leaves out)."""
+        return SwarmModel(self.model, tuple(replace(server, tau_p_batch_ms=slopes_ms.get(server.name, 0.0))
+                                            for server in self.servers))
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,21 @@ def test_petals_retry_backs_off_and_takes_freed_slots_only_when_it_asks_again():
     assert policy.waiting == 0
 
 
+def test_petals_servers_admit_each_job_by_its_own_kv_and_the_engine_counts_the_same():
+    """A server of 2 slots (jobs of s_c): jobs of half and a quarter of s_c share it, one of a whole s_c waits."""
+    swarm = SwarmModel(ModelSpec(1, 1.0, 1.0), (ServerSpec("one", 3.0, 0.0, 1000.0),))
+    workload = Workload(np.zeros(4), np.ones(4), "four at once", np.array([0.5, 1.0, 0.25, 1.0]))
+    policy = PetalsRetry(swarm, Placement({"one": (1, 1)}), job_units=workload.units)
+    result = simulate(policy, workload, swarm)
+    # 0.5 + 1.0 + 0.25 fit at once; the last whole job finds 0.25 free and backs off until job 0 and 2 ended
+    assert result.start_ms.tolist() == [0.0, 0.0, 0.0, 1500.0]
+    whole = Workload(np.zeros(4), np.ones(4), "four at once")  # the paper's reservation: two at a time
+    result = simulate(PetalsRetry(swarm, Placement({"one": (1, 1)})), whole, swarm)
+    assert result.start_ms.tolist() == [0.0, 0.0, 1500.0, 1500.0]
+    with pytest.raises(ValueError, match="cache_units"):
+        Workload(np.zeros(2), np.ones(2), "too big", np.array([0.5, 1.5]))
+
+
 def test_cgbp_fills_under_served_blocks_before_balancing():
     model = ModelSpec(6, 1.0, 0.5)
     servers = tuple(ServerSpec(f"s{i}", 5.0, 1.0, 10.0 + i) for i in range(4))  # m_j = floor(5 / 2) = 2 at R = 2

@@ -349,7 +349,7 @@ def test_without_slopes_shared_service_ends_jobs_when_the_papers_fixed_service_d
     from orchestrator.sim.service import FixedService, SharedService
 
     rng = np.random.default_rng(5)
-    swarm, placement, chains = one_block_chains([1.0, 0.5, 0.25], [3, 3, 3])
+    swarm, _, chains = one_block_chains([1.0, 0.5, 0.25], [3, 3, 3])
     shared, fixed = SharedService(swarm), FixedService()
     ends: dict[str, list[tuple[float, int]]] = {"shared": [], "fixed": []}
     arrivals = np.cumsum(rng.exponential(0.5, size=100))
@@ -381,3 +381,11 @@ def test_batched_servers_make_jffc_spread_jobs_and_the_simulator_slow_each_batch
     assert blind.chain_of.tolist() == [0] * 5  # the paper's ranking fills the fast chain
     assert blind.end_ms.max() == pytest.approx(10.0 + 4 * 8.0)  # five in one batch: 42 ms each
     assert aware.end_ms.tolist() == pytest.approx([18.0, 18.0, 20.0, 20.0, 20.0])
+    # swarm-sim's jffc-only: the policy ranks by the swarm it is given to see, the jobs run in the simulated one
+    from orchestrator.sim.runner import run_policy
+
+    seen = run_policy("jffc-only", batched, workload, 0.1, 0.7, 0, warmup_jobs=0)
+    assert seen.chain_of.tolist() == [0, 0, 1, 1, 1]
+    blind_run = run_policy("jffc-only", batched, workload, 0.1, 0.7, 0, warmup_jobs=0,
+                           ranking=batched.with_batch_slopes({}))
+    assert blind_run.chain_of.tolist() == [0] * 5 and blind_run.end_ms.max() == pytest.approx(42.0)

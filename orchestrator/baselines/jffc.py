@@ -35,8 +35,8 @@ def whole_model_chains(swarm: SwarmModel) -> tuple[Placement, list[Chain]]:
     return Placement(blocks), chains
 
 
-def jffc_only(swarm: SwarmModel, *, batch_aware: bool = True) -> JFFCPolicy:
+def jffc_only(swarm: SwarmModel, *, ranking: SwarmModel | None = None) -> JFFCPolicy:
     """Gives the "JFFC only" baseline: whole-model servers as chains, dispatched by JFFC (ranking by loaded service
-    times where servers have batch slopes, if `batch_aware`)."""
+    times with the batch slopes of `ranking`, default `swarm`)."""
     placement, chains = whole_model_chains(swarm)
-    return JFFCPolicy(chains, placement, name="jffc-only", swarm=swarm if batch_aware else None)
+    return JFFCPolicy(chains, placement, name="jffc-only", swarm=ranking or swarm)

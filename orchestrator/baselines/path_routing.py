@@ -21,6 +21,7 @@ from orchestrator.dispatch_policy import NoFeasiblePlan, Route, Start, path_serv
 from orchestrator.swarm_model import Placement, SwarmModel
 
 # cost of entering server j processing `count` blocks there; math.inf forbids the link
+SLOT_SLACK = 1e-9  # shares of s_c summed in another order may miss a whole slot in the last bits
 LinkCost = Callable[[str, int], float]
 
 
@@ -95,18 +96,25 @@ class PathPolicy:
 
     name = "path"
 
-    def __init__(self, swarm: SwarmModel, placement: Placement) -> None:
+    def __init__(self, swarm: SwarmModel, placement: Placement, job_units: Callable[[int], float] | None = None
+                 ) -> None:
         self.swarm = swarm
         self.placement = placement
         self.chains: tuple = ()
         self.graph = PlacementGraph(swarm, placement)
         self.slots_total = server_slots(swarm, placement)
-        self.slots_free = dict(self.slots_total)
+        self.slots_free: dict[str, float] = dict(self.slots_total)
+        # a job's KV per block as a share of s_c (`Workload.units`); default: every job holds s_c
+        self.job_units: Callable[[int], float] = job_units or (lambda job: 1.0)
         self._waiting: list[_Waiting] = []
         self._running: dict[int, Route] = {}
         probe = self.graph.shortest_path(self.base_cost)
         if probe is None:
             raise NoFeasiblePlan("the placement leaves no path through blocks 1..L with enough cache slots")
+
+    def holds(self, job: int, count: int) -> float:
+        """Gives the slots `job` holds on a server where it runs `count` blocks."""
+        return count * self.job_units(job)
 
     def base_cost(self, name: str, count: int) -> float:
         """Gives the link cost with no load: tau_c[j] + tau_p[j] * m_ij, or inf where j can never hold the job."""
@@ -141,7 +149,7 @@ class PathPolicy:
         """Gives `job`'s slots back to its servers."""
         route = self._running.pop(job)
         for name, count in zip(route.servers, route.blocks_per_server, strict=True):
-            self.slots_free[name] += count
+            self.slots_free[name] += self.holds(job, count)
         self.finished(job, route, now_ms)
 
     def _begin(self, job: int, route: Route, now_ms: float) -> Start:
@@ -158,11 +166,12 @@ class PathPolicy:
         for waiting in self._waiting:
             route = waiting.route
             while waiting.held < len(route.servers):
-                name, count = route.servers[waiting.held], route.blocks_per_server[waiting.held]
-                if name in queued_at or self.slots_free[name] < count:
+                name = route.servers[waiting.held]
+                need = self.holds(waiting.job, route.blocks_per_server[waiting.held])
+                if name in queued_at or self.slots_free[name] < need - SLOT_SLACK:
                     queued_at.add(name)
                     break
-                self.slots_free[name] -= count
+                self.slots_free[name] -= need
                 waiting.held += 1
             if waiting.held < len(route.servers):
                 still_waiting.append(waiting)

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 
 import numpy as np
 
-from orchestrator.baselines.path_routing import PathPolicy
+from orchestrator.baselines.path_routing import SLOT_SLACK, PathPolicy
 from orchestrator.dispatch_policy import NoFeasiblePlan, Route, Start
 from orchestrator.placement import blocks_for_capacity
 from orchestrator.swarm_model import Placement, SwarmModel
@@ -95,10 +96,11 @@ class PetalsRouting(PathPolicy):
         placement: Placement,
         penalty_ms: float = PETALS_ALLOC_PENALTY_MS,
         overhead_ms: float = PETALS_OVERHEAD_MS,
+        job_units: Callable[[int], float] | None = None,
     ) -> None:
         self.penalty_ms = penalty_ms
         self.overhead_ms = overhead_ms
-        super().__init__(swarm, placement)
+        super().__init__(swarm, placement, job_units)
 
     def estimate_ms(self, name: str, count: int) -> float:
         """Gives Petals' estimated latency of entering `name` for `count` blocks, before any cache penalty."""
@@ -110,7 +112,7 @@ class PetalsRouting(PathPolicy):
     def choose(self, job: int, now_ms: float) -> Route:
         def cost(name: str, count: int) -> float:
             base = self.estimate_ms(name, count)
-            return base + (self.penalty_ms if self.slots_free[name] < count else 0.0)
+            return base + (self.penalty_ms if self.slots_free[name] < self.holds(job, count) - SLOT_SLACK else 0.0)
 
         found = self.graph.shortest_path(cost)
         assert found is not None  # the constructor checked that a path exists
@@ -125,11 +127,11 @@ class PetalsRetry(PetalsRouting):
 
     def __init__(
         self, swarm: SwarmModel, placement: Placement, backoff_ms: float = RETRY_BACKOFF_MS,
-        max_backoff_ms: float = RETRY_MAX_BACKOFF_MS,
+        max_backoff_ms: float = RETRY_MAX_BACKOFF_MS, job_units: Callable[[int], float] | None = None,
     ) -> None:
         if not 0 < backoff_ms <= max_backoff_ms:
             raise ValueError(f"backoff must satisfy 0 < first ({backoff_ms}) <= max ({max_backoff_ms})")
-        super().__init__(swarm, placement)
+        super().__init__(swarm, placement, job_units=job_units)
         self.backoff_ms, self.max_backoff_ms = backoff_ms, max_backoff_ms
         self._retries: list[tuple[float, int, int]] = []  # (when, job, attempts so far)
 
@@ -156,22 +158,25 @@ class PetalsRetry(PetalsRouting):
 
     def _attempt(self, job: int, attempts: int, now_ms: float) -> list[Start]:
         route = self.choose(job, now_ms)
-        if any(self.slots_free[name] < count for name, count in zip(route.servers, route.blocks_per_server,
-                                                                       strict=True)):
+        if any(self.slots_free[name] < self.holds(job, count) - SLOT_SLACK
+               for name, count in zip(route.servers, route.blocks_per_server, strict=True)):
             delay_ms = min(self.max_backoff_ms, self.backoff_ms * 2**attempts)
             heapq.heappush(self._retries, (now_ms + delay_ms, job, attempts + 1))
             return []
         for name, count in zip(route.servers, route.blocks_per_server, strict=True):
-            self.slots_free[name] -= count
+            self.slots_free[name] -= self.holds(job, count)
         return [self._begin(job, route, now_ms)]
 
 
-def petals(swarm: SwarmModel, rng: np.random.Generator) -> PetalsRouting:
-    """Gives the PETALS baseline: random join order placement and min-latency routing."""
-    return PetalsRouting(swarm, petals_placement(swarm, rng))
+def petals(swarm: SwarmModel, rng: np.random.Generator, job_units: Callable[[int], float] | None = None
+           ) -> PetalsRouting:
+    """Gives the PETALS baseline: random join order placement and min-latency routing (servers admit each job by
+    its `job_units` of KV when given, else by s_c)."""
+    return PetalsRouting(swarm, petals_placement(swarm, rng), job_units=job_units)
 
 
 def petals_retry(swarm: SwarmModel, rng: np.random.Generator, backoff_ms: float = RETRY_BACKOFF_MS,
-                 max_backoff_ms: float = RETRY_MAX_BACKOFF_MS) -> PetalsRetry:
+                 max_backoff_ms: float = RETRY_MAX_BACKOFF_MS, job_units: Callable[[int], float] | None = None
+                 ) -> PetalsRetry:
     """Gives PETALS with its clients' retries: the same placement, requests back off and route again."""
-    return PetalsRetry(swarm, petals_placement(swarm, rng), backoff_ms, max_backoff_ms)
+    return PetalsRetry(swarm, petals_placement(swarm, rng), backoff_ms, max_backoff_ms, job_units)

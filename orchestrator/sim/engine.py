@@ -31,6 +31,7 @@ from orchestrator.sim.service import service_clock
 from orchestrator.sim.workload import Workload
 from orchestrator.swarm_model import SwarmModel
 
+SLOT_SLACK = 1e-9  # shares of s_c summed in another order may exceed a whole slot in the last bits
 ROUTE_TIME_REL_TOL = 1e-9  # a route's service time may differ from the sum over its hops by this much (rounding)
 
 
@@ -47,7 +48,7 @@ class _Ledger:
     """What is running where: slots in use per server and jobs per fixed chain."""
 
     slots: dict[str, int]
-    used: dict[str, int]
+    used: dict[str, float]  # shares of s_c (a job holds its `Workload.units` per block)
     chain_jobs: list[int]
 
 
@@ -59,7 +60,7 @@ def simulate(policy: DispatchPolicy, workload: Workload, swarm: SwarmModel, *, w
     end = np.full(jobs, np.nan)
     chain_of = np.full(jobs, -1, dtype=np.int64)
     slots = server_slots(swarm, policy.placement)
-    ledger = _Ledger(slots, dict.fromkeys(slots, 0), [0] * len(policy.chains))
+    ledger = _Ledger(slots, dict.fromkeys(slots, 0.0), [0] * len(policy.chains))
     slot_ms = dict.fromkeys(slots, 0.0)
     routes: dict[int, Route] = {}
     checked_routes: set[Route] = set()
@@ -71,7 +72,7 @@ def simulate(policy: DispatchPolicy, workload: Workload, swarm: SwarmModel, *, w
             if not 0 <= job < jobs or job in routes or not np.isnan(start[job]) or arrivals[job] > now:
                 raise PolicyError(f"{policy.name}: job {job} started at {now} ms twice, unknown or before arriving")
             _check_route(route, policy, swarm, checked_routes)
-            _take(ledger, route, policy)
+            _take(ledger, route, policy, workload.units(job))
             routes[job] = route
             start[job] = now
             chain_of[job] = -1 if route.chain is None else route.chain
@@ -91,8 +92,8 @@ def simulate(policy: DispatchPolicy, workload: Workload, swarm: SwarmModel, *, w
             end[job] = now
             route = routes.pop(job)
             for name, count in zip(route.servers, route.blocks_per_server, strict=True):
-                slot_ms[name] += count * (now - start[job])
-            _release(ledger, route)
+                slot_ms[name] += count * workload.units(job) * (now - start[job])
+            _release(ledger, route, workload.units(job))
             begin(policy.complete(job, now), now)
         elif wake <= arrival:
             assert waking is not None
@@ -132,10 +133,10 @@ def _check_route(route: Route, policy: DispatchPolicy, swarm: SwarmModel, seen: 
     seen.add(route)
 
 
-def _take(ledger: _Ledger, route: Route, policy: DispatchPolicy) -> None:
+def _take(ledger: _Ledger, route: Route, policy: DispatchPolicy, units: float) -> None:
     for name, count in zip(route.servers, route.blocks_per_server, strict=True):
-        ledger.used[name] += count
-        if ledger.used[name] > ledger.slots[name]:
+        ledger.used[name] += count * units
+        if ledger.used[name] > ledger.slots[name] + SLOT_SLACK:
             raise CapacityViolation(
                 f"{policy.name}: server {name} would hold {ledger.used[name]} cache slots; it has {ledger.slots[name]}"
             )
@@ -148,8 +149,8 @@ def _take(ledger: _Ledger, route: Route, policy: DispatchPolicy) -> None:
             )
 
 
-def _release(ledger: _Ledger, route: Route) -> None:
+def _release(ledger: _Ledger, route: Route, units: float) -> None:
     for name, count in zip(route.servers, route.blocks_per_server, strict=True):
-        ledger.used[name] -= count
+        ledger.used[name] -= count * units
     if route.chain is not None:
         ledger.chain_jobs[route.chain] -= 1

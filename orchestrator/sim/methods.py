@@ -12,6 +12,7 @@ baselines of `orchestrator.baselines`, each with its own placement.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -80,22 +81,24 @@ def build_policy(
     seed: int,
     *,
     capacity: int | None = None,
-    batch_aware: bool = True,
+    ranking: SwarmModel | None = None,
+    job_units: Callable[[int], float] | None = None,
 ) -> DispatchPolicy:
     """Gives a fresh policy `name` for one run; raises NoFeasiblePlan when it cannot serve this swarm. JFFC ranks
-    chains by their loaded service time where servers have batch slopes, unless not `batch_aware` (the paper's
-    ranking; the simulator still slows batched jobs down)."""
+    chains by their loaded service time with the batch slopes of `ranking` (the swarm as the live orchestrator sees
+    it; default `swarm`; one without slopes gives the paper's ranking), while the simulator slows jobs down by
+    `swarm`'s. PETALS' servers admit each job by its `job_units` of KV (`Workload.units`), when given."""
     rng = np.random.default_rng([seed, POLICY_STREAM])
-    ranking = swarm if batch_aware else None
+    ranking = ranking or swarm
     if name in PROPOSED or name in LOAD_BALANCERS:
         plan = compose(swarm, arrival_rate_per_ms, rho_bar, capacity, name if name in PROPOSED else "proposed")
         if name in (*PROPOSED, "jffc"):
             return JFFCPolicy(plan.chains, plan.placement, name=name, swarm=ranking)
         return DedicatedQueues(plan.chains, plan.placement, name, rng)
     if name == "petals":
-        return petals(swarm, rng)
+        return petals(swarm, rng, job_units)
     if name == "petals-retry":
-        return petals_retry(swarm, rng)
+        return petals_retry(swarm, rng, job_units=job_units)
     if name == "bprr":
         return bprr(swarm, arrival_rate_per_ms)
     if name == "parallax":
@@ -103,5 +106,5 @@ def build_policy(
     if name == "helix":
         return helix(swarm)
     if name == "jffc-only":
-        return jffc_only(swarm, batch_aware=batch_aware)
+        return jffc_only(swarm, ranking=ranking)
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

@@ -42,12 +42,13 @@ def run_policy(
     *,
     warmup_jobs: int,
     capacity: int | None = None,
-    batch_aware: bool = True,
+    ranking: SwarmModel | None = None,
 ) -> RunResult | NoFeasiblePlan:
-    """Gives one run of policy `name`, or the NoFeasiblePlan it raised (a result too: the policy cannot serve)."""
+    """Gives one run of policy `name` on `swarm`, or the NoFeasiblePlan it raised (a result too: the policy cannot
+    serve); `ranking`: the swarm as the policy sees it, when it differs (see `build_policy`)."""
     try:
-        policy = build_policy(name, swarm, arrival_rate_per_ms, rho_bar, seed, capacity=capacity,
-                              batch_aware=batch_aware)
+        policy = build_policy(name, swarm, arrival_rate_per_ms, rho_bar, seed, capacity=capacity, ranking=ranking,
+                              job_units=workload.units if workload.cache_units is not None else None)
     except NoFeasiblePlan as error:
         return error
     return simulate(policy, workload, swarm, warmup_jobs=warmup_jobs)

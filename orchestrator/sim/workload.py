@@ -22,17 +22,30 @@ SIZE_MODELS = ("exponential", "trace")
 
 @dataclass(frozen=True)
 class Workload:
-    """Arrival times (ms, non-decreasing, first at 0 or later) and job sizes (mean about 1) of one run."""
+    """Arrival times (ms, non-decreasing, first at 0 or later) and job sizes (mean about 1) of one run.
+
+    `cache_units`, if given, is the KV each job holds per block as a share of the model's s_c (a job of half the
+    planned tokens: 0.5); by default every job holds s_c, the paper's static reservation. Servers admit by it where
+    policies route per request (PETALS, BPRR, Helix-style), as paged servers admit a session by its own length.
+    """
 
     arrivals_ms: np.ndarray
     sizes: np.ndarray
     description: str
+    cache_units: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.arrivals_ms.shape != self.sizes.shape or self.arrivals_ms.ndim != 1:
             raise ValueError("arrivals and sizes must be 1-D arrays of the same length")
         if self.arrivals_ms.size and np.any(np.diff(self.arrivals_ms) < 0):
             raise ValueError("arrival times must be non-decreasing")
+        if self.cache_units is not None and (self.cache_units.shape != self.sizes.shape
+                                             or np.any(self.cache_units <= 0) or np.any(self.cache_units > 1)):
+            raise ValueError("cache_units must give every job a share in (0, 1] of s_c")
+
+    def units(self, job: int) -> float:
+        """Gives the share of s_c that `job` holds per block."""
+        return 1.0 if self.cache_units is None else float(self.cache_units[job])
 
     @property
     def jobs(self) -> int:
