@@ -4,6 +4,10 @@ An arriving job starts on the fastest chain that runs fewer jobs than its capaci
 when a job completes on a chain, the head of the queue starts on that chain. Jobs never migrate. The free
 chains sit in a heap keyed by their speed rank, so each event costs O(log K).
 
+Standby chains (our extension, for KV packing): chains through a server that the packing keeps as a standby
+(`set_standby`) take a job only when no other chain has a free slot, so that JFFC does not undo what MELL packs;
+among either kind the ranking is the same.
+
 Load-aware ranking (our extension; the paper's model has none): where servers announce how their per-block time
 grows with the jobs they batch (`ServerSpec.tau_p_batch_ms`), "fastest" is the service time a job would see now:
 T_k plus, per server of the chain, m_ij * tau_p_batch[j] * (jobs the server runs). A chain that already batches
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from orchestrator.dispatch_policy import Route, Start, batch_slopes, loaded_service_time_ms
 from orchestrator.swarm_model import Chain, Placement, SwarmModel
@@ -50,6 +54,7 @@ class JFFC:
         self._busy = [0] * len(chains)
         self._running = 0
         self._queue: deque[Hashable] = deque()
+        self._standby: frozenset[int] = frozenset()
 
     @property
     def num_chains(self) -> int:
@@ -82,11 +87,19 @@ class JFFC:
         return loaded_service_time_ms(chain.service_time_ms, chain.servers, chain.blocks_per_server, self._slopes,
                                       self._server_jobs)
 
+    def set_standby(self, chain_indices: Iterable[int]) -> None:
+        """Makes these chains the last resort: they take a job only when no other chain has a free slot."""
+        self._standby = frozenset(chain_indices)
+
     def _fastest_free(self) -> int:
-        if not self._slopes:
+        if not self._slopes and not self._standby:
             return self._chain_of_rank[self._free_ranks[0]]
-        best = min(self._free_ranks, key=lambda rank: (self.service_time_ms(self._chain_of_rank[rank]), rank))
-        return self._chain_of_rank[best]
+
+        def key(rank: int) -> tuple[bool, float, int]:
+            index = self._chain_of_rank[rank]
+            return index in self._standby, self.service_time_ms(index), rank
+
+        return self._chain_of_rank[min(self._free_ranks, key=key)]
 
     def _count(self, chain_index: int, jobs: int) -> None:
         self._busy[chain_index] += jobs

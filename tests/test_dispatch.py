@@ -152,3 +152,16 @@ def test_load_aware_jffc_starts_each_job_on_the_free_chain_of_least_loaded_servi
         else:
             assert target is None
             waiting.append(job)
+
+
+def test_standby_chains_take_a_job_only_when_no_other_chain_has_a_free_slot() -> None:
+    jffc = JFFC([chain(100.0, 1), chain(200.0, 1), chain(300.0, 1)])
+    jffc.set_standby([0])  # the fastest chain's server is a standby of the KV packing
+    assert [jffc.arrive(job) for job in "abc"] == [1, 2, 0]  # the standby takes the third, rather than queue it
+    assert jffc.arrive("d") is None
+    assert jffc.complete(1) == "d"  # completions hand the slot to the queue as before
+    slopes = JFFC([chain(100.0, 2), chain(200.0, 2)], {"s": 1.0})
+    slopes.set_standby([1])
+    assert [slopes.arrive(job) for job in "ab"] == [0, 0]
+    slopes.set_standby([])
+    assert slopes.arrive("c") == 1

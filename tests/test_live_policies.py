@@ -188,6 +188,23 @@ def test_leases_rank_chains_by_their_service_time_at_the_batches_their_servers_r
     asyncio.run(body())
 
 
+def test_chains_through_the_packings_standbys_get_new_sessions_last_and_a_new_plan_keeps_them_last() -> None:
+    async def body() -> None:
+        table = LeaseTable(lease_ttl_s=5.0)
+        fast, slow = chain("a", time_ms=10.0), chain("c", time_ms=30.0)
+        table.install([fast, slow], 0.0)
+        table.set_standby({"a"})
+        first = await table.request(9, 0.0)[1]
+        assert first.chain == slow
+        table.install([fast, slow], 1.0)  # a re-plan: `a` is still a standby
+        assert (await table.request(9, 1.0)[1]).chain == fast  # the only free slot left: the standby takes it
+        table.release(first.lease_id, 2.0)
+        table.set_standby(set())
+        assert table.service_time_ms(1) == 30.0
+
+    asyncio.run(body())
+
+
 def test_the_orchestrator_composes_with_the_simulators_functions_for_each_variant(tiny_llama: Path) -> None:
 
     records = {name: record(name, pages_total=pages) for name, pages in (("a", 120), ("b", 60), ("c", 60))}

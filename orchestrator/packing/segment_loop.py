@@ -149,6 +149,11 @@ class SegmentPackingLoop:
         self.epochs = 0
         self.moves = {"kv": 0, "replay": 0, "failed": 0, "deferred": 0}
 
+    @property
+    def standby(self) -> set[str]:
+        """Gives the members the last epoch made standbys (not to take new sessions)."""
+        return {peer for peer, accepting in self._accepting.items() if not accepting}
+
     async def run(self) -> None:
         """Runs epochs until cancelled."""
         while True:

@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import uuid
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from orchestrator.dispatch import JFFC
@@ -92,6 +92,7 @@ class LeaseTable:
     _waiting: dict[str, _Waiter] = field(default_factory=dict)
     _paused: deque[str] = field(default_factory=deque)  # requests that arrived while paused, in order
     _index: dict[tuple[Span, ...], int] = field(default_factory=dict)  # the plan's chains by their spans
+    _standby_peers: set[str] = field(default_factory=set)  # servers the KV packing keeps as standbys
 
     @property
     def paused(self) -> bool:
@@ -111,6 +112,15 @@ class LeaseTable:
             return self.chains[chain_index].service_time_ms
         return self._jffc.service_time_ms(chain_index)
 
+    def set_standby(self, peers: Iterable[str]) -> None:
+        """Makes the chains through any of `peers` (servers the KV packing keeps as standbys) the last resort of
+        JFFC: new sessions go to them only when no other chain has a free slot."""
+        standby = set(peers)
+        self._standby_peers = standby
+        if self._jffc is not None:
+            self._jffc.set_standby(index for index, chain in enumerate(self.chains)
+                                   if any(span.peer_id in standby for span in chain.spans))
+
     def pause(self) -> None:
         """Stops starting jobs (blocks are about to move); queued and new requests wait for `install`."""
         if self._jffc is not None:
@@ -126,6 +136,7 @@ class LeaseTable:
         self._jffc = JFFC([Chain(tuple(s.peer_id for s in c.spans), tuple(s.end - s.start for s in c.spans),
                                  c.capacity, c.service_time_ms) for c in chains], batch_slopes)
         self._index = {chain.spans: index for index, chain in enumerate(chains)}
+        self.set_standby(self._standby_peers)
         for lease in self._leases.values():
             lease.chain_index = self._index.get(lease.chain.spans)
             if lease.chain_index is not None:

@@ -418,7 +418,7 @@ class Orchestrator:
         """Runs one packing epoch over every segment that two or more followers host exactly (`--kv-packing`): the
         servers' own loop (`orchestrator.packing.segment_loop`), led by this orchestrator, whose moves keep JFFC's
         leases right: a move runs only if the chain it makes is one of the plan's with a free slot, and the lease
-        follows it."""
+        follows it. The servers the packing makes standbys become JFFC's last resort for new sessions."""
         segments: dict[Range, list[ServerRecord]] = {}
         for record in self.followers.values():
             segments.setdefault((record.block_start, record.block_end), []).append(record)
@@ -430,6 +430,7 @@ class Orchestrator:
             if segment not in self.packings:
                 self.packings[segment] = self._segment_packing(segment, members[0].kv_bytes_per_token)
             await self.packings[segment].epoch()
+        self.leases.set_standby(peer for loop in self.packings.values() for peer in loop.standby)
 
     def _segment_packing(self, segment: Range, kv_bytes_per_token: int) -> SegmentPackingLoop:
         async def group() -> list[ServerRecord]:
