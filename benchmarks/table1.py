@@ -31,8 +31,8 @@ Methods, same trace, seed and topology:
 - jffc-only: `swarm-orchestrator --variant jffc-only` (the whole model on every server that fits it, JFFC).
 Next to each: the paper's numbers and what `swarm-sim` predicts for the same swarm model and trace, twice: with
 the batching engine's service (`orchestrator.sim.service.SharedService`: every job running on a server slows the
-others there by its decode rows and its prompt's chunks, `world_slopes`; the policies see what the live
-orchestrator sees) and with the paper's fixed service times.
+others there by its decode rows, `world_slopes`; the policies see what the live orchestrator sees) and with the
+paper's fixed service times.
 
     sudo .venv/bin/python benchmarks/table1.py [--requests 200] [--rate 2.57] [--methods proposed,petals,jffc-only]
     .venv/bin/python benchmarks/table1.py --measured WORKDIR  # the table again from an earlier run's results
@@ -73,6 +73,7 @@ from orchestrator.sim.metrics import RunResult
 from orchestrator.sim.runner import run_policy
 from orchestrator.sim.workload import Workload
 from orchestrator.swarm_model import ModelSpec, Placement, ServerSpec, SwarmModel
+from server.compute import PREFILL_CHUNK_TOKENS
 from server.emulated_gpu import PROFILES
 from swarm.local_swarm import SwarmProcesses
 from swarm.memory import kv_pages_for
@@ -278,7 +279,8 @@ def sim_model(topology: Topology, jobs: JobSizes, *, petals: bool = False) -> Sw
         profile = PROFILES[PROFILE_OF[host]]
         memory_gb = petals_memory_gb(host) if petals else profile.memory_gb
         pages = int(memory_gb * 1e9 * profile.scale(KV_BYTES_PER_TOKEN)) // PAGE_BYTES
-        tau_p = jobs.prompt_tokens * profile.prefill_ms_per_token + jobs.output_tokens * profile.decode_ms(1)
+        prefill = profile.chunk_ms_per_token(PREFILL_CHUNK_TOKENS)  # the record's prefill figure
+        tau_p = jobs.prompt_tokens * prefill + jobs.output_tokens * profile.decode_ms(1)
         tau_c = (jobs.output_tokens + 1) * topology.rtt("client", host)
         slope = (profile.decode_ms(32) - profile.decode_ms(1)) / 31  # `live_model.decode_slope_ms` of its record
         servers.append(ServerSpec(host, pages * PAGE_BYTES / 1e9, tau_c, tau_p, jobs.output_tokens * slope))
@@ -288,15 +290,15 @@ def sim_model(topology: Topology, jobs: JobSizes, *, petals: bool = False) -> Sw
 
 def world_slopes(jobs: JobSizes) -> dict[str, float]:
     """Gives, per server, how much one more job running beside it slows a job's time per block in the simulated
-    world: its decode rows in every batch (output tokens x the profile's cost of a row at the mean history) and its
-    prompt, whose chunks ride in the batches of every session decoding there (prompt tokens x prefill time per
-    token). The live orchestrator's model ranks chains by the first only (see `orchestrator.dispatch`)."""
+    world: its decode rows in every batch (output tokens x the profile's cost of a row at the mean history). Its
+    prompt's chunks ride in the same batches, but their compute hides under the decode steps' memory traffic (the
+    profiles' roofline, `server.emulated_gpu`), so they add nothing. The live orchestrator's model ranks chains by the
+    row's cost at the 2048-token history that records announce (see `orchestrator.dispatch`)."""
     history = jobs.prompt_tokens + jobs.output_tokens / 2
     slopes = {}
     for host in SERVERS:
         profile = PROFILES[PROFILE_OF[host]]
-        row_ms = profile.decode_ms(2, history) - profile.decode_ms(1, history)
-        slopes[host] = jobs.output_tokens * row_ms + jobs.prompt_tokens * profile.prefill_ms_per_token
+        slopes[host] = jobs.output_tokens * (profile.decode_ms(2, history) - profile.decode_ms(1, history))
     return slopes
 
 
@@ -308,8 +310,9 @@ def sim_workload(requests: list[dict], topology: Topology) -> Workload:
     output tokens) over those of the maximum length that s_c plans for."""
     profile = PROFILES["a100-3g.40gb"]
     rtt_ms = statistics.mean(topology.rtt("client", host) for host in SERVERS)
-    work = np.array([NUM_BLOCKS * (r["prompt_tokens"] * profile.prefill_ms_per_token + r["output_tokens"]
-                                   * profile.decode_ms(1)) + (r["output_tokens"] + 1) * rtt_ms for r in requests])
+    prefill = profile.chunk_ms_per_token(PREFILL_CHUNK_TOKENS)
+    work = np.array([NUM_BLOCKS * (r["prompt_tokens"] * prefill + r["output_tokens"] * profile.decode_ms(1))
+                     + (r["output_tokens"] + 1) * rtt_ms for r in requests])
     tokens_per_page = PAGE_BYTES // KV_BYTES_PER_TOKEN
     units = np.array([kv_pages_for(r["prompt_tokens"] + r["output_tokens"], tokens_per_page) for r in requests])
     arrivals = np.array([r["at_s"] * 1000 for r in requests])

@@ -7,10 +7,14 @@ pool is the profile's memory in the reference model's geometry, scaled down to t
 its record says it is emulated.
 
 Profile: per block of the reference model (LLaMA-2-7B, fp16: 0.404 GB of parameters, 16 KiB of KV per token),
-- `prefill_ms_per_token`: a prompt token through one block;
-- `decode_ms_base` + `decode_ms_per_row` x rows: a decode step of `rows` sessions of `ROW_TOKENS` (2048) tokens
-  of history through one block; a row of h tokens costs `decode_ms_per_row` x h / 2048 (its own KV is read);
+- `prefill_ms_per_token`: the compute of one token through one block (a prompt token, or a decode row's);
+- `decode_ms_base` + `decode_ms_per_row` x rows: the memory traffic of a step of `rows` sessions of `ROW_TOKENS`
+  (2048) tokens of history through one block: the parameters once, and each row's own KV (a row of h tokens costs
+  `decode_ms_per_row` x h / 2048);
 - `memory_gb`: what the GPU (slice) holds for parameters and KV.
+A batch through a block takes the longer of its memory traffic and its compute (the roofline): decode steps are
+bound by memory, so a prefill chunk that rides in their batch costs little until its compute outgrows their
+traffic, which is what chunked prefill (Sarathi-Serve, vLLM) counts on; a long chunk alone is bound by compute.
 Scaling: k = (served model's KV bytes per token per block) / (reference's). The pool gets k x memory_gb, and each
 loaded block holds at least k x the reference block's bytes in pages (its real tensors fill the first pages). So
 in pages, a server holds as many blocks and as many KV tokens as the profile's GPU holds of the reference model.
@@ -53,20 +57,23 @@ class GpuProfile:
 
     def decode_ms(self, rows: int, history_tokens: int = ROW_TOKENS) -> float:
         """Gives a decode step of `rows` sessions of `history_tokens` tokens each through one block."""
-        return self.decode_ms_base + self.decode_ms_per_row * rows * history_tokens / ROW_TOKENS
+        traffic = self.decode_ms_base + self.decode_ms_per_row * rows * history_tokens / ROW_TOKENS
+        return max(traffic, rows * self.prefill_ms_per_token)
+
+    def chunk_ms_per_token(self, tokens: int) -> float:
+        """Gives a prefill chunk of `tokens` tokens alone through one block, per token (what a server measures)."""
+        return max(self.decode_ms_base, tokens * self.prefill_ms_per_token) / tokens
 
     def block_ms(self, batch: PagedBatch, block: int) -> float:
-        """Gives the time the profile's GPU takes for `batch` through `block`: its decode rows' step there (the
-        parameters once, each row's own history of KV) and its prefill tokens (chunks that do not pass through
-        `block` cost nothing)."""
+        """Gives the time the profile's GPU takes for `batch` through `block`: the longer of its memory traffic (the
+        parameters once, each decode row's own history of KV) and its compute (every token of the batch); chunks
+        that do not pass through `block` cost nothing."""
         through = [chunk for chunk in batch.chunks if chunk.block_start <= block < chunk.block_end]
-        decode = [chunk for chunk in through if chunk.tokens == 1]
-        prefill_tokens = sum(chunk.tokens for chunk in through if chunk.tokens > 1)
-        decode_ms = 0.0
-        if decode:
-            history = sum(chunk.position + 1 for chunk in decode)
-            decode_ms = self.decode_ms_base + self.decode_ms_per_row * history / ROW_TOKENS
-        return decode_ms + prefill_tokens * self.prefill_ms_per_token
+        if not through:
+            return 0.0
+        history = sum(chunk.position + 1 for chunk in through if chunk.tokens == 1)
+        traffic = self.decode_ms_base + self.decode_ms_per_row * history / ROW_TOKENS
+        return max(traffic, sum(chunk.tokens for chunk in through) * self.prefill_ms_per_token)
 
     def batch_ms(self, batch: PagedBatch) -> float:
         """Gives the time the profile's GPU takes for `batch` through all its blocks."""

@@ -26,7 +26,7 @@ from orchestrator.packing.segment_loop import (
     leader_of,
     packing_capacity,
 )
-from server.compute import DECODE_BATCHES, BlockSpeed, cached_block_speed
+from server.compute import DECODE_BATCHES, PREFILL_CHUNK_TOKENS, BlockSpeed, cached_block_speed
 from server.config import ServerConfig
 from server.emulated_gpu import load_profile
 from server.hosting import Hosting
@@ -140,7 +140,7 @@ class SwarmServer:
         self.block_bytes = max(probe.block_bytes(probe.start), min_block_pages * config.page_bytes)
         if self.gpu_profile is not None:  # announced as the profile's, never measured
             speed = BlockSpeed({batch: self.gpu_profile.decode_ms(batch) for batch in DECODE_BATCHES},
-                               self.gpu_profile.prefill_ms_per_token)
+                               self.gpu_profile.chunk_ms_per_token(PREFILL_CHUNK_TOKENS))
         else:
             speed = cached_block_speed(probe, self.source.model_id)
         self.block_decode_ms, self.block_prefill_ms_per_token = speed.decode_ms, speed.prefill_ms_per_token

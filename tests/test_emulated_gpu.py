@@ -28,13 +28,19 @@ def test_profiles_give_per_block_times_and_memory_in_the_served_models_scale(tmp
     batch = PagedBatch((
         SequenceChunk(0, 1, 10, 0, 4, {}), SequenceChunk(1, 1, 20, 2, 4, {}), SequenceChunk(2, 16, 0, 0, 2, {}),
     ))
-    # blocks 0-1: one decode row (11 tokens of history with its new one) and 16 prefill tokens; blocks 2-3: two
-    # decode rows, 11 + 21 tokens of history: each row reads its own KV, the parameters are read once
-    expected = 2 * (fast.decode_ms(1, 11) + 16 * fast.prefill_ms_per_token) + 2 * fast.decode_ms(2, 16)
+    # blocks 0-1: one decode row (11 tokens of history with its new one) and 16 prefill tokens, whose compute hides
+    # under the step's memory traffic; blocks 2-3: two decode rows, 11 + 21 tokens of history: each row reads its own
+    # KV, the parameters are read once
+    expected = 2 * fast.decode_ms(1, 11) + 2 * fast.decode_ms(2, 16)
     assert fast.batch_ms(batch) == pytest.approx(expected)
-    assert fast.block_ms(batch, 1) == pytest.approx(fast.decode_ms(1, 11) + 16 * fast.prefill_ms_per_token)
+    assert fast.block_ms(batch, 1) == pytest.approx(fast.decode_ms(1, 11))
     assert fast.block_ms(batch, 3) == pytest.approx(fast.decode_ms(2, 16)) and fast.block_ms(batch, 4) == 0
     assert fast.decode_ms(2) == pytest.approx(fast.decode_ms_base + 2 * fast.decode_ms_per_row)  # rows of 2048
+    # the roofline: a long chunk is bound by its compute, a short one alone by reading the parameters
+    long_chunk = PagedBatch((SequenceChunk(0, 512, 0, 0, 1, {}), SequenceChunk(1, 1, 99, 0, 1, {})))
+    assert fast.block_ms(long_chunk, 0) == pytest.approx(513 * fast.prefill_ms_per_token)
+    assert fast.chunk_ms_per_token(512) == pytest.approx(fast.prefill_ms_per_token)
+    assert fast.chunk_ms_per_token(16) == pytest.approx(fast.decode_ms_base / 16)
     custom = tmp_path / "tiny-gpu.json"
     custom.write_text(json.dumps({"memory_gb": 1, "prefill_ms_per_token": 0.5, "decode_ms_base": 2,
                                   "decode_ms_per_row": 0.25}))
@@ -51,7 +57,7 @@ def test_an_emulated_server_holds_its_batches_for_the_profiles_time(tiny_llama: 
     server = SwarmServer(config)
     profile = server.gpu_profile
     assert profile is not None and server.block_decode_ms == {1: 25.0, 8: 60.0, 32: 180.0}
-    assert server.block_prefill_ms_per_token == 1.0  # announced as the profile's
+    assert server.block_prefill_ms_per_token == 1.0  # a 128-token chunk, per token, as the profile times it
     kv_bytes = server.blocks.kv_bytes_per_token()
     assert server.pool.pages_total == profile.pool_bytes(kv_bytes) // 4096
     block_pages = len(server.pool.pages_of(ParamsOwner(0)))
