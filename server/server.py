@@ -18,19 +18,12 @@ from orchestrator.block_selection import HostedSpan, better_start, blocks_that_f
 from orchestrator.live_model import replay_prefill_ms_per_token
 from orchestrator.packing import choose_mode
 from orchestrator.packing.migration_split import move_costs
-from orchestrator.packing.segment_loop import (
-    ORPHAN_EPOCHS,
-    Report,
-    SegmentPackingLoop,
-    group_of,
-    leader_of,
-    packing_capacity,
-)
 from server.compute import DECODE_BATCHES, PREFILL_CHUNK_TOKENS, BlockSpeed, cached_block_speed
 from server.config import ServerConfig
 from server.emulated_gpu import load_profile
 from server.hosting import Hosting
 from server.migration import AUTO, MAX_PIECES_PER_FRAME, MODES, Migrations, MoveChoice
+from server.packing_member import PackingMember
 from server.push import Pusher
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS, StepScheduler
 from server.sessions import Session, SessionTable, Step, StepResult
@@ -54,7 +47,7 @@ from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, parse_size
 from swarm.model import BlockRange, ModelSource, parse_block_range, pick_device, pick_dtype, resolve_model
 from swarm.records import SOFTWARE_VERSION, BatchTiming, NextHop, ServerRecord, ServerState
 from swarm.rpc import CallContext, RpcConnection, RpcServer, dial
-from swarm.wire import MAX_STEPS_PER_FRAME, decode_tensor, encode_tensor, validate_compression
+from swarm.wire import MAX_STEPS_PER_FRAME, decode_tensor, encode_tensor, field, validate_compression
 
 log = logging.getLogger(__name__)
 
@@ -77,18 +70,6 @@ def _block_pair(payload: dict[str, Any]) -> tuple[int, int]:
     if len(blocks) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
         raise MalformedFrame(f"request field 'blocks' must be [start, end] integers, got {blocks!r:.100}")
     return blocks[0], blocks[1]
-
-
-def field(payload: dict[str, Any], name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
-    """Gives payload[name] if it has the expected type; raises MalformedFrame naming the field otherwise."""
-    if name not in payload:
-        if optional:
-            return None
-        raise MalformedFrame(f"request field {name!r} is missing")
-    value = payload[name]
-    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
-        raise MalformedFrame(f"request field {name!r} has type {type(value).__name__}, expected {kind}")
-    return value
 
 
 class SwarmServer:
@@ -156,16 +137,12 @@ class SwarmServer:
         self.state = ServerState.joining
         self.ready = asyncio.Event()  # set once the server serves its first blocks
         self.network_mbps: float | None = None
-        self.accepting = True  # takes new sessions; False: a standby its segment's packing emptied
-        self._accepting_told_s = 0.0  # when its segment's leader last said whether it takes sessions
-        self._group_view: tuple[float, list[ServerRecord]] = (0.0, [])  # (when, the servers of its segment)
-        self._peer_connections: dict[str, RpcConnection] = {}  # to the members of its segment, for packing
-        self.packing: SegmentPackingLoop | None = None
+        self.packing = PackingMember(self)  # its part in the KV packing of its segment
         self.dht: hivemind.DHT | None = None
         self._addrs: list[str] = []
         self.rpc: RpcServer | None = None
         self._steps_stopped = False  # set once a draining server has moved what it could: steps then fail over
-        self._p2p: P2P | None = None
+        self.p2p: P2P | None = None
         self.announcer: Announcer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.pusher: Pusher | None = None
@@ -206,7 +183,7 @@ class SwarmServer:
             public_name=self.config.public_name,
             addrs=self._addrs,
             orchestrators=list(self.config.orchestrators),
-            accepting=self.accepting,
+            accepting=self.packing.accepting,
             emulated_gpu=self.gpu_profile.name if self.gpu_profile else None,
         )
 
@@ -220,16 +197,16 @@ class SwarmServer:
             start=True,
         )
         self._addrs = [str(addr) for addr in self.dht.get_visible_maddrs()][:16]
-        p2p = self._p2p = await self.dht.replicate_p2p()
+        p2p = self.p2p = await self.dht.replicate_p2p()
         self.rpc = RpcServer(p2p, max_frame_bytes=self.config.max_frame_bytes)
         methods = {"info": self._info, "open": self._open, "step": self._step, "steps": self._steps, "push": self._push,
                    "close": self._close, "assign": self._assign, "migrate": self._migrate,
                    "import_open": self._import_open, "import_kv": self._import_kv, "import_commit": self._import_commit,
-                   "import_abort": self._import_abort, "kv_report": self._kv_report}
+                   "import_abort": self._import_abort, "kv_report": self.packing.kv_report}
         for name, method in methods.items():
             self.rpc.add_method(name, method)
         self.pusher = Pusher(
-            p2p, self._announced_addrs, timeout_s=self.config.push_timeout_s,
+            p2p, self.announced_addrs, timeout_s=self.config.push_timeout_s,
             max_frame_bytes=self.config.max_frame_bytes,
         )
         await self.rpc.start()
@@ -240,14 +217,9 @@ class SwarmServer:
         )
         await self.announcer.start()
         self._tasks.append(asyncio.create_task(self._expire_sessions_loop(), name="expire-sessions"))
-        if self.config.kv_packing and not self.config.orchestrators:
-            self.packing = SegmentPackingLoop(
-                self.config.kv_packing, peer_id=self.peer_id, epoch_s=self.config.packing_epoch_s,
-                kv_bytes_per_token=lambda blocks: self.blocks.kv_bytes_per_token() * blocks,
-                group=lambda: self._segment_group(max_age_s=0.0), report=self._member_report,
-                migrate=self._ask_to_migrate,
-            )
-            self._tasks.append(asyncio.create_task(self.packing.run(), name="segment-packing"))
+        packing = self.packing.start()
+        if packing is not None:
+            self._tasks.append(packing)
         if self.config.blocks is None and not self.config.orchestrators:
             self._tasks.append(asyncio.create_task(self._choose_blocks_loop(), name="choose-blocks"))
         orchestrators = " or ".join(self.config.orchestrators)
@@ -275,6 +247,14 @@ class SwarmServer:
             task = asyncio.create_task(self._announce_now(), name="announce-range")
             self._tasks.append(task)
             task.add_done_callback(lambda done: self._tasks.remove(done) if done in self._tasks else None)
+
+    def announce_soon(self) -> None:
+        """Announces the record now, in a task of its own (a change others should see before the next period)."""
+        if self.announcer is None:
+            return
+        task = asyncio.create_task(self._announce_now(), name="announce-now")
+        self._tasks.append(task)
+        task.add_done_callback(lambda done: self._tasks.remove(done) if done in self._tasks else None)
 
     async def _announce_now(self) -> None:
         assert self.announcer is not None
@@ -369,8 +349,7 @@ class SwarmServer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for connection in self._peer_connections.values():
-            await connection.close()
+        await self.packing.close()
         open_sessions = len(self.sessions)
         if self.pusher is not None:
             await self.pusher.close()
@@ -388,9 +367,7 @@ class SwarmServer:
             expired = self.sessions.close_idle(self.config.session_timeout_s)
             if expired:
                 log.info("Closed %d idle session(s) after %.0f s", len(expired), self.config.session_timeout_s)
-            if not self.accepting and time.monotonic() - self._accepting_told_s > ORPHAN_EPOCHS * \
-                    self.config.packing_epoch_s:
-                self._set_accepting(True)  # its segment's leader went silent
+            self.packing.check_orphaned()
             dropped = self.migrations.expire_imports()
             if dropped:
                 log.info("Dropped %d import(s) whose source went silent", len(dropped))
@@ -411,7 +388,7 @@ class SwarmServer:
                 "steps_computed": {"loop": stats.steps_by_place["loop"], "pool": stats.steps_by_place["pool"]},
                 "batches": stats.to_wire(), "kv_tokens_per_page": self.kv.tokens_per_page,
                 "migrations": self.migrations.stats.to_wire(),
-                "packing": self.packing.to_wire() if self.packing is not None else None}
+                "packing": self.packing.loop.to_wire() if self.packing.loop is not None else None}
 
     async def _open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         self._check_accepting()
@@ -591,7 +568,8 @@ class SwarmServer:
         the session left (replay), with the mode taken and, for "auto", both modes' expected seconds."""
         self._check_serving()
         session = self.sessions.get(field(payload, "session_id", str))
-        if ctx.peer_id not in (session.opener, *self.config.orchestrators) and not await self._leads_me(ctx.peer_id):
+        allowed = (session.opener, *self.config.orchestrators)
+        if ctx.peer_id not in allowed and not await self.packing.leads_me(ctx.peer_id):
             raise MigrationRefused(f"only the session's client, this server's orchestrator or its segment's leader "
                                    f"may move it, not {ctx.peer_id}")
         peer_id = field(payload, "peer_id", str)
@@ -608,11 +586,11 @@ class SwarmServer:
 
     async def migrate_session(self, session: Session, peer_id: str, mode: str = AUTO) -> MoveChoice:
         """Moves `session` to server `peer_id`, found in the DHT as a host of its first block; gives the mode taken."""
-        addrs = await self._announced_addrs(peer_id, session.start)
+        addrs = await self.announced_addrs(peer_id, session.start)
         if addrs is None:
             raise PeerUnreachable(f"server {peer_id} announces no block {session.start} of {self.source.model_id}")
-        assert self._p2p is not None, "the server moves sessions only once started"
-        connection = await dial(self._p2p, peer_id, addrs, timeout=self.config.push_timeout_s,
+        assert self.p2p is not None, "the server moves sessions only once started"
+        connection = await dial(self.p2p, peer_id, addrs, timeout=self.config.push_timeout_s,
                                 max_frame_bytes=self.config.max_frame_bytes)
         try:
             rtt_s, destination = await self._probe(connection)
@@ -672,7 +650,7 @@ class SwarmServer:
     async def _move_sessions_away(self) -> None:
         """Moves every open session with its KV to a peer that hosts its blocks and has room (the most room
         first), within --drain-timeout; a session no peer takes stays, and its client replays it elsewhere."""
-        if not len(self.sessions) or self._p2p is None or self.dht is None:
+        if not len(self.sessions) or self.p2p is None or self.dht is None:
             return
         deadline = time.monotonic() + self.config.drain_timeout_s
         try:
@@ -711,88 +689,6 @@ class SwarmServer:
         if self.migrations.unclaimed:
             log.info("Draining: %d moved session(s) sent no step before the deadline; their clients will replay",
                      len(self.migrations.unclaimed))
-
-    # ---- packing of its segment without an orchestrator (orchestrator.packing.segment_loop)
-
-    async def _segment_group(self, *, max_age_s: float = 2.0) -> list[ServerRecord]:
-        """Gives the online servers hosting exactly this server's blocks, itself included (cached `max_age_s`)."""
-        when, group = self._group_view
-        if time.monotonic() - when <= max_age_s:
-            return group
-        assert self.dht is not None
-        records = await lookup_servers_async(self.dht, self.source.model_id, timeout_s=self.config.push_timeout_s)
-        records[self.peer_id] = self.record()
-        group = group_of(records, self.hosting.start, self.hosting.end)
-        self._group_view = (time.monotonic(), group)
-        return group
-
-    async def _leads_me(self, peer_id: str) -> bool:
-        """Gives whether `peer_id` leads this server's segment (by this server's own view of the DHT)."""
-        if not self.config.kv_packing or peer_id == self.peer_id:
-            return False
-        group = await self._segment_group()
-        if peer_id not in {record.peer_id for record in group}:
-            group = await self._segment_group(max_age_s=0.0)
-        return leader_of(group) == peer_id
-
-    async def _kv_report(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
-        """Answers its segment's leader with its KV capacity and sessions, and takes new sessions or stands by as
-        the leader says (`accepting`)."""
-        if ctx.peer_id not in self.config.orchestrators and not await self._leads_me(ctx.peer_id):
-            raise AssignmentRefused(f"{ctx.peer_id} is neither an orchestrator of server {self.peer_id} nor the "
-                                    f"leader of its segment")
-        self._set_accepting(field(payload, "accepting", bool, optional=True) is not False)
-        return self._own_report()
-
-    def _own_report(self) -> dict[str, Any]:
-        stats = self.pool.stats()
-        # a session still arriving is its source's; one that is leaving is still here until the move commits
-        sessions = [{"session_id": s.session_id, "pages": self.sessions.packed_pages(s), "tokens": s.position,
-                     "settling": s.settling, "lease_id": s.lease_id}
-                    for s in self.sessions if s.importing_from is None]
-        kv_pages = stats.pages_total - stats.pages_params
-        return {"capacity_pages": packing_capacity(kv_pages, self.sessions.block_end - self.sessions.block_start),
-                "sessions": sessions, "links": self.migrations.links.known()}
-
-    def _set_accepting(self, accepting: bool) -> None:
-        self._accepting_told_s = time.monotonic()
-        if accepting != self.accepting:
-            self.accepting = accepting
-            log.info("%s new sessions (its segment's packing)", "Takes" if accepting else "Stands by for")
-            if self.announcer is not None:
-                task = asyncio.create_task(self._announce_now(), name="announce-accepting")
-                self._tasks.append(task)
-                task.add_done_callback(lambda done: self._tasks.remove(done) if done in self._tasks else None)
-
-    async def _member_report(self, peer_id: str, accepting: bool) -> Report:
-        """Gives a member's report for the leader's epoch (this server's own without a call)."""
-        if peer_id == self.peer_id:
-            self._set_accepting(accepting)
-            reply = self._own_report()
-        else:
-            connection = await self._peer_connection(peer_id)
-            reply = await connection.call("kv_report", {"accepting": accepting}, timeout=self.config.push_timeout_s)
-        return Report.from_wire(peer_id, reply)
-
-    async def _ask_to_migrate(self, source: str, session_id: str, destination: str, mode: str) -> None:
-        """Moves a session of its segment: its own directly, a member's through that member's `migrate`."""
-        if source == self.peer_id:
-            await self.migrate_session(self.sessions.get(session_id), destination, mode)
-            return
-        connection = await self._peer_connection(source)
-        await connection.call("migrate", {"session_id": session_id, "peer_id": destination, "mode": mode},
-                              timeout=self.config.push_timeout_s * 6)
-
-    async def _peer_connection(self, peer_id: str) -> RpcConnection:
-        connection = self._peer_connections.get(peer_id)
-        if connection is None or connection.is_closed:
-            addrs = await self._announced_addrs(peer_id, self.hosting.start)
-            if addrs is None or self._p2p is None:
-                raise PeerUnreachable(f"server {peer_id} announces no block {self.hosting.start}")
-            connection = self._peer_connections[peer_id] = await dial(
-                self._p2p, peer_id, addrs, timeout=self.config.push_timeout_s,
-                max_frame_bytes=self.config.max_frame_bytes)
-        return connection
 
     async def _import_open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         self._check_accepting()
@@ -852,7 +748,7 @@ class SwarmServer:
             pushes.append((step.next_hops, push, session.end))
         self.pusher.push_all(pushes)
 
-    async def _announced_addrs(self, peer_id: str, block: int) -> list[str] | None:
+    async def announced_addrs(self, peer_id: str, block: int) -> list[str] | None:
         """Gives the addresses `peer_id` announced in the DHT for `block` of this model, None if it did not."""
         assert self.dht is not None
         try:

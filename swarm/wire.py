@@ -117,6 +117,19 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> dict[str, 
 # --------------------------------------------------------------------------------------------- tensors
 
 
+def field(payload: dict[str, Any], name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
+    """Gives payload[name] of a request if it has the expected type; raises MalformedFrame naming the field
+    otherwise."""
+    if name not in payload:
+        if optional:
+            return None
+        raise MalformedFrame(f"request field {name!r} is missing")
+    value = payload[name]
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
+        raise MalformedFrame(f"request field {name!r} has type {type(value).__name__}, expected {kind}")
+    return value
+
+
 def validate_compression(name: str | None) -> str | None:
     """Gives the canonical compression name (None, "fp16" or "bf16"); "none" and "" mean None."""
     if name is None or name in ("", "none"):
