@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+from hivemind import DHT
+from hivemind.p2p import P2P
 
 from orchestrator.packing.segment_loop import (
     ORPHAN_EPOCHS,
@@ -22,22 +25,50 @@ from orchestrator.packing.segment_loop import (
     leader_of,
     packing_capacity,
 )
+from server.config import ServerConfig
+from server.hosting import Hosting
+from server.migration import Migrations, MoveChoice
+from server.sessions import Session, SessionTable
 from swarm.dht import lookup_servers_async
 from swarm.errors import AssignmentRefused, PeerUnreachable
+from swarm.memory import PagePool
+from swarm.model import BlockRange, ModelSource
 from swarm.records import ServerRecord
 from swarm.rpc import CallContext, RpcConnection, dial
 from swarm.wire import field
 
-if TYPE_CHECKING:
-    from server.server import SwarmServer
-
 log = logging.getLogger(__name__)
+
+
+class PackingHost(Protocol):
+    """What a packing member needs of its server (`server.server.SwarmServer`)."""
+
+    config: ServerConfig
+    source: ModelSource
+    blocks: BlockRange
+    hosting: Hosting
+    pool: PagePool
+    sessions: SessionTable
+    migrations: Migrations
+    dht: DHT | None
+    p2p: P2P | None
+
+    @property
+    def peer_id(self) -> str: ...
+
+    def record(self) -> ServerRecord: ...
+
+    def announce_soon(self) -> None: ...
+
+    async def announced_addrs(self, peer_id: str, block: int) -> list[str] | None: ...
+
+    async def migrate_session(self, session: Session, peer_id: str, mode: str = ...) -> MoveChoice: ...
 
 
 class PackingMember:
     """The packing state and RPCs of one server (`server.server.SwarmServer`, which it serves)."""
 
-    def __init__(self, server: SwarmServer) -> None:
+    def __init__(self, server: PackingHost) -> None:
         self.server = server
         self.accepting = True  # takes new sessions; False: a standby its segment's packing emptied
         self._told_s = 0.0  # when its segment's leader last said whether it takes sessions
