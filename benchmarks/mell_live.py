@@ -47,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.table1_client import trace_requests
+from benchmarks.table1_client import run_replay, trace_requests
 from netem import netns
 from netem.network import EmulatedNetwork
 from netem.topology import Topology
@@ -187,17 +187,8 @@ def run_live(policy: str, args: argparse.Namespace, workdir: Path, memory: int) 
                   f"C = {capacity} ({bin_tokens} tokens of 30 blocks); {len(requests)} requests over "
                   f"{requests[-1]['at_s']:.0f} s", flush=True)
             out = workdir / "results.jsonl"
-            client = network.spawn(
-                "client", [sys.executable, str(REPO / "benchmarks" / "table1_client.py"), "--model", DEFAULT_MODEL,
-                           "--initial-peers", *swarm.initial_peers, "--requests", str(requests_path), "--out",
-                           str(out), "--orchestrator", "none", "--busy-wait", str(BUSY_WAIT_S)],
-                name="client", log_dir=workdir, env={"OMP_WAIT_POLICY": "PASSIVE"},
-            )
-            try:
-                client.wait_for_line("ready", 300)
-                client.wait_for_line("done", args.timeout)
-            finally:
-                client.stop()
+            run_replay(network, swarm.initial_peers, DEFAULT_MODEL, requests_path, out, workdir, args.timeout,
+                       "--orchestrator", "none", "--busy-wait", str(BUSY_WAIT_S))
             time.sleep(2 * POLL_S + EPOCH_S)  # the last departures reach the polls
         finally:
             monitor.send_line("quit")

@@ -62,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import numpy as np
 
+from benchmarks.table1_client import run_replay
 from benchmarks.table1_client import trace_requests as client_trace_requests
 from netem import ripe
 from netem.network import EmulatedNetwork
@@ -196,18 +197,9 @@ def run_method(method: str, args: argparse.Namespace, topology: Topology, model:
                         f"{[chain['capacity'] for chain in state['chains']]}")
         print(f"  {method}: swarm up in {time.monotonic() - started:.0f} s {note}", flush=True)
         out = workdir / "results.jsonl"
-        client = network.spawn(
-            "client", [sys.executable, str(REPO / "benchmarks" / "table1_client.py"), "--model", str(model),
-                       "--initial-peers", *swarm.initial_peers, "--requests", str(requests_path), "--out", str(out),
-                       "--orchestrator", "none" if method == "petals" else "auto", "--dilation", str(args.dilation),
-                       "--servers-out", str(workdir / "servers.json")],
-            name="client", log_dir=workdir, env={"OMP_WAIT_POLICY": "PASSIVE"},
-        )
-        try:
-            client.wait_for_line("ready", 300)
-            client.wait_for_line("done", args.timeout)
-        finally:
-            client.stop()
+        run_replay(network, swarm.initial_peers, str(model), requests_path, out, workdir, args.timeout,
+                   "--orchestrator", "none" if method == "petals" else "auto", "--dilation", str(args.dilation),
+                   "--servers-out", str(workdir / "servers.json"))
         if method != "petals":
             final = plan_state(network, model, swarm.initial_peers, workdir / "plan-final.json")
             if final:

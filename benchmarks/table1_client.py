@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from client import ClientConfig, DistributedModelForCausalLM
 from client.swarm_client import SwarmClient
 from swarm.errors import NoRouteFound, PeerUnreachable, RpcTimeout, ServerBusy, SwarmError
+
+if TYPE_CHECKING:
+    from netem.network import EmulatedNetwork
 
 START_DELAY_S = 2.0
 MAX_WAIT_S = 1200.0  # a request that found no room this long is recorded as an error (no run hangs on one)
@@ -67,6 +71,21 @@ def serve_request(model: DistributedModelForCausalLM, request: dict, started_at:
     with lock:
         out.write(json.dumps(record) + "\n")
         out.flush()
+
+
+def run_replay(network: EmulatedNetwork, initial_peers: list[str], model: str, requests: Path, out: Path,
+               log_dir: Path, timeout_s: float, *options: str) -> None:
+    """Runs this client in `network`'s host "client" on `requests` (plus `options`) until it printed `done`."""
+    client = network.spawn(
+        "client", [sys.executable, str(Path(__file__).resolve()), "--model", model, "--initial-peers", *initial_peers,
+                   "--requests", str(requests), "--out", str(out), *options],
+        name="client", log_dir=log_dir, env={"OMP_WAIT_POLICY": "PASSIVE"},
+    )
+    try:
+        client.wait_for_line("ready", 300)
+        client.wait_for_line("done", timeout_s)
+    finally:
+        client.stop()
 
 
 def trace_requests(path: Path, count: int, rate_per_s: float, *, offset: int = 0, prompt_scale: float = 1.0,

@@ -197,10 +197,12 @@ def test_chains_through_the_packings_standbys_get_new_sessions_last_and_a_new_pl
         first = await table.request(9, 0.0)[1]
         assert first.chain == slow
         table.install([fast, slow], 1.0)  # a re-plan: `a` is still a standby
-        assert (await table.request(9, 1.0)[1]).chain == fast  # the only free slot left: the standby takes it
+        second = await table.request(9, 1.0)[1]
+        assert second.chain == fast  # the only free slot left: the standby takes it rather than queue the session
         table.release(first.lease_id, 2.0)
-        table.set_standby(set())
-        assert table.service_time_ms(1) == 30.0
+        table.release(second.lease_id, 2.0)
+        table.set_standby(set())  # `a` takes sessions again: the fastest chain first
+        assert (await table.request(9, 3.0)[1]).chain == fast
 
     asyncio.run(body())
 

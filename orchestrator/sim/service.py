@@ -84,15 +84,15 @@ class SharedService:
         self._rerate()
 
     def next_end_ms(self) -> float:
-        ending = self._next()
-        return math.inf if ending is None else self._now_ms + ending.left / ending.rate_per_ms
+        job = self._next()
+        return math.inf if job is None else self._end_ms(self._running[job])
 
     def finish(self) -> tuple[float, int]:
-        ending = self._next()
-        if ending is None:
+        job = self._next()
+        if job is None:
             raise ValueError("no job runs")
-        end_ms = self._now_ms + ending.left / ending.rate_per_ms
-        job = next(job for job, running in self._running.items() if running is ending)
+        ending = self._running[job]
+        end_ms = self._end_ms(ending)
         self._advance(end_ms)
         del self._running[job]
         self._server_jobs.subtract(ending.route.servers)
@@ -106,8 +106,13 @@ class SharedService:
         return running.size * loaded_service_time_ms(route.service_time_ms, route.servers, route.blocks_per_server,
                                                      self._slopes, others)
 
-    def _next(self) -> _Running | None:
-        return min(self._running.values(), key=lambda r: (r.left / r.rate_per_ms, r.order), default=None)
+    def _end_ms(self, running: _Running) -> float:
+        return self._now_ms + running.left / running.rate_per_ms
+
+    def _next(self) -> int | None:
+        """Gives the running job that ends first (ties: the one started first)."""
+        return min(self._running, key=lambda job: (self._end_ms(self._running[job]), self._running[job].order),
+                   default=None)
 
     def _advance(self, now_ms: float) -> None:
         elapsed = now_ms - self._now_ms
