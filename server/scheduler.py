@@ -5,10 +5,10 @@ As vLLM's scheduler does, each batch is formed when the previous one ends, under
 order. A long prompt thus prefills chunk by chunk while the other sessions' decode steps ride along in every batch.
 A step that arrives on an idle server starts at once: there is no batching window. A step that arrives while a
 batch computes joins it at the next block boundary, after catching up through the blocks the batch has passed
-(`ForwardPass.join`), as long as the batch is in its first half or computes a prefill chunk; otherwise it waits for
-the next batch. Before a chunk computes, its session takes the pages it will write; a session that cannot get them
-fails alone (`ServerBusy`). A batch that raises is computed again step by step, so one bad step fails only its own
-session.
+(`ForwardPass.join`), when that catch-up costs the batch's steps less than the step would wait
+(`StepScheduler._worth_joining`); otherwise it waits for the next batch. Before a chunk computes, its session takes
+the pages it will write; a session that cannot get them fails alone (`ServerBusy`). A batch that raises is computed
+again step by step, so one bad step fails only its own session.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # tokens through SmolLM2's blocks (0.99 ms/token, as at 256 and 512; 1.14 at 64), so larger chunks only delay the
 # decode steps beside them. GPUs need far more tokens to fill; 2048 is vLLM's default for chunked prefill.
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 128, "cuda": 2048}
-MAX_JOIN_PROGRESS = 0.5  # a computing batch takes in new steps until it has passed this share of its blocks
+COMPUTE_BOUND_PACE = 2.0  # a pass this many times slower per block than a lone row is bound by compute
 MAX_ADMIT_PASSES = 8  # event loop passes that may hand over already-received steps before a batch forms
 RECENT_WINDOW_S = 1.0  # open sessions that stepped this recently count as active
 
@@ -53,6 +53,7 @@ class _Pass:
     prefill: bool = False  # whether it computes a prefill chunk
     blocks: int = 0
     blocks_done: int = 0  # written by the compute thread, read by the loop
+    started_s: float = 0.0  # when the compute thread started it (perf_counter), 0 before
     closed: bool = False
     joining: list[tuple[Step, int, torch.Tensor, PagedBatch]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -116,10 +117,7 @@ class StepScheduler:
         """Hands `step` (or a chunk of it) to the batch computing now, if it fits its budget and progress."""
         if step.session.closed:
             return
-        # A batch of decode steps takes in late ones only while it has far to go, so that it is not held up; a
-        # batch with a prefill chunk takes decode steps at any block: they would wait a whole chunk otherwise.
-        late = running.blocks_done > MAX_JOIN_PROGRESS * running.blocks
-        if late and not (running.prefill and step.tokens == 1):
+        if not self._worth_joining(running):
             return
         take = min(step.remaining, (self.max_batch_tokens - running.tokens) // step.rows)
         if take < 1:
@@ -136,6 +134,31 @@ class StepScheduler:
             running.joining.append((step, take, hidden, paged))
             running.tokens += take * step.rows
         self.sessions.enter_batch(step.session)
+
+    def _worth_joining(self, running: _Pass) -> bool:
+        """Gives whether a step should join the batch computing now rather than wait for the next one.
+
+        Joining makes the batch's steps wait while the new one catches up through the k blocks passed, each at a
+        lone row's time (`block_compute_ms`: decode reads a block's parameters whatever the rows, so one row costs
+        about what a batch does); waiting makes the step ride the next pass. It joins when that catch-up, summed
+        over the batch's steps and itself, (steps + 1) x k x block_compute_ms, is at most the next pass, taken at
+        this pass's pace so far; and always when other steps already wait to catch up at the next block boundary,
+        since they catch up in one pass, which one more row hardly lengthens. A decode batch thus takes a late step
+        while few steps wait on it and it has far to go ((steps + 1) x k <= blocks where a row costs what the batch
+        does: k <= blocks / 2 for one step). A prefill chunk's batch that is compute-bound (at least
+        COMPUTE_BOUND_PACE x a lone row's time per block: a CPU) takes decode steps at any block: the next batch
+        holds the prompt's next chunk, so a step that waited could lose two chunks' time, against a catch-up that is
+        small next to one chunk. A GPU's chunk costs about a decode step (its compute hides under the parameters'
+        traffic): its batch takes steps as a decode batch does."""
+        done = running.blocks_done
+        with running.lock:
+            steps, cohort = len(running.items), bool(running.joining)
+        if done == 0 or running.started_s == 0.0 or cohort:  # nothing to catch up, or one more row of a catch-up
+            return True
+        pace_ms = (time.perf_counter() - running.started_s) * 1000 / done
+        if running.prefill and pace_ms >= COMPUTE_BOUND_PACE * self.block_compute_ms:
+            return True
+        return (steps + 1) * done * self.block_compute_ms <= running.blocks * pace_ms
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Gives whether every queued step finished within `timeout_s`."""
@@ -324,6 +347,8 @@ class StepScheduler:
         """Gives the pass's output rows (the batch's, then each joined step's) and its compute time in ms. Between
         two blocks it takes in the steps that `running` collected meanwhile."""
         started = time.perf_counter()
+        if running is not None:
+            running.started_s = started
         forward_pass = ForwardPass(self.blocks, self.kv, hidden, batch)
         held_ms = 0.0  # an emulated GPU's time for the blocks done so far
         while True:

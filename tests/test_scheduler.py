@@ -223,6 +223,37 @@ def test_a_session_closed_while_its_batch_computes_gets_its_pages_back_after_it(
     scenario(body)
 
 
+def test_a_late_step_joins_only_when_its_catch_up_costs_the_batch_less_than_it_would_wait(tiny_llama: Path) -> None:
+    """block_compute_ms 1 ms (a lone row); a pass of 8 blocks. The rule: (steps + 1) x blocks done x 1 ms <= 8 x the
+    pass's pace per block so far, except in a compute-bound prefill chunk's batch."""
+    import time
+
+    from server.scheduler import _Pass
+
+    async def body() -> None:
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=64)
+        session = engine.open("a")
+        result = asyncio.get_running_loop().create_future()
+        item = (Step(session, "0", torch.zeros(1, 1, HIDDEN), result), 1)
+
+        def joins(steps: int, done: int, pace_ms: float, prefill: bool = False) -> bool:
+            running = _Pass(items=[item] * steps, tokens=steps, blocks=8, blocks_done=done, prefill=prefill)
+            running.started_s = time.perf_counter() - done * pace_ms / 1000
+            return engine.scheduler._worth_joining(running)
+
+        assert joins(7, 0, 1.0)  # nothing passed: nothing to catch up
+        assert joins(1, 4, 1.0) and not joins(1, 5, 1.0)  # one step at a decode pace: up to half the blocks
+        assert joins(3, 2, 1.0) and not joins(3, 3, 1.0)  # four to hold up: a quarter
+        assert joins(1, 7, 5.0) and not joins(7, 7, 5.0)  # a decode batch five times slower per block
+        assert joins(7, 7, 5.0, prefill=True)  # a compute-bound chunk: at any block, or wait for the next chunk
+        assert not joins(7, 7, 1.2, prefill=True) and joins(1, 4, 1.2, prefill=True)  # a GPU's chunk: as decode
+        running = _Pass(items=[item] * 7, tokens=7, blocks=8, blocks_done=7, started_s=time.perf_counter() - 0.007)
+        running.joining.append((item[0], 1, torch.zeros(1, HIDDEN), None))  # type: ignore[arg-type]
+        assert engine.scheduler._worth_joining(running)  # a catch-up is forming: one more row rides it
+
+    scenario(body)
+
+
 def test_a_step_that_arrives_while_a_batch_computes_joins_it_between_two_blocks(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
