@@ -205,8 +205,9 @@ class RemoteInferenceSession:
         )
         return _SpanSession(span, connection, str(reply["session_id"]))
 
-    async def step(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Gives the hidden states after the last block for `hidden` ([batch, new tokens, hidden])."""
+    async def step(self, hidden: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+        """Gives the hidden states after the last block for `hidden` ([batch, new tokens, hidden]); with `last_only`,
+        for its last token only (the last server sends back one row per sequence, not a prompt's every row)."""
         if self.closed:
             raise SessionNotFound("this inference session is closed")
         new_tokens = hidden.shape[1]
@@ -231,7 +232,8 @@ class RemoteInferenceSession:
                     continue  # retry the same span index with the replacement servers
                 # No push here: a prefill would cross each link twice (push and client), and a pushed step that
                 # stopped midway goes on from the client anyway.
-                output = await self._call_step(span_session, hidden, step_id=f"{self.position}")
+                output = await self._call_step(span_session, hidden, step_id=f"{self.position}",
+                                               last_only=last_only and index == len(self.spans) - 1)
             except SessionMoved as moved:
                 moves_this_step += 1
                 if moves_this_step > MAX_MOVES_PER_STEP:
@@ -556,17 +558,18 @@ class InferenceSession:
         *,
         on_output: Callable[[], None] | None = None,
         before_send: Callable[[], Awaitable[None]] | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """Gives the hidden states after the last block for the new tokens' input hidden states. On the client's
-        loop, `before_send` is awaited before the step is sent, and `on_output` runs the moment the output arrives,
-        before this thread wakes up."""
+        """Gives the hidden states after the last block for the new tokens' input hidden states (with `last_only`,
+        for the last token only). On the client's loop, `before_send` is awaited before the step is sent, and
+        `on_output` runs the moment the output arrives, before this thread wakes up."""
         if on_output is None and before_send is None:
-            return self.client.run(self.remote.step(hidden))
+            return self.client.run(self.remote.step(hidden, last_only=last_only))
 
         async def step_on_loop() -> torch.Tensor:
             if before_send is not None:
                 await before_send()
-            output = await self.remote.step(hidden)
+            output = await self.remote.step(hidden, last_only=last_only)
             if on_output is not None:
                 on_output()
             return output

@@ -110,7 +110,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             new_ids = input_ids[:, seen:]
             if new_ids.shape[1] == 0:
                 raise ValueError("forward called without new tokens for the active session")
-            hidden, sent_on = self._step(session, new_ids)
+            # generate() keeps the last token's logits only: the last server then sends back one row, not a
+            # prompt's every row (half a prefill's bytes on the client's link)
+            hidden, sent_on = self._step(session, new_ids, last_only=logits_to_keep == 1)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         if session is None:
@@ -119,11 +121,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         group = sent_on if sent_on is not None else chain_of(session)
         return CausalLMOutputWithPast(logits=self.batched_head.logits(hidden, group, sent=sent_on is not None))
 
-    def _step(self, session: InferenceSession, new_ids: torch.Tensor) -> tuple[torch.Tensor, Chain | None]:
-        """Gives the swarm's output for `new_ids`, and for a decode step the chain it was announced on to the batched
-        head, which keeps the threads of this process that use one chain in step."""
+    def _step(self, session: InferenceSession, new_ids: torch.Tensor, *, last_only: bool = False
+              ) -> tuple[torch.Tensor, Chain | None]:
+        """Gives the swarm's output for `new_ids` (with `last_only`, for the last token only), and for a decode step
+        the chain it was announced on to the batched head, which keeps the threads of this process that use one
+        chain in step."""
         if new_ids.shape[1] != 1:
-            return session.step(self.head.embed(new_ids)), None
+            return session.step(self.head.embed(new_ids), last_only=last_only), None
         returned = False
         group = chain_of(session)
 

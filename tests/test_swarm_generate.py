@@ -74,6 +74,17 @@ def test_logits_match_local_model_through_four_servers(llama_remote, llama_local
         assert [span.peer_id for span in session.route] and len(session.route) == 4
 
 
+def test_a_step_for_the_last_token_only_gets_one_row_back_equal_to_the_full_steps_last(llama_remote) -> None:
+    """generate() keeps only the last token's logits, so its prompt step asks the last server for that row alone."""
+    hidden = llama_remote.head.embed(prompt(8, 12))
+    with llama_remote.inference_session(max_length=16) as full, llama_remote.inference_session(max_length=16) as last:
+        every_row = full.step(hidden)
+        last_row = last.step(hidden, last_only=True)
+        assert last_row.shape == (1, 1, every_row.shape[-1]) and last.position == full.position == 12
+        torch.testing.assert_close(last_row, every_row[:, -1:], rtol=0, atol=0)
+        assert last.step(every_row[:, -1:]).shape == (1, 1, every_row.shape[-1])  # the session goes on from there
+
+
 def test_greedy_tokens_match_local_model(llama_remote, llama_local) -> None:
     for seed in (1, 2):
         input_ids = prompt(seed)
