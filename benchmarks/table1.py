@@ -94,6 +94,7 @@ REFERENCE_BLOCK_GB, REFERENCE_KV_GB_PER_TOKEN = 0.404, 2 * 32 * 128 * 2 / 1e9  #
 # swarm-sim's policy for each method: PETALS as the live clients wait (back off and route again, not queued on a path);
 # "petals-paper" is the paper's PETALS (it waits on its path holding slots), printed for comparison
 SIM_POLICY = {"petals": "petals-retry", "proposed-paper": "proposed", "petals-paper": "petals"}
+ANNOUNCE_PERIOD_S = 10.0  # servers re-announce their records this often (in the dilated run's seconds)
 PETALS_CACHE_JOBS = 2  # Petals' attention cache: 2 sessions of the maximum length (as swarm-sim's PETALS)
 # Every server reserves KV for a session's whole max_length as it opens (a headroom of --max-length tokens: a
 # session's expected pages are those of min(max_length, position + 8192)), as the paper's and Petals' servers do.
@@ -159,7 +160,7 @@ def run_method(method: str, args: argparse.Namespace, topology: Topology, model:
     started = time.monotonic()
     note = ""
     with EmulatedNetwork(topology, run_id=f"t1{os.getpid()}{method[:3]}") as network, \
-            SwarmProcesses(workdir, announce_period_s=10.0, record_ttl_s=30.0) as swarm:
+            SwarmProcesses(workdir, announce_period_s=ANNOUNCE_PERIOD_S, record_ttl_s=30.0) as swarm:
         swarm.start_dht(host=network.address("dht"), launcher=network.command("dht", []))
 
         def server(host: str, *extra: str, wait: bool = True):  # type: ignore[no-untyped-def]
@@ -275,7 +276,8 @@ def sim_model(topology: Topology, jobs: JobSizes, *, petals: bool = False) -> Sw
         tau_p = jobs.prompt_tokens * prefill + jobs.output_tokens * profile.decode_ms(1)
         tau_c = (jobs.output_tokens + 1) * topology.rtt("client", host)
         slope = (profile.decode_ms(32) - profile.decode_ms(1)) / 31  # `live_model.decode_slope_ms` of its record
-        servers.append(ServerSpec(host, pages * PAGE_BYTES / 1e9, tau_c, tau_p, jobs.output_tokens * slope))
+        servers.append(ServerSpec(host, pages * PAGE_BYTES / 1e9, tau_c, tau_p, jobs.output_tokens * slope,
+                                  jobs.prompt_tokens * prefill))
     return SwarmModel(ModelSpec(NUM_BLOCKS, block_pages * PAGE_BYTES / 1e9, job_pages * PAGE_BYTES / 1e9),
                       tuple(servers))
 
@@ -308,23 +310,26 @@ def sim_workload(requests: list[dict], topology: Topology) -> Workload:
     tokens_per_page = PAGE_BYTES // KV_BYTES_PER_TOKEN
     units = np.array([kv_pages_for(r["prompt_tokens"] + r["output_tokens"], tokens_per_page) for r in requests])
     arrivals = np.array([r["at_s"] * 1000 for r in requests])
+    prompts = np.array([r["prompt_tokens"] for r in requests], dtype=float)
     return Workload(arrivals - arrivals[0], work / work.mean(), f"{len(requests)} replayed requests",
-                    units / kv_pages_for(MAX_SEQUENCE, tokens_per_page))
+                    units / kv_pages_for(MAX_SEQUENCE, tokens_per_page), prompts / prompts.mean())
 
 
 def simulate(method: str, view: SwarmModel, workload: Workload, seed: int, world: dict[str, float] | None,
-             petals_blocks: Placement | None = None) -> float:
+             petals_blocks: Placement | None = None, record_period_ms: float = 0.0) -> float:
     """Gives swarm-sim's mean response (s) for `method` on the replayed requests. The policies see `view` (the live
     orchestrator's model; proposed-paper ranks without its slopes); jobs run in `view` with the batch slopes of
     `world` (None: the paper's fixed service times, and no slopes anywhere). PETALS runs on `petals_blocks`, the
-    blocks its live servers chose, when known (else on the placement swarm-sim's PETALS would choose)."""
+    blocks its live servers chose, when known (else on the placement swarm-sim's PETALS would choose); its clients
+    route on records announced every `record_period_ms` (emulated)."""
     rate_per_ms = (len(workload.arrivals_ms) - 1) / float(workload.arrivals_ms[-1])
     policy = SIM_POLICY.get(method, method)
     ranking = view if world is not None and method != "proposed-paper" else view.with_batch_slopes({})
-    swarm = view.with_batch_slopes(world or {})
+    swarm = view.with_batch_slopes(world) if world is not None else view.paper_model()
     if policy in ("petals", "petals-retry") and petals_blocks is not None:
-        routing = PetalsRetry if policy == "petals-retry" else PetalsRouting
-        result: RunResult | Exception = run(routing(swarm, petals_blocks, job_units=workload.units), workload, swarm)
+        routing = PetalsRetry(swarm, petals_blocks, job_units=workload.units, record_period_ms=record_period_ms) \
+            if policy == "petals-retry" else PetalsRouting(swarm, petals_blocks, job_units=workload.units)
+        result: RunResult | Exception = run(routing, workload, swarm)
     else:
         result = run_policy(policy, swarm, workload, rate_per_ms, 0.7, seed, warmup_jobs=0, ranking=ranking)
     if isinstance(result, Exception):
@@ -392,8 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for method, row in measured.items():
         spec = petals_spec if method == "petals" else model_spec
-        sim_mean = simulate(method, spec, workload, args.seed, world, petals_blocks)
-        fixed_mean = simulate(method, spec, workload, args.seed, None, petals_blocks)
+        period_ms = ANNOUNCE_PERIOD_S * 1000 / args.dilation
+        sim_mean = simulate(method, spec, workload, args.seed, world, petals_blocks, period_ms)
+        fixed_mean = simulate(method, spec, workload, args.seed, None, petals_blocks, period_ms)
         mean = statistics.mean(row.response_s) if row.response_s else math.nan
         paper = PAPER.get(method)
         response = row.response_s

@@ -7,10 +7,11 @@ one thread per request.
 Each request `{id, at_s, prompt_tokens, output_tokens}` starts `at_s` after the replay starts: it opens a session
 (through the orchestrator's JFFC queue, or by routing over DHT records with Petals' retry and exponential backoff
 while no server has room, its delays stretched by the run's time dilation) and generates exactly `output_tokens`
-greedy tokens. One JSON line per request: `{id, arrival_s, arrival_wall, started_s, ended_s, failovers, first_route,
-route, error}`: waiting = started - arrival, service = ended - started; `first_route` is the chain the session
-opened on, `route` the one it ended on; `arrival_wall` is the arrival by the wall clock. With `--servers-out`, each
-server's batch statistics at the end.
+greedy tokens. One JSON line per request: `{id, arrival_s, arrival_wall, started_s, first_token_s, ended_s,
+closed_s, failovers, first_route, route, error}`: waiting = started - arrival, service = ended - started (its first
+token at first_token_s, its last at ended_s; the session closed, its servers and lease released, at closed_s);
+`first_route` is the chain the session opened on, `route` the one it ended on; `arrival_wall` is the arrival by the
+wall clock. With `--servers-out`, each server's batch statistics at the end.
 Prints `ready` once connected and `done` at the end.
 """
 
@@ -40,6 +41,22 @@ MAX_WAIT_S = 1200.0  # a request that found no room this long is recorded as an 
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 8.0  # Petals' client retries a full swarm with exponential backoff (emulated s)
 
 
+class _FirstToken:
+    """A `generate()` streamer that notes when the first new token arrives (its first `put` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
 def serve_request(model: DistributedModelForCausalLM, request: dict, started_at: float, out, lock,
                   dilation: float) -> None:
     arrival_s = time.perf_counter() - started_at
@@ -60,12 +77,16 @@ def serve_request(model: DistributedModelForCausalLM, request: dict, started_at:
                 backoff_s = min(BACKOFF_MAX_S * dilation, backoff_s * 2)
         record["started_s"] = time.perf_counter() - started_at
         record["first_route"] = [span.peer_id for span in session.route]
+        first_token = _FirstToken()
         with session:
             model.generate(input_ids, session=session, max_new_tokens=output, min_new_tokens=output,
-                           do_sample=False)
+                           do_sample=False, streamer=first_token)
+            record["ended_s"] = time.perf_counter() - started_at  # the last token is the user's: the response ends
+            if first_token.at is not None:
+                record["first_token_s"] = first_token.at - started_at
             record["failovers"] = session.failovers
             record["route"] = [span.peer_id for span in session.route]
-        record["ended_s"] = time.perf_counter() - started_at
+        record["closed_s"] = time.perf_counter() - started_at  # the session closed (and its lease released)
     except Exception as error:  # recorded, the replay goes on
         record["error"] = f"{type(error).__name__}: {error}"
     with lock:

@@ -13,6 +13,8 @@ GBP-CR, GCA, the tuning of c and JFFC take (spec: `shared/specs/chain-compositio
 - tau_p_batch[j] (our extension, `ServerSpec.tau_p_batch_ms`): how much tau_p grows per other job the server
   batches with it: output tokens x the measured decode step's growth per row (between the smallest and the largest
   batch the record announces);
+- tau_p_prefill[j] (our extension, `ServerSpec.tau_p_prefill_ms`): the prompt's part of tau_p, which jobs
+  prefilling on the server at once share (the simulator's world; policies rank by tau_p);
 - tau_c[j]: one job's communication with server j: one round trip per output token plus one for the prompt
   (every step of a job crosses the link), at the measured RTT. The paper counts one RTT + 18 ms per job, which
   fits its relayed setting; ours is what a job's steps actually wait for.
@@ -108,13 +110,15 @@ def replay_prefill_ms_per_token(record: ServerRecord, tokens: int) -> float:
 
 
 def server_spec(record: ServerRecord, rtt_ms: float, jobs: JobSizes, *, batching: bool = True) -> ServerSpec:
-    """Gives server j of the model: its memory, tau_c, tau_p and (with `batching`) tau_p_batch for the mean job."""
-    tau_p = jobs.prompt_tokens * prefill_ms_per_token(record) + jobs.output_tokens * decode_step_ms(record, 1)
+    """Gives server j of the model: its memory, tau_c, tau_p and (with `batching`) tau_p_batch and tau_p_prefill for
+    the mean job."""
+    prefill = jobs.prompt_tokens * prefill_ms_per_token(record)
+    tau_p = max(prefill + jobs.output_tokens * decode_step_ms(record, 1), MIN_TIME_MS)
     tau_c = (jobs.output_tokens + 1) * max(rtt_ms, 0.0)
     return ServerSpec(
-        name=record.peer_id, memory_gb=record.pages_total * record.page_bytes / GB, tau_c_ms=tau_c,
-        tau_p_ms=max(tau_p, MIN_TIME_MS),
+        name=record.peer_id, memory_gb=record.pages_total * record.page_bytes / GB, tau_c_ms=tau_c, tau_p_ms=tau_p,
         tau_p_batch_ms=jobs.output_tokens * decode_slope_ms(record) if batching else 0.0,
+        tau_p_prefill_ms=min(prefill, tau_p) if batching else 0.0,
     )
 
 

@@ -8,7 +8,9 @@
 `block_gb` is one block's parameters, `cache_gb` one block's KV cache for one job; `tau_c_ms` is a job's whole
 communication time with the server and `tau_p_ms` its whole computation time through one block (alone on the
 server); the optional `tau_p_batch_ms` (default 0, the paper's model) is how much `tau_p_ms` grows per other job the
-server runs at once, and makes JFFC and the simulator load-dependent; `arrival_rate` is in jobs per second;
+server runs at once, and makes JFFC and the simulator load-dependent; the optional `tau_p_prefill_ms` (default 0) is
+the prompt's share of `tau_p_ms`, which jobs prefilling on the server at once share in the simulator;
+`arrival_rate` is in jobs per second;
 `rho_bar` (default 0.7) is the target maximum load.
 """
 
@@ -18,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.swarm_model import ModelSpec, ServerSpec, SwarmModel, per_ms
 
@@ -47,6 +49,14 @@ class ServerEntry(_Strict):
     tau_p_ms: float = Field(gt=0, allow_inf_nan=False, description="computation time of one job per block, ms")
     tau_p_batch_ms: float = Field(default=0.0, ge=0, allow_inf_nan=False,
                                   description="growth of tau_p_ms per other job on the server, ms")
+    tau_p_prefill_ms: float = Field(default=0.0, ge=0, allow_inf_nan=False,
+                                    description="the prompt's prefill share of tau_p_ms, ms")
+
+    @model_validator(mode="after")
+    def _prefill_within_tau_p(self) -> ServerEntry:
+        if self.tau_p_prefill_ms > self.tau_p_ms:
+            raise ValueError(f"tau_p_prefill_ms {self.tau_p_prefill_ms} exceeds tau_p_ms {self.tau_p_ms}")
+        return self
 
 
 class SwarmSpec(_Strict):
@@ -70,7 +80,8 @@ class SwarmSpec(_Strict):
     def swarm(self) -> SwarmModel:
         """Gives the swarm model (servers in the spec's order)."""
         model = ModelSpec(self.model.blocks, self.model.block_gb, self.model.cache_gb)
-        servers = tuple(ServerSpec(s.name, s.memory_gb, s.tau_c_ms, s.tau_p_ms, s.tau_p_batch_ms) for s in self.servers)
+        servers = tuple(ServerSpec(s.name, s.memory_gb, s.tau_c_ms, s.tau_p_ms, s.tau_p_batch_ms, s.tau_p_prefill_ms)
+                        for s in self.servers)
         return SwarmModel(model, servers)
 
     @property

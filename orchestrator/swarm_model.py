@@ -34,6 +34,9 @@ class ServerSpec:
     `tau_p_batch_ms` is how much tau_p grows for each other job the server runs at the same time (its decode steps
     share batches: a batch of n costs a + b * n per block, so a job's tau_p at n jobs is tau_p + (n - 1) * output
     tokens * b). The paper's model has none (a chain runs c jobs at the speed of one): 0, the default, is that model.
+    `tau_p_prefill_ms` is the prompt's share of tau_p: the engine's token budget lets one prompt chunk into each
+    batch, so jobs that prefill on a server at once share its prefill (the simulator's `SharedService`); 0, the
+    default, is the paper's model, where a job's time is one piece. Policies rank by tau_p alone.
     """
 
     name: str
@@ -41,13 +44,15 @@ class ServerSpec:
     tau_c_ms: float  # communication time of one job to this server
     tau_p_ms: float  # computation time of one job through one block, alone on the server
     tau_p_batch_ms: float = 0.0  # growth of tau_p per other job running on the server at once
+    tau_p_prefill_ms: float = 0.0  # the part of tau_p that is the prompt's prefill (one chunk per batch)
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a server needs a non-empty name")
-        if not (self.memory_gb >= 0 and self.tau_c_ms >= 0 and self.tau_p_ms > 0 and self.tau_p_batch_ms >= 0):
-            raise ValueError(f"server {self.name!r}: memory_gb >= 0, tau_c_ms >= 0, tau_p_ms > 0 and "
-                             "tau_p_batch_ms >= 0 are required")
+        if not (self.memory_gb >= 0 and self.tau_c_ms >= 0 and self.tau_p_ms > 0 and self.tau_p_batch_ms >= 0
+                and 0 <= self.tau_p_prefill_ms <= self.tau_p_ms):
+            raise ValueError(f"server {self.name!r}: memory_gb >= 0, tau_c_ms >= 0, tau_p_ms > 0, "
+                             "tau_p_batch_ms >= 0 and 0 <= tau_p_prefill_ms <= tau_p_ms are required")
 
     def job_time_ms(self, blocks: int, others: int = 0) -> float:
         """Gives tau_c + (tau_p + others * tau_p_batch) * blocks: the time one job spends here when it runs `blocks`
@@ -92,6 +97,11 @@ class SwarmModel:
     def with_batch_slopes(self, slopes_ms: Mapping[str, float]) -> SwarmModel:
         """Gives this swarm with each server's tau_p_batch set from `slopes_ms` (0 for servers it leaves out)."""
         return SwarmModel(self.model, tuple(replace(server, tau_p_batch_ms=slopes_ms.get(server.name, 0.0))
+                                            for server in self.servers))
+
+    def paper_model(self) -> SwarmModel:
+        """Gives this swarm as the paper models it: no batch slopes and no prefill shares (fixed service times)."""
+        return SwarmModel(self.model, tuple(replace(server, tau_p_batch_ms=0.0, tau_p_prefill_ms=0.0)
                                             for server in self.servers))
 
 

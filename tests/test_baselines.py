@@ -121,6 +121,20 @@ def test_petals_retry_backs_off_and_takes_freed_slots_only_when_it_asks_again():
     assert policy.waiting == 0
 
 
+def test_petals_retry_routes_on_records_as_last_announced_and_backs_off_until_one_shows_the_server_full():
+    """Two one-slot servers, records every 1 s (a at 0, 1000, ...; b at 500, 1500, ...): job 1 keeps picking the
+    fast server its stale record shows free, until a's record of 1000 shows it full."""
+    swarm = SwarmModel(ModelSpec(1, 1.0, 1.0), (ServerSpec("a", 2.0, 0.0, 2000.0), ServerSpec("b", 2.0, 0.0, 3000.0)))
+    workload = Workload(np.array([0.0, 10.0]), np.ones(2), "two jobs")
+    stale = PetalsRetry(swarm, Placement({"a": (1, 1), "b": (1, 1)}), record_period_ms=1000.0)
+    result = simulate(stale, workload, swarm)
+    assert result.start_ms.tolist() == [0.0, 1510.0]  # tried a at 10 and 510 (backoffs 500, 1000), then b
+    fresh = simulate(PetalsRetry(swarm, Placement({"a": (1, 1), "b": (1, 1)})), workload, swarm)
+    assert fresh.start_ms.tolist() == [0.0, 10.0]  # the true free slots: b at once
+    with pytest.raises(ValueError, match="record_period_ms"):
+        PetalsRetry(swarm, Placement({"a": (1, 1), "b": (1, 1)}), record_period_ms=-1.0)
+
+
 def test_petals_servers_admit_each_job_by_its_own_kv_and_the_engine_counts_the_same():
     """A server of 2 slots (jobs of s_c): jobs of half and a quarter of s_c share it, one of a whole s_c waits."""
     swarm = SwarmModel(ModelSpec(1, 1.0, 1.0), (ServerSpec("one", 3.0, 0.0, 1000.0),))

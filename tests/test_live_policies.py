@@ -51,6 +51,7 @@ def test_records_become_the_policy_model_in_whole_pages_and_per_job_times() -> N
     measured = record("a", decode_ms=1.0).model_copy(update={"block_prefill_ms_per_token": 0.05})
     (a,) = swarm_model({"a": measured}, {"a": 5.0}, jobs, 32).servers
     assert a.tau_p_ms == pytest.approx(100 * 0.05 + 28 * 1.0)
+    assert a.tau_p_prefill_ms == pytest.approx(100 * 0.05)  # the prompt's share, which prefills on a server share
     # a replay's prefill: the measured time grows with the history, so a prompt's mean is the time at its middle
     assert replay_prefill_ms_per_token(measured, 2000) == pytest.approx(0.05)  # no long-history measurement
     long = measured.model_copy(update={"block_prefill_ms_per_token_long": 0.05 + 0.1})
@@ -63,7 +64,7 @@ def test_the_decode_growth_by_batch_size_becomes_tau_p_batch_unless_the_model_is
     (a,) = swarm_model({"a": record("a", decode_ms=1.0)}, {"a": 5.0}, jobs, 32).servers
     assert a.tau_p_batch_ms == pytest.approx(28 * (4.0 - 1.0) / (8 - 1))  # per output token, the step's slope
     (paper,) = swarm_model({"a": record("a", decode_ms=1.0)}, {"a": 5.0}, jobs, 32, batching=False).servers
-    assert paper.tau_p_batch_ms == 0.0 and paper.tau_p_ms == a.tau_p_ms
+    assert paper.tau_p_batch_ms == 0.0 and paper.tau_p_prefill_ms == 0.0 and paper.tau_p_ms == a.tau_p_ms
     alone = record("a").model_copy(update={"block_decode_ms": [BatchTiming(batch=1, ms=2.0)]})
     assert swarm_model({"a": alone}, {}, jobs, 32).servers[0].tau_p_batch_ms == 0.0  # one batch size: no slope
 

@@ -345,6 +345,37 @@ def test_shared_service_slows_jobs_by_the_batch_on_their_servers_and_speeds_them
     assert clock.next_end_ms() == math.inf
 
 
+def test_shared_service_makes_jobs_that_prefill_on_one_server_take_turns_and_lets_decodes_ride_along():
+    """One server, one block, tau_p = 10 ms alone of which 4 ms prefill, no slope: two jobs at t = 0, a third at 9."""
+    from orchestrator.sim.service import SharedService
+
+    swarm = SwarmModel(ModelSpec(1, 1.0, 1.0), (ServerSpec("k", 10.0, 0.0, 10.0, 0.0, 4.0),))
+    route = Route(("k",), (1,), 10.0)
+    clock = SharedService(swarm)
+    clock.start(0, route, 1.0, 0.0)
+    clock.start(1, route, 1.0, 0.0, prompt=0.5)  # half the mean prompt: 2 ms of prefill alone, 8 of decode
+    assert clock.finish() == (pytest.approx(4.0), None)  # job 1's prompt at half speed: a phase change, no end
+    assert clock.finish() == (pytest.approx(6.0), None)  # job 0's: 2 ms done by 4, the last 2 alone
+    clock.start(2, route, 1.0, 9.0)  # prefills alone while the other two decode: they do not slow it
+    assert clock.finish() == (pytest.approx(12.0), 0)  # 6 + 6 (ties end in start order)
+    assert clock.finish() == (pytest.approx(12.0), 1)  # 4 + 8
+    assert clock.finish() == (pytest.approx(13.0), None)
+    assert clock.finish() == (pytest.approx(19.0), 2)
+    assert clock.next_end_ms() == math.inf
+
+
+def test_the_simulator_ends_every_job_once_when_servers_share_prefills():
+    model = ModelSpec(blocks=1, block_gb=1.0, cache_gb=1.0)
+    swarm = SwarmModel(model, (ServerSpec("k", 6.0, 0.0, 10.0, 1.0, 4.0),))
+    chains = [Chain(("k",), (1,), 5, 10.0)]
+    workload = Workload(np.zeros(4), np.ones(4), "four at once", prompts=np.array([1.0, 0.0, 2.0, 1.0]))
+    result = simulate(JFFCPolicy(chains, Placement({"k": (1, 1)})), workload, swarm)
+    # prefills alone 4, 0, 8, 4 ms: three take turns; the prompt-less job decodes from the start, beside no decode
+    assert np.all(result.end_ms > 0) and len(set(result.end_ms.tolist())) >= 3
+    paper = simulate(JFFCPolicy(chains, Placement({"k": (1, 1)})), workload, swarm.paper_model())
+    assert paper.end_ms.tolist() == pytest.approx([10.0] * 4)
+
+
 def test_without_slopes_shared_service_ends_jobs_when_the_papers_fixed_service_does():
     from orchestrator.sim.service import FixedService, SharedService
 

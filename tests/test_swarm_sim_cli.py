@@ -141,6 +141,12 @@ def test_compose_names_the_bad_field_of_an_invalid_spec(tmp_path: Path, capsys: 
     assert "is not JSON" in capsys.readouterr().err
     assert main(["compose", str(tmp_path / "missing.json")]) == 2
     assert "cannot read swarm spec" in capsys.readouterr().err
+    too_much = dict(WORKED_SPEC, servers=[dict(WORKED_SPEC["servers"][0], tau_p_prefill_ms=11)])
+    assert main(["compose", str(write_spec(tmp_path, too_much))]) == 2
+    assert "servers[0]: Value error, tau_p_prefill_ms 11.0 exceeds tau_p_ms 10.0" in capsys.readouterr().err
+    shared = dict(WORKED_SPEC, servers=[dict(WORKED_SPEC["servers"][0], tau_p_prefill_ms=4, tau_p_batch_ms=1)])
+    server = load_swarm_spec(write_spec(tmp_path, shared)).swarm().servers[0]
+    assert (server.tau_p_prefill_ms, server.tau_p_batch_ms) == (4.0, 1.0)
 
 
 def test_analyze_through_the_console_script(tmp_path: Path) -> None:

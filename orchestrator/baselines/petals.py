@@ -21,7 +21,8 @@ for m_ij slots (Petals checks the server's whole span). Petals' periodic rebalan
 "petals-retry" routes the same way but waits as Petals' client (and ours) does, not on its path: a request whose
 route has a server without room holds nothing and tries again after an exponential backoff (first `backoff_ms`,
 doubling up to `max_backoff_ms`), routing afresh each time; a slot that frees goes to whoever asks first, not to
-the oldest request. This is the PETALS that `benchmarks/table1.py` runs live.
+the oldest request; with `record_period_ms` it routes on free slots as the servers' periodic records last announced
+them. This is the PETALS that `benchmarks/table1.py` runs live.
 """
 
 from __future__ import annotations
@@ -109,10 +110,14 @@ class PetalsRouting(PathPolicy):
         server = self.swarm.server(name)
         return petals_link_estimate_ms(server.tau_c_ms, server.tau_p_ms, count, self.overhead_ms)
 
+    def free_seen(self, name: str) -> float:
+        """Gives the free slots of `name` as the router sees them (here: as they are)."""
+        return self.slots_free[name]
+
     def choose(self, job: int, now_ms: float) -> Route:
         def cost(name: str, count: int) -> float:
             base = self.estimate_ms(name, count)
-            return base + (self.penalty_ms if self.slots_free[name] < self.holds(job, count) - SLOT_SLACK else 0.0)
+            return base + (self.penalty_ms if self.free_seen(name) < self.holds(job, count) - SLOT_SLACK else 0.0)
 
         found = self.graph.shortest_path(cost)
         assert found is not None  # the constructor checked that a path exists
@@ -121,28 +126,55 @@ class PetalsRouting(PathPolicy):
 
 class PetalsRetry(PetalsRouting):
     """PETALS whose requests wait as its clients do: a request that finds no room on its route holds nothing and
-    routes again after an exponential backoff (a `Waking` policy)."""
+    routes again after an exponential backoff (a `Waking` policy).
+
+    With `record_period_ms`, the router sees each server's free slots as its latest record announced them: server
+    k of n announces at k / n of the period, then every period (as live servers re-announce periodically), so
+    requests that arrive between two announcements may all pick a server that has filled since, and back off."""
 
     name = "petals-retry"
 
     def __init__(
         self, swarm: SwarmModel, placement: Placement, backoff_ms: float = RETRY_BACKOFF_MS,
         max_backoff_ms: float = RETRY_MAX_BACKOFF_MS, job_units: Callable[[int], float] | None = None,
+        record_period_ms: float = 0.0,
     ) -> None:
         if not 0 < backoff_ms <= max_backoff_ms:
             raise ValueError(f"backoff must satisfy 0 < first ({backoff_ms}) <= max ({max_backoff_ms})")
+        if record_period_ms < 0:
+            raise ValueError(f"record_period_ms must be >= 0, got {record_period_ms}")
         super().__init__(swarm, placement, job_units=job_units)
         self.backoff_ms, self.max_backoff_ms = backoff_ms, max_backoff_ms
+        self.record_period_ms = record_period_ms
         self._retries: list[tuple[float, int, int]] = []  # (when, job, attempts so far)
+        names = sorted(self.slots_free)
+        self._phase_ms = {name: record_period_ms * k / len(names) for k, name in enumerate(names)}
+        self._announced = {name: (self.slots_free[name], -math.inf) for name in names}  # (free slots, when)
 
     @property
     def waiting(self) -> int:
         return len(self._retries)
 
+    def free_seen(self, name: str) -> float:
+        return self._announced[name][0] if self.record_period_ms > 0 else self.slots_free[name]
+
+    def _announce(self, now_ms: float) -> None:
+        """Takes in the records announced since the last event: slots change only at events, so a record announced
+        between the last event and now carries the slots free now."""
+        if self.record_period_ms <= 0:
+            return
+        for name, (_, when) in self._announced.items():
+            phase = self._phase_ms[name]
+            latest = phase + math.floor((now_ms - phase) / self.record_period_ms) * self.record_period_ms
+            if latest > when:
+                self._announced[name] = (self.slots_free[name], latest)
+
     def arrive(self, job: int, now_ms: float) -> list[Start]:
+        self._announce(now_ms)
         return self._attempt(job, 0, now_ms)
 
     def complete(self, job: int, now_ms: float) -> list[Start]:
+        self._announce(now_ms)
         self._release(job, now_ms)
         return []  # nobody is handed the freed slots: the next request to try takes them
 
@@ -150,6 +182,7 @@ class PetalsRetry(PetalsRouting):
         return self._retries[0][0] if self._retries else None
 
     def wake(self, now_ms: float) -> list[Start]:
+        self._announce(now_ms)
         starts: list[Start] = []
         while self._retries and self._retries[0][0] <= now_ms:
             _, job, attempts = heapq.heappop(self._retries)

@@ -76,7 +76,7 @@ def simulate(policy: DispatchPolicy, workload: Workload, swarm: SwarmModel, *, w
             routes[job] = route
             start[job] = now
             chain_of[job] = -1 if route.chain is None else route.chain
-            clock.start(job, route, float(sizes[job]), now)
+            clock.start(job, route, float(sizes[job]), now, workload.prompt(job))
 
     waking = policy if isinstance(policy, Waking) else None
     next_arrival = 0
@@ -88,7 +88,10 @@ def simulate(policy: DispatchPolicy, workload: Workload, swarm: SwarmModel, *, w
         if min(arrival, completion, wake) == math.inf:
             break
         if completion <= min(arrival, wake):
-            now, job = clock.finish()
+            now, ended = clock.finish()
+            if ended is None:  # a job moved on to its decode phase
+                continue
+            job = ended
             end[job] = now
             route = routes.pop(job)
             for name, count in zip(route.servers, route.blocks_per_server, strict=True):

@@ -27,12 +27,15 @@ class Workload:
     `cache_units`, if given, is the KV each job holds per block as a share of the model's s_c (a job of half the
     planned tokens: 0.5); by default every job holds s_c, the paper's static reservation. Servers admit by it where
     policies route per request (PETALS, BPRR, Helix-style), as paged servers admit a session by its own length.
+    `prompts`, if given, is each job's prompt relative to the mean job's, which sets its prefill phase where servers
+    have a prefill share (`ServerSpec.tau_p_prefill_ms`); by default a job's prompt is in proportion to its size.
     """
 
     arrivals_ms: np.ndarray
     sizes: np.ndarray
     description: str
     cache_units: np.ndarray | None = None
+    prompts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.arrivals_ms.shape != self.sizes.shape or self.arrivals_ms.ndim != 1:
@@ -42,10 +45,16 @@ class Workload:
         if self.cache_units is not None and (self.cache_units.shape != self.sizes.shape
                                              or np.any(self.cache_units <= 0) or np.any(self.cache_units > 1)):
             raise ValueError("cache_units must give every job a share in (0, 1] of s_c")
+        if self.prompts is not None and (self.prompts.shape != self.sizes.shape or np.any(self.prompts < 0)):
+            raise ValueError("prompts must give every job a prompt size >= 0")
 
     def units(self, job: int) -> float:
         """Gives the share of s_c that `job` holds per block."""
         return 1.0 if self.cache_units is None else float(self.cache_units[job])
+
+    def prompt(self, job: int) -> float | None:
+        """Gives `job`'s prompt relative to the mean job's (None: in proportion to its size)."""
+        return None if self.prompts is None else float(self.prompts[job])
 
     @property
     def jobs(self) -> int:
