@@ -8,10 +8,12 @@ Each request `{id, at_s, prompt_tokens, output_tokens}` starts `at_s` after the 
 (through the orchestrator's JFFC queue, or by routing over DHT records with Petals' retry and exponential backoff
 while no server has room, its delays stretched by the run's time dilation) and generates exactly `output_tokens`
 greedy tokens. One JSON line per request: `{id, arrival_s, arrival_wall, started_s, first_token_s, ended_s,
-closed_s, failovers, first_route, route, error}`: waiting = started - arrival, service = ended - started (its first
-token at first_token_s, its last at ended_s; the session closed, its servers and lease released, at closed_s);
-`first_route` is the chain the session opened on, `route` the one it ended on; `arrival_wall` is the arrival by the
-wall clock. With `--servers-out`, each server's batch statistics at the end.
+closed_s, failovers, first_route, route, spans, error}`: waiting = started - arrival, service = ended - started
+(its first token at first_token_s, its last at ended_s; the session closed, its servers and lease released, at
+closed_s);
+`first_route` is the chain the session opened on, `route` the one it ended on; `spans` the client's timings per
+server (steps, summed round trips, and the compute time of the batches the server reported); `arrival_wall` is the
+arrival by the wall clock. With `--servers-out`, each server's batch statistics at the end.
 Prints `ready` once connected and `done` at the end.
 """
 
@@ -86,6 +88,8 @@ def serve_request(model: DistributedModelForCausalLM, request: dict, started_at:
                 record["first_token_s"] = first_token.at - started_at
             record["failovers"] = session.failovers
             record["route"] = [span.peer_id for span in session.route]
+            record["spans"] = [{"peer_id": span.peer_id, "steps": span.steps, "round_trip_ms": span.round_trip_ms,
+                                "compute_ms": span.compute_ms} for span in session.timings()]
         record["closed_s"] = time.perf_counter() - started_at  # the session closed (and its lease released)
     except Exception as error:  # recorded, the replay goes on
         record["error"] = f"{type(error).__name__}: {error}"
