@@ -119,6 +119,11 @@ def loaded_service_time_ms(
     return base_ms + extra
 
 
+# Jobs may hold fractions of a cache slot (their own KV as a share of s_c): sums of them taken in another order may
+# miss or exceed a whole slot in the last bits, so slot checks allow this much.
+SLOT_SLACK = 1e-9
+
+
 def server_slots(swarm: SwarmModel, placement: Placement) -> dict[str, int]:
     """Gives Mtilde_j (cache slots left after parameters) for every server that hosts blocks, by name."""
     return {name: placement.residual_slots(swarm, name) for name in placement.hosting()}

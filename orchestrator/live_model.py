@@ -118,7 +118,7 @@ def server_spec(record: ServerRecord, rtt_ms: float, jobs: JobSizes, *, batching
     return ServerSpec(
         name=record.peer_id, memory_gb=record.pages_total * record.page_bytes / GB, tau_c_ms=tau_c, tau_p_ms=tau_p,
         tau_p_batch_ms=jobs.output_tokens * decode_slope_ms(record) if batching else 0.0,
-        tau_p_prefill_ms=min(prefill, tau_p) if batching else 0.0,
+        tau_p_prefill_ms=prefill if batching else 0.0,
     )
 
 

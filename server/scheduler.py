@@ -53,7 +53,7 @@ class _Pass:
     prefill: bool = False  # whether it computes a prefill chunk
     blocks: int = 0
     blocks_done: int = 0  # written by the compute thread, read by the loop
-    started_s: float = 0.0  # when the compute thread started it (perf_counter), 0 before
+    started_s: float = 0.0  # when the compute thread started it (perf_counter), set before any block is done
     closed: bool = False
     joining: list[tuple[Step, int, torch.Tensor, PagedBatch]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -153,7 +153,7 @@ class StepScheduler:
         done = running.blocks_done
         with running.lock:
             steps, cohort = len(running.items), bool(running.joining)
-        if done == 0 or running.started_s == 0.0 or cohort:  # nothing to catch up, or one more row of a catch-up
+        if done == 0 or cohort:  # nothing to catch up yet, or one more row of a catch-up already due
             return True
         pace_ms = (time.perf_counter() - running.started_s) * 1000 / done
         if running.prefill and pace_ms >= COMPUTE_BOUND_PACE * self.block_compute_ms:

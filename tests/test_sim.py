@@ -370,8 +370,11 @@ def test_the_simulator_ends_every_job_once_when_servers_share_prefills():
     chains = [Chain(("k",), (1,), 5, 10.0)]
     workload = Workload(np.zeros(4), np.ones(4), "four at once", prompts=np.array([1.0, 0.0, 2.0, 1.0]))
     result = simulate(JFFCPolicy(chains, Placement({"k": (1, 1)})), workload, swarm)
-    # prefills alone 4, 0, 8, 4 ms: three take turns; the prompt-less job decodes from the start, beside no decode
-    assert np.all(result.end_ms > 0) and len(set(result.end_ms.tolist())) >= 3
+    # prefills alone 4, 0, 8, 4 ms. Job 1 decodes from the start, alone: ends at 10. Jobs 0 and 3 prefill in thirds
+    # (to 12), then decode 6 ms, beside each other (+1 ms) and from 16 beside job 2 too (+2 ms): 136/7. Job 2's
+    # prompt ends at 16 (half of it in thirds by 12, the rest alone in 4 ms); its 2 ms of decode run beside
+    # two (4 ms in all) until 136/7, then alone: 138/7.
+    assert result.end_ms.tolist() == pytest.approx([136 / 7, 10.0, 138 / 7, 136 / 7])
     paper = simulate(JFFCPolicy(chains, Placement({"k": (1, 1)})), workload, swarm.paper_model())
     assert paper.end_ms.tolist() == pytest.approx([10.0] * 4)
 

@@ -17,11 +17,17 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from orchestrator.dispatch_policy import NoFeasiblePlan, Route, Start, path_service_time_ms, server_slots
+from orchestrator.dispatch_policy import (
+    SLOT_SLACK,
+    NoFeasiblePlan,
+    Route,
+    Start,
+    path_service_time_ms,
+    server_slots,
+)
 from orchestrator.swarm_model import Placement, SwarmModel
 
 # cost of entering server j processing `count` blocks there; math.inf forbids the link
-SLOT_SLACK = 1e-9  # shares of s_c summed in another order may miss a whole slot in the last bits
 LinkCost = Callable[[str, int], float]
 
 

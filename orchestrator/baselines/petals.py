@@ -33,8 +33,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from orchestrator.baselines.path_routing import SLOT_SLACK, PathPolicy
-from orchestrator.dispatch_policy import NoFeasiblePlan, Route, Start
+from orchestrator.baselines.path_routing import PathPolicy
+from orchestrator.dispatch_policy import SLOT_SLACK, NoFeasiblePlan, Route, Start
 from orchestrator.placement import blocks_for_capacity
 from orchestrator.swarm_model import Placement, SwarmModel
 

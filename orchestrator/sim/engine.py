@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchestrator.dispatch_policy import (
+    SLOT_SLACK,
     DispatchPolicy,
     Route,
     Start,
@@ -31,7 +32,6 @@ from orchestrator.sim.service import service_clock
 from orchestrator.sim.workload import Workload
 from orchestrator.swarm_model import SwarmModel
 
-SLOT_SLACK = 1e-9  # shares of s_c summed in another order may exceed a whole slot in the last bits
 ROUTE_TIME_REL_TOL = 1e-9  # a route's service time may differ from the sum over its hops by this much (rounding)
 
 
