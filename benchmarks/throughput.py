@@ -85,11 +85,16 @@ SERVER_THREADS = threads_per_server(len(SPLITS))
 
 
 def start_swarm(workdir: Path, source: ModelSource, threads: int, *extra: str) -> SwarmProcesses:
+    """Gives a running 3-server swarm; if a process fails to start, the others are stopped before the error rises."""
     swarm = SwarmProcesses(workdir, torch_threads=threads)
-    swarm.start_dht()
-    servers = [swarm.start_server(source.path, blocks, *extra, wait=False) for blocks in SPLITS]
-    for server in servers:
-        swarm.wait_ready(server)
+    try:
+        swarm.start_dht()
+        servers = [swarm.start_server(source.path, blocks, *extra, wait=False) for blocks in SPLITS]
+        for server in servers:
+            swarm.wait_ready(server)
+    except BaseException:
+        swarm.close()
+        raise
     return swarm
 
 
