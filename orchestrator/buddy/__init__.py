@@ -1,0 +1,39 @@
+"""KunServe's parameter dropping as pure policies (arXiv 2412.18169 v2, spec `specs/kunserve.md`).
+
+Under a KV burst, servers hosting the same segment merge into buddy groups; each member keeps a contiguous slice of
+the segment, the group still holds one copy and serves it as a pipeline, and the dropped blocks' parameter pages hold
+KV at once. The live servers, the orchestrator and the simulator call the same functions:
+- `triggers`: when to drop (`drop_trigger`, Sec. 3.1's 1-s forecast) and when to restore (`restore_trigger`,
+  with hysteresis);
+- `groups`: Alg. 1 and its balanced variant (`plan_buddy_groups`), the slices each member keeps (`slice_group`),
+  the whole plan of a segment (`plan_drop`) and its invariants (`check_plan`);
+- `exchange`: the victims' moves of a plan (`victim_moves`), their order and their mode (`exchange_mode`).
+Pure: no I/O, no clocks, no randomness.
+"""
+
+from orchestrator.buddy.exchange import ExchangeMode, VictimMove, exchange_mode, exchange_order, victim_moves
+from orchestrator.buddy.groups import check_plan, plan_buddy_groups, plan_drop, segments, slice_group
+from orchestrator.buddy.records import BuddyGroup, DropPlan, PlanError, PlanViolation, SegmentReplica
+from orchestrator.buddy.triggers import Samples, drop_trigger, latest_rate, restore_trigger
+
+__all__ = [
+    "BuddyGroup",
+    "DropPlan",
+    "ExchangeMode",
+    "PlanError",
+    "PlanViolation",
+    "Samples",
+    "SegmentReplica",
+    "VictimMove",
+    "check_plan",
+    "drop_trigger",
+    "exchange_mode",
+    "exchange_order",
+    "latest_rate",
+    "plan_buddy_groups",
+    "plan_drop",
+    "restore_trigger",
+    "segments",
+    "slice_group",
+    "victim_moves",
+]

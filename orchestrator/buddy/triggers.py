@@ -1,0 +1,61 @@
+"""When to drop and when to restore (Sec. 4.3, spec 3.1 and 5.6), from samples of KV demand and available pages.
+
+Times are passed in with the samples; nothing here reads a clock.
+
+Drop: the monitor forecasts one horizon (Delta = 1 s, deliberately tight: a drop is instant, a false one costs
+pipeline hops) with the latest rate of each series and asks for a plan when demand meets what is available:
+    D + Delta * D' >= A + Delta * A'   ->   R = (D + Delta * D') - (A + Delta * A')  pages, rounded up
+D is the pages the running sessions hold plus those asked by sessions that had to wait (Llumnix's head-of-line
+demand), A the pages that can hold KV (held by KV plus free). The spec reads R as D + Delta * D' - A; R here is the
+shortfall against the forecast A instead, so that a drop is asked exactly when the trigger fires [chainswarm].
+
+Restore, with hysteresis [chainswarm, spec 5.6]: when the demand forecast over 5 s fits in 80% of the KV capacity the
+servers would have with every block back, and the drop is at least 10 s old.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+Samples = Sequence[tuple[float, int]]  # (time_s, pages), oldest first
+
+DROP_HORIZON_S = 1.0
+RESTORE_HORIZON_S = 5.0
+RESTORE_FILL = 0.8  # of the undropped KV capacity the forecast demand may use for a restore
+RESTORE_MIN_DROPPED_S = 10.0
+
+
+def latest_rate(samples: Samples) -> float:
+    """Gives the change per second between the last two samples (0 with fewer than two, or no time between them)."""
+    if len(samples) < 2:
+        return 0.0
+    (before_s, before), (now_s, now) = samples[-2], samples[-1]
+    if now_s <= before_s:
+        return 0.0
+    return (now - before) / (now_s - before_s)
+
+
+def drop_trigger(demand_pages: Samples, available_pages: Samples, horizon_s: float = DROP_HORIZON_S) -> int:
+    """Gives R, the pages a drop plan must free (0: no drop)."""
+    if not demand_pages or not available_pages:
+        return 0
+    demand = demand_pages[-1][1] + horizon_s * latest_rate(demand_pages)
+    available = available_pages[-1][1] + horizon_s * latest_rate(available_pages)
+    if demand < available:
+        return 0
+    return max(0, math.ceil(demand - available))
+
+
+def restore_trigger(
+    demand_pages: Samples, capacity_undropped_pages: int, dropped_for_s: float, *,
+    horizon_s: float = RESTORE_HORIZON_S, fill: float = RESTORE_FILL, min_dropped_s: float = RESTORE_MIN_DROPPED_S,
+) -> bool:
+    """Gives whether to restore the dropped blocks: the drop is old enough and the demand forecast over `horizon_s`
+    (never below today's demand: a falling rate does not vouch for the next burst) fits in `fill` of the KV capacity
+    with every block back."""
+    if dropped_for_s < min_dropped_s or not demand_pages:
+        return False
+    now = demand_pages[-1][1]
+    forecast = max(now, now + horizon_s * latest_rate(demand_pages))
+    return forecast <= fill * capacity_undropped_pages
