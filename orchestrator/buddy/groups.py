@@ -9,8 +9,10 @@ the balanced variant: the fewest groups' worth of merges that covers R, with gro
 `balanced=False` is the paper's greedy, for fidelity runs.
 
 Two limits of a swarm's records [chainswarm]: a group has at most as many members as the segment has blocks (each
-keeps at least one), and servers hosting partly overlapping ranges are not grouped (not built). Ties are broken by
-peer id, so every server computing a plan from the same records gets the same plan.
+keeps at least one), and servers hosting partly overlapping ranges are not grouped (not built). Under the first, Alg.
+1 stops when its two smallest groups would not fit in one, which can be short of the most it could free (6 servers
+of a 3-block segment end as three pairs, where two groups of three free more); the balanced variant does not. Ties
+are broken by peer id, so every server computing a plan from the same records gets the same plan.
 """
 
 from __future__ import annotations
