@@ -21,6 +21,7 @@ from client.chain_lease import ChainLease
 from client.routing import Span
 from client.swarm_client import SwarmClient
 from swarm.errors import (
+    BlocksDropped,
     BlocksNotHosted,
     InternalServerError,
     MalformedFrame,
@@ -47,8 +48,12 @@ BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S = 0.5, 4.0  # waiting for room while ev
 
 # Errors after which another server may succeed; anything else (bad input, max length) goes to the caller.
 RECOVERABLE = (
-    PeerUnreachable, RpcTimeout, ServerDraining, ServerBusy, SessionNotFound, InternalServerError, PositionMismatch
+    PeerUnreachable, RpcTimeout, ServerDraining, ServerBusy, SessionNotFound, InternalServerError, PositionMismatch,
+    BlocksDropped,
 )
+# Failures that say nothing against the server (it is full, moved the session, or dropped blocks to hold more KV):
+# its replacement chain may go through it again, and it is not banned.
+NOT_THE_SERVERS_FAULT = (ServerBusy, SessionMoved, BlocksDropped)
 # When opening a session, a stale record (blocks no longer hosted) or a lower --max-length also means: try another.
 RECOVERABLE_AT_OPEN = (*RECOVERABLE, BlocksNotHosted, MaxLengthExceeded)
 
@@ -228,7 +233,7 @@ class RemoteInferenceSession:
                     continue  # the same step, on the server the span's KV moved to
                 if replace is not None:
                     failed, replace = replace, None
-                    await self._replace(index, busy=isinstance(failed, ServerBusy | SessionMoved))
+                    await self._replace(index, busy=isinstance(failed, NOT_THE_SERVERS_FAULT))
                     continue  # retry the same span index with the replacement servers
                 # No push here: a prefill would cross each link twice (push and client), and a pushed step that
                 # stopped midway goes on from the client anyway.

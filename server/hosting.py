@@ -10,6 +10,12 @@ The serving range [start, end) is contiguous: new sessions open there only. Chan
 4. each leaving block is unloaded, and its pages return to the pool, once no session (open, or closed while a batch
    still computes with it) uses it: running sessions finish where they are.
 Listeners hear every change of the serving range at once (the server re-announces its record and prints it).
+
+Dropping (KunServe) is a shrink that cannot wait for the running sessions: the sessions that use a dropped block are
+evicted with `BlocksDropped` (their clients replay them through the servers that keep those blocks), and the dropped
+blocks unload as soon as no batch computes with them, so that their pages hold KV at once. The range served before
+the first drop stays `restorable` until `restore` loads it back (from the local checkpoint) or a `change` moves the
+server elsewhere.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import logging
 from collections.abc import Callable
 
 from server.sessions import SessionTable
-from swarm.errors import InvalidBlockRange, OutOfPages
+from swarm.errors import BlocksDropped, InvalidBlockRange, OutOfPages
 from swarm.memory import PagePool, ParamsOwner
 from swarm.model import BlockRange
 
@@ -47,10 +53,18 @@ class Hosting:
         self._lock = asyncio.Lock()  # one change at a time
         self._listeners: list[RangeListener] = []
         self._retire_task: asyncio.Task[None] | None = None
+        self._restorable: tuple[int, int] | None = None
+        self.drops = 0
+        self.restores = 0
 
     @property
     def serving(self) -> tuple[int, int]:
         return self.start, self.end
+
+    @property
+    def restorable(self) -> tuple[int, int] | None:
+        """Gives the range served before the first drop since the last restore (None: nothing dropped)."""
+        return self._restorable
 
     @property
     def retiring(self) -> list[int]:
@@ -93,6 +107,49 @@ class Hosting:
                     self.pool.free(ParamsOwner(index))
                 raise
             self._set_range(start, end)
+            self._restorable = None
+
+    async def drop(self, start: int, end: int) -> list[str]:
+        """Keeps only [start, end) of the serving range, at once; gives the ids of the sessions it evicted (those
+        that used a dropped block). Raises InvalidBlockRange unless [start, end) is a non-empty part of the range."""
+        async with self._lock:
+            if not self.start <= start < end <= self.end:
+                raise InvalidBlockRange(
+                    f"a drop keeps a non-empty part of the served blocks {self.start}:{self.end}, not {start}:{end}"
+                )
+            if (start, end) == (self.start, self.end):
+                return []
+            dropped = set(range(self.start, self.end)) - set(range(start, end))
+            pages = sum(len(self.pool.pages_of(ParamsOwner(index))) for index in dropped)
+            victims = [session.session_id for session in self.sessions
+                       if any(session.start <= index < session.end for index in dropped)]
+            for session_id in victims:
+                self.sessions.evict(session_id, BlocksDropped(
+                    f"this server dropped blocks of session {session_id!r} to hold more KV and keeps {start}:{end} "
+                    f"only; continue through the servers that keep the others"
+                ))
+            if self._restorable is None:
+                self._restorable = (self.start, self.end)
+            old = (self.start, self.end)
+            self._retiring |= dropped
+            self._set_range(start, end)
+            self.drops += 1
+            self.unload_unused()  # what no batch computes with goes now, the rest once its batch ends
+            self._ensure_retire_task()
+            log.info("Dropped blocks %d:%d -> %d:%d: %d parameter pages freed for KV, %d session(s) evicted",
+                     *old, start, end, pages, len(victims))
+            return victims
+
+    async def restore(self) -> None:
+        """Loads the dropped blocks back and serves the range from before the drop again (nothing dropped: does
+        nothing). Raises OutOfPages as `change` does; the server then still serves what it kept."""
+        target = self._restorable
+        if target is None:
+            return
+        before = self.pool.stats().pages_params
+        await self.change(*target)
+        self.restores += 1
+        log.info("Restored blocks %d:%d: %d parameter pages taken", *target, self.pool.stats().pages_params - before)
 
     async def _load(self, index: int, *, leaving_blocks: set[int]) -> None:
         """Loads block `index` into the pool once its pages fit beside the running sessions' expected growth."""

@@ -184,6 +184,8 @@ class SwarmServer:
             addrs=self._addrs,
             orchestrators=list(self.config.orchestrators),
             accepting=self.packing.accepting,
+            restorable_start=self.hosting.restorable[0] if self.hosting.restorable else None,
+            restorable_end=self.hosting.restorable[1] if self.hosting.restorable else None,
             emulated_gpu=self.gpu_profile.name if self.gpu_profile else None,
         )
 
@@ -200,7 +202,8 @@ class SwarmServer:
         p2p = self.p2p = await self.dht.replicate_p2p()
         self.rpc = RpcServer(p2p, max_frame_bytes=self.config.max_frame_bytes)
         methods = {"info": self._info, "open": self._open, "step": self._step, "steps": self._steps, "push": self._push,
-                   "close": self._close, "assign": self._assign, "migrate": self._migrate,
+                   "close": self._close, "assign": self._assign, "drop": self._drop, "restore": self._restore,
+                   "migrate": self._migrate,
                    "import_open": self._import_open, "import_kv": self._import_kv, "import_commit": self._import_commit,
                    "import_abort": self._import_abort, "kv_report": self.packing.kv_report}
         for name, method in methods.items():
@@ -271,21 +274,51 @@ class SwarmServer:
         """Moves this server to blocks [start, end) while it serves (see `server.hosting`)."""
         await self.hosting.change(start, end)
 
-    async def _assign(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
-        """Follows the block assignment of this server's orchestrator: answers once the new range serves."""
+    async def drop_blocks(self, start: int, end: int) -> list[str]:
+        """Keeps only blocks [start, end) at once, their dropped neighbours' pages becoming KV pages (KunServe);
+        gives the evicted sessions (see `Hosting.drop`)."""
+        return await self.hosting.drop(start, end)
+
+    async def restore_blocks(self) -> None:
+        """Loads the blocks dropped since the last restore back and serves them again (see `Hosting.restore`)."""
+        await self.hosting.restore()
+
+    def _check_orchestrator(self, ctx: CallContext, what: str) -> None:
+        """Raises AssignmentRefused unless the caller is one of the orchestrators this server follows."""
         if not self.config.orchestrators:
             raise AssignmentRefused(
-                f"server {self.peer_id} chooses its blocks itself (it names no orchestrator); assignment ignored"
+                f"server {self.peer_id} chooses its blocks itself (it names no orchestrator); {what} ignored"
             )
         if ctx.peer_id not in self.config.orchestrators:
             raise AssignmentRefused(
-                f"assignment from {ctx.peer_id}, but server {self.peer_id} follows orchestrator(s) "
+                f"{what} from {ctx.peer_id}, but server {self.peer_id} follows orchestrator(s) "
                 f"{', '.join(self.config.orchestrators)} only"
             )
+
+    async def _assign(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        """Follows the block assignment of this server's orchestrator: answers once the new range serves."""
+        self._check_orchestrator(ctx, "assignment")
         start, end = _block_pair(payload)
         self._check_accepting()
         await self.change_blocks(start, end)
         return {"blocks": [self.hosting.start, self.hosting.end], "retiring": self.hosting.retiring}
+
+    async def _drop(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        """Keeps only the blocks its orchestrator's drop plan names (KunServe): answers once the others' pages are
+        KV pages, or will be when the batch computing with them ends."""
+        self._check_orchestrator(ctx, "drop")
+        start, end = _block_pair(payload)
+        self._check_accepting()
+        evicted = await self.drop_blocks(start, end)
+        return {"blocks": [self.hosting.start, self.hosting.end], "evicted": len(evicted),
+                "restorable": list(self.hosting.restorable) if self.hosting.restorable else None}
+
+    async def _restore(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        """Loads the dropped blocks back on its orchestrator's word: answers once they serve again."""
+        self._check_orchestrator(ctx, "restore")
+        self._check_accepting()
+        await self.restore_blocks()
+        return {"blocks": [self.hosting.start, self.hosting.end]}
 
     async def _choose_blocks_loop(self) -> None:
         """Chooses this server's blocks as Petals' servers do, then checks every `rebalance_period_s` whether
@@ -388,7 +421,9 @@ class SwarmServer:
                 "steps_computed": {"loop": stats.steps_by_place["loop"], "pool": stats.steps_by_place["pool"]},
                 "batches": stats.to_wire(), "kv_tokens_per_page": self.kv.tokens_per_page,
                 "migrations": self.migrations.stats.to_wire(),
-                "packing": self.packing.loop.to_wire() if self.packing.loop is not None else None}
+                "packing": self.packing.loop.to_wire() if self.packing.loop is not None else None,
+                "dropping": {"drops": self.hosting.drops, "restores": self.hosting.restores,
+                             "restorable": list(self.hosting.restorable) if self.hosting.restorable else None}}
 
     async def _open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         self._check_accepting()

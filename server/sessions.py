@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from orchestrator.admission import KVPolicy, SessionKV
-from swarm.errors import BlocksNotHosted, MaxLengthExceeded, OutOfPages, ServerBusy, SessionNotFound
+from swarm.errors import BlocksNotHosted, MaxLengthExceeded, OutOfPages, ServerBusy, SessionNotFound, SwarmError
 from swarm.memory import KVOwner, PagePool, kv_pages_for
 from swarm.model.paged_kv import SequenceChunk
 from swarm.records import NextHop
 
 MAX_BATCH_ROWS = 64
+EVICTED_TTL_S = 900.0  # how long an evicted session's steps still learn why it went
+MAX_EVICTED = 4096
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,7 @@ class SessionTable:
         self.policy = KVPolicy(tokens_per_page, headroom_tokens)
         self._sessions: dict[str, Session] = {}
         self._closing: dict[str, Session] = {}  # closed while a batch computes with them; freed when it ends
+        self._evicted: OrderedDict[str, tuple[float, SwarmError]] = OrderedDict()  # id -> (when, what its steps get)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -260,11 +264,27 @@ class SessionTable:
                     pages.append(taken.pop())
 
     def get(self, session_id: str) -> Session:
-        """Gives the open session `session_id`, or raises SessionNotFound."""
+        """Gives the open session `session_id`; raises the error it was evicted with (for `EVICTED_TTL_S`), else
+        SessionNotFound."""
         session = self._sessions.get(session_id)
         if session is None:
+            evicted = self._evicted.get(session_id)
+            if evicted is not None and time.monotonic() - evicted[0] < EVICTED_TTL_S:
+                error = evicted[1]
+                raise type(error)(error.message)
             raise SessionNotFound(f"session {session_id!r} is not open on this server (unknown, closed or timed out)")
         return session
+
+    def evict(self, session_id: str, error: SwarmError) -> bool:
+        """Closes a session the server can no longer serve (as `close`), and answers its later steps with `error`
+        instead of SessionNotFound, so that its client knows why; gives False if it was not open."""
+        if not self.close(session_id):
+            return False
+        self._evicted[session_id] = (time.monotonic(), error)
+        self._evicted.move_to_end(session_id)
+        while len(self._evicted) > MAX_EVICTED:
+            self._evicted.popitem(last=False)
+        return True
 
     def is_open(self, session: Session) -> bool:
         """Gives whether `session` is still open (not closed, timed out or replaced)."""

@@ -103,6 +103,11 @@ class BlocksNotHosted(SwarmError):
     """The requested block range is not (entirely) hosted by this server."""
 
 
+class BlocksDropped(SwarmError):
+    """The server dropped blocks this session used, to free their pages for KV (KunServe); the session continues
+    on a chain through the servers that keep those blocks, replayed from the client's saved inputs."""
+
+
 class ServerDraining(SwarmError):
     """The server is shutting down and accepts no new sessions or steps."""
 

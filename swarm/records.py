@@ -102,6 +102,12 @@ class ServerRecord(BaseModel):
     accepting: bool = Field(
         default=True, description="takes new sessions; false: a standby its segment's KV packing emptied"
     )
+    restorable_start: int | None = Field(
+        default=None, ge=0, lt=MAX_BLOCKS,
+        description="with restorable_end: the range served before this server dropped blocks (KunServe), which it can "
+                    "load back from its local checkpoint; None while nothing is dropped",
+    )
+    restorable_end: int | None = Field(default=None, ge=0, le=MAX_BLOCKS)
     orchestrators: list[Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]] = Field(
         default_factory=list, max_length=MAX_ORCHESTRATORS,
         description="peer ids of the orchestrators whose block assignments this server follows",
@@ -118,6 +124,12 @@ class ServerRecord(BaseModel):
             raise ValueError(
                 f"pages_params + pages_kv + pages_free = {pages_accounted} != pages_total {self.pages_total}"
             )
+        start, end = self.restorable_start, self.restorable_end
+        if (start, end) != (None, None) and (
+            start is None or end is None or not start <= self.block_start < self.block_end <= end
+        ):
+            raise ValueError(f"restorable range [{start}, {end}) must hold the served "
+                             f"[{self.block_start}, {self.block_end})")
         batches = [timing.batch for timing in self.block_decode_ms]
         if batches != sorted(set(batches)):
             raise ValueError("block_decode_ms must list distinct batch sizes in ascending order")

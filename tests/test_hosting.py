@@ -13,7 +13,7 @@ import torch
 from server.hosting import Hosting
 from server.scheduler import StepScheduler
 from server.sessions import Session, SessionTable, Step, StepResult
-from swarm.errors import BlocksNotHosted, InvalidBlockRange, OutOfPages
+from swarm.errors import BlocksDropped, BlocksNotHosted, InvalidBlockRange, OutOfPages
 from swarm.memory import PagePool, ParamsOwner
 from swarm.model import BlockRange, resolve_model
 from tests.reference import ReferenceBlocks
@@ -144,6 +144,76 @@ def test_new_blocks_wait_for_leaving_ones_to_free_their_pages(tiny_llama: Path) 
         assert core.hosting.serving == (2, 6)
         with pytest.raises(InvalidBlockRange):
             await core.hosting.change(4, 99)
+        core.pool.check_invariants()
+
+    run(body)
+
+
+def test_a_drop_frees_the_dropped_blocks_pages_at_once_and_a_restore_loads_them_back_exactly(tiny_llama: Path) -> None:
+    """KunServe on one server: the dropped blocks' parameter pages are free at once, whatever ran on them; sessions
+    that used them are evicted with `BlocksDropped`, the others compute on exactly; a restore reloads the weights
+    from the checkpoint, and the restored blocks compute as transformers' layers do."""
+
+    async def body() -> None:
+        core = Core(tiny_llama, 0, 8, pool_blocks=8, kv_pages=64)
+        core.scheduler.start()
+        baseline_free = core.pool.stats().pages_free
+        kept, victim, tail = core.open("kept", 0, 4), core.open("victim", 0, 8), core.open("tail", 4, 8)
+        for session in (kept, victim, tail):
+            await core.step_exactly(session, 5)
+        victim_pages = victim.pages_held + tail.pages_held
+        block_pages = core.params_pages()[4]
+
+        evicted = await core.hosting.drop(0, 4)
+        assert sorted(evicted) == ["tail", "victim"]
+        assert core.hosting.serving == (0, 4) and core.hosting.restorable == (0, 8)
+        assert sorted(core.params_pages()) == [0, 1, 2, 3]  # no batch computed with them: gone at once
+        assert core.pool.stats().pages_free == baseline_free - kept.pages_held + 4 * block_pages
+        assert victim_pages > 0 and not core.sessions.uses_block(4)
+        for session_id in evicted:
+            with pytest.raises(BlocksDropped, match="keeps 0:4"):
+                core.sessions.get(session_id)
+        await core.step_exactly(kept, 1)  # a session on the kept blocks goes on where it is
+        with pytest.raises(BlocksNotHosted):
+            core.open("late", 0, 8)
+        with pytest.raises(InvalidBlockRange):
+            await core.hosting.drop(2, 6)  # a drop keeps part of what is served, nothing more
+        assert core.hosting.drops == 1
+        core.pool.check_invariants()
+
+        await core.hosting.restore()
+        assert core.hosting.serving == (0, 8) and core.hosting.restorable is None and core.hosting.restores == 1
+        assert sorted(core.params_pages()) == list(range(8))
+        again = core.open("again", 0, 8)
+        await core.step_exactly(again, 6)  # the reloaded weights are the checkpoint's
+        await core.step_exactly(kept, 1)
+        core.sessions.close_all()
+        assert core.pool.stats().pages_free == baseline_free
+        core.pool.check_invariants()
+
+    run(body)
+
+
+def test_a_victim_computing_while_its_blocks_drop_returns_its_pages_after_its_batch(tiny_llama: Path) -> None:
+    async def body() -> None:
+        core = Core(tiny_llama, 0, 8, pool_blocks=8, kv_pages=64)
+        core.scheduler.start()
+        baseline_free = core.pool.stats().pages_free
+        victim = core.open("victim", 0, 8)
+        await core.step_exactly(victim, 3)
+        core.scheduler.hold_ms = lambda batch, block: 100.0  # each block of a batch takes 0.1 s: a wide window
+        core.sessions.grow(victim, victim.position + 60)
+        result: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+        step = Step(victim, f"{victim.position}", torch.randn(1, 60, HIDDEN, generator=core.generator), result)
+        victim.running = step
+        core.scheduler.submit(step)
+        await until(lambda: victim.in_batches > 0, timeout_s=5)
+        assert await core.hosting.drop(4, 8) == ["victim"]
+        assert core.hosting.serving == (4, 8)
+        assert sorted(core.params_pages()) == list(range(8))  # the batch still computes with blocks 0-3
+        await asyncio.gather(result, return_exceptions=True)  # its step ends either way; the others' would go on
+        await until(lambda: sorted(core.params_pages()) == [4, 5, 6, 7])
+        assert core.pool.stats().pages_free == baseline_free + 4 * core.params_pages()[4]
         core.pool.check_invariants()
 
     run(body)

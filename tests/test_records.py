@@ -93,6 +93,8 @@ def test_record_is_frozen() -> None:
         ("decode timing of batch 0", {"block_decode_ms": [{"batch": 0, "ms": 1.0}]}),
         ("negative decode timing", {"block_decode_ms": [{"batch": 1, "ms": -1.0}]}),
         ("too many decode timings", {"block_decode_ms": [{"batch": b, "ms": 1.0} for b in range(1, 10)]}),
+        ("restorable start without end", {"restorable_start": 0}),
+        ("restorable range not around the served one", {"restorable_start": 5, "restorable_end": 8}),
     ],
 )
 def test_invalid_record_is_dropped(case: str, overrides: dict[str, Any]) -> None:
@@ -108,3 +110,10 @@ def test_missing_field_is_dropped() -> None:
 @pytest.mark.parametrize("garbage", [None, b"\x00garbage", "record", 42, ["peer"], {1: 2}])
 def test_non_record_values_are_dropped(garbage: object) -> None:
     assert ServerRecord.from_wire(garbage) is None
+
+
+def test_a_dropped_servers_record_carries_the_range_it_can_restore() -> None:
+    wire = make_wire(restorable_start=0, restorable_end=30)
+    record = ServerRecord.from_wire(wire)
+    assert record is not None and (record.restorable_start, record.restorable_end) == (0, 30)
+    assert ServerRecord.from_wire(make_wire()).restorable_start is None  # type: ignore[union-attr]

@@ -1,0 +1,129 @@
+"""KunServe's drop and restore on live servers: two replicas of a segment drop half of it each on their
+orchestrator's word, a running session goes on through both (replayed from its client's saved inputs) with the local
+model's tokens, the dropped blocks' pages hold KV, and a restore brings every block and page back."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client import ClientConfig, DistributedModelForCausalLM
+from client.swarm_client import SwarmClient
+from swarm.errors import AssignmentRefused
+from swarm.local_swarm import SwarmProcesses
+from tests.test_failover import ActAfterTokens
+from tests.test_migration import infos, local_and_remote
+from tests.test_swarm_generate import prompt
+
+pytestmark = pytest.mark.slow
+TIMEOUT_S = 30.0
+
+
+def call(client: SwarmClient, peer_id: str, method: str, payload: dict[str, Any]) -> dict[str, Any]:
+    record = client.run(client.servers())[peer_id]
+    connection = client.run(client.connect(record))
+    try:
+        return client.run(connection.call(method, payload, timeout=TIMEOUT_S))
+    finally:
+        client.run(connection.close())
+
+
+def wait_for_ranges(client: SwarmClient, ranges: dict[str, tuple[int, int]]) -> None:
+    """Waits until the DHT shows each server with its range (the records are re-announced at once)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        records = client.run(client.servers())
+        if all(peer in records and (records[peer].block_start, records[peer].block_end) == blocks
+               for peer, blocks in ranges.items()):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the DHT did not show the ranges {ranges}")
+
+
+def test_replicas_drop_half_each_a_running_session_goes_on_through_both_and_a_restore_brings_all_back(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    swarm_factory.start_dht()
+    # The test's client is the servers' orchestrator: its peer id is theirs to follow.
+    local, remote = local_and_remote(swarm_factory, tiny_llama)
+    client = remote.swarm
+    try:
+        orchestrator = client.p2p.peer_id.to_base58()
+        servers = [swarm_factory.start_server(tiny_llama, "0:8", "--orchestrator", orchestrator, wait=False)
+                   for _ in range(2)]
+        for server in servers:
+            swarm_factory.wait_ready(server)
+        wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
+        baseline = {peer: info["record"] for peer, info in infos(client).items()}
+        input_ids = prompt(24, 5)
+        expected = local.generate(input_ids, max_new_tokens=12, do_sample=False)
+        halves: dict[str, tuple[int, int]] = {}
+
+        with remote.inference_session(max_length=64) as session:
+
+            def drop_halves() -> None:
+                first = session.route[0].peer_id  # the session runs here; it keeps the first half
+                (second,) = {server.peer_id for server in servers} - {first}
+                halves.update({first: (0, 4), second: (4, 8)})
+                replies = {peer: call(client, peer, "drop", {"blocks": list(blocks)})
+                           for peer, blocks in halves.items()}
+                assert replies[first] == {"blocks": [0, 4], "evicted": 1, "restorable": [0, 8]}
+                assert replies[second] == {"blocks": [4, 8], "evicted": 0, "restorable": [0, 8]}
+                wait_for_ranges(client, halves)
+
+            actual = remote.generate(input_ids, session=session, max_new_tokens=12, do_sample=False,
+                                     streamer=ActAfterTokens({4: drop_halves}))
+            assert session.failovers == 1  # one replay, through both halves, and no server banned
+            assert [(span.peer_id, span.start, span.end) for span in session.route] == [
+                (peer, *halves[peer]) for peer in sorted(halves, key=lambda peer: halves[peer])]
+        assert actual.tolist() == expected.tolist()
+
+        dropped = {peer: info for peer, info in infos(client).items()}
+        for peer, blocks in halves.items():
+            record = dropped[peer]["record"]
+            assert (record["block_start"], record["block_end"]) == blocks
+            assert (record["restorable_start"], record["restorable_end"]) == (0, 8)
+            assert record["pages_params"] == baseline[peer]["pages_params"] // 2  # four of eight blocks, alike
+            assert record["pages_free"] == baseline[peer]["pages_free"] + baseline[peer]["pages_params"] // 2
+            assert dropped[peer]["dropping"] == {"drops": 1, "restores": 0, "restorable": [0, 8]}
+        # a new session routes through the two halves as one chain
+        again = remote.generate(input_ids, max_new_tokens=6, do_sample=False)
+        assert again.tolist() == local.generate(input_ids, max_new_tokens=6, do_sample=False).tolist()
+
+        for peer in halves:
+            assert call(client, peer, "restore", {}) == {"blocks": [0, 8]}
+        wait_for_ranges(client, {peer: (0, 8) for peer in halves})
+        for peer, info in infos(client).items():
+            assert info["record"]["pages_free"] == baseline[peer]["pages_free"]
+            assert info["record"]["restorable_start"] is None
+            assert info["dropping"] == {"drops": 1, "restores": 1, "restorable": None}
+        with remote.inference_session(max_length=64) as session:
+            restored = remote.generate(input_ids, session=session, max_new_tokens=6, do_sample=False)
+            assert len(session.route) == 1
+        assert restored.tolist() == again.tolist()
+    finally:
+        remote.shutdown()
+
+
+def test_only_the_servers_orchestrator_may_make_it_drop(swarm_factory: SwarmProcesses, tiny_llama: Path) -> None:
+    swarm_factory.start_dht()
+    server = swarm_factory.start_server(tiny_llama, "0:8")
+    remote = DistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama), initial_peers=swarm_factory.initial_peers,
+        client_config=ClientConfig(request_timeout_s=TIMEOUT_S),
+    )
+    try:
+        client = remote.swarm
+        wait_for_ranges(client, {server.peer_id: (0, 8)})
+        with pytest.raises(AssignmentRefused, match="drop ignored"):
+            call(client, server.peer_id, "drop", {"blocks": [0, 4]})
+        with pytest.raises(AssignmentRefused, match="restore ignored"):
+            call(client, server.peer_id, "restore", {})
+        (info,) = infos(client).values()
+        assert (info["record"]["block_start"], info["record"]["block_end"]) == (0, 8)
+        assert info["dropping"]["drops"] == 0
+    finally:
+        remote.shutdown()
