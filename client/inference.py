@@ -147,8 +147,9 @@ class RemoteInferenceSession:
     async def _open_chain(self, start: int, end: int, *, busy: set[str] | None = None) -> list[_SpanSession]:
         """Gives open sessions on a min-latency chain over [start, end), routing around servers that refuse.
 
-        A server that answers busy (no room now) is avoided until every server that could serve the blocks did;
-        then the session waits, backing off, and asks them all again, for up to `ClientConfig.busy_wait_s`, as
+        A server that answers busy (no room now), or that no longer hosts the blocks its record in the DHT still
+        announced (it changed its range a moment ago), is avoided until every server that could serve the blocks
+        did; then the session waits, backing off, and asks them all again, for up to `ClientConfig.busy_wait_s`, as
         Petals' client waits for a full swarm (`busy`: servers known busy already). Other refusals ban the server
         for a while."""
         config = self.client.config
@@ -177,7 +178,7 @@ class RemoteInferenceSession:
             except RECOVERABLE_AT_OPEN as error:
                 log.warning("Server %s refused a session (%s: %s); rerouting", span.peer_id,
                             type(error).__name__, error.message)
-                if isinstance(error, ServerBusy):
+                if isinstance(error, ServerBusy | BlocksNotHosted):  # full, or the record it routed on is stale
                     busy.add(span.peer_id)
                 else:
                     self.client.ban(span.peer_id)

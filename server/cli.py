@@ -141,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
         "as the policy keeps (MELL, best fit, worst fit, or LB), moving sessions live; the others stand by",
     )
     parser.add_argument("--packing-epoch", type=float, default=1.0, help="seconds between two packings of a segment")
+    parser.add_argument(
+        "--kv-dropping", action="store_true",
+        help="without an orchestrator: when the KV demand of the servers hosting the same blocks outgrows their "
+        "pages, they merge into buddy groups that each keep one copy of the blocks, and the parameter pages they "
+        "drop hold KV; the blocks come back once the demand fits (KunServe)",
+    )
+    parser.add_argument("--drop-period", type=float, default=0.5, help="seconds between two looks at the demand")
+    parser.add_argument("--restore-after", type=float, default=10.0,
+                        help="seconds a drop lasts at least before its blocks may be restored")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -183,6 +192,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         import_idle_timeout_s=args.import_idle_timeout,
         kv_packing=args.kv_packing,
         packing_epoch_s=args.packing_epoch,
+        kv_dropping=args.kv_dropping,
+        drop_period_s=args.drop_period,
+        restore_after_s=args.restore_after,
     )
 
 

@@ -45,6 +45,9 @@ class ServerConfig:
     import_idle_timeout_s: float = IMPORT_IDLE_S  # an import whose source sent nothing this long is dropped
     kv_packing: str | None = None  # "mell", "bf", "wf" or "lb": its segment packs sessions (packing.segment_loop)
     packing_epoch_s: float = 1.0  # how often the segment's leader packs
+    kv_dropping: bool = False  # without an orchestrator: its segment drops blocks under a KV burst (KunServe)
+    drop_period_s: float = 0.5  # how often the segment's leader looks at its demand
+    restore_after_s: float = 10.0  # a drop this old may be restored once the demand fits
     max_batch_tokens: int | None = None  # tokens one batch computes at most (decode steps, then prefill chunks);
     # None: the device's default (server.scheduler.DEFAULT_MAX_BATCH_TOKENS)
     kv_headroom_tokens: int = DEFAULT_HEADROOM_TOKENS  # growth expected of each running session, for admission

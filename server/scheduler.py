@@ -211,7 +211,8 @@ class StepScheduler:
         prefills = [step for step in self._queue if step.tokens > 1]
         for step in decodes + prefills:
             if step.session.closed:
-                self._drop(step, SessionNotFound(f"session {step.session.session_id!r} closed before its step ran"))
+                closed = SessionNotFound(f"session {step.session.session_id!r} closed before its step ran")
+                self._drop(step, step.session.evicted or closed)
                 continue
             room = budget
             if step.tokens > 1:

@@ -20,6 +20,7 @@ from orchestrator.packing import choose_mode
 from orchestrator.packing.migration_split import move_costs
 from server.compute import DECODE_BATCHES, PREFILL_CHUNK_TOKENS, BlockSpeed, cached_block_speed
 from server.config import ServerConfig
+from server.drop_member import DropMember
 from server.emulated_gpu import load_profile
 from server.hosting import Hosting
 from server.migration import AUTO, MAX_PIECES_PER_FRAME, MODES, Migrations, MoveChoice
@@ -138,6 +139,7 @@ class SwarmServer:
         self.ready = asyncio.Event()  # set once the server serves its first blocks
         self.network_mbps: float | None = None
         self.packing = PackingMember(self)  # its part in the KV packing of its segment
+        self.dropping = DropMember(self)  # its part in its segment's block dropping (KunServe)
         self.dht: hivemind.DHT | None = None
         self._addrs: list[str] = []
         self.rpc: RpcServer | None = None
@@ -184,6 +186,7 @@ class SwarmServer:
             addrs=self._addrs,
             orchestrators=list(self.config.orchestrators),
             accepting=self.packing.accepting,
+            kv_demand_pages=self.sessions.kv_demand_pages(),
             restorable_start=self.hosting.restorable[0] if self.hosting.restorable else None,
             restorable_end=self.hosting.restorable[1] if self.hosting.restorable else None,
             emulated_gpu=self.gpu_profile.name if self.gpu_profile else None,
@@ -220,9 +223,9 @@ class SwarmServer:
         )
         await self.announcer.start()
         self._tasks.append(asyncio.create_task(self._expire_sessions_loop(), name="expire-sessions"))
-        packing = self.packing.start()
-        if packing is not None:
-            self._tasks.append(packing)
+        for loop in (self.packing.start(), self.dropping.start()):
+            if loop is not None:
+                self._tasks.append(loop)
         if self.config.blocks is None and not self.config.orchestrators:
             self._tasks.append(asyncio.create_task(self._choose_blocks_loop(), name="choose-blocks"))
         orchestrators = " or ".join(self.config.orchestrators)
@@ -283,6 +286,13 @@ class SwarmServer:
         """Loads the blocks dropped since the last restore back and serves them again (see `Hosting.restore`)."""
         await self.hosting.restore()
 
+    async def _check_drop_caller(self, ctx: CallContext, what: str) -> None:
+        """Raises AssignmentRefused unless the caller is an orchestrator of this server or its segment's leader."""
+        if ctx.peer_id in self.config.orchestrators or await self.dropping.leads_me(ctx.peer_id):
+            return
+        raise AssignmentRefused(f"{what} from {ctx.peer_id}, which is neither an orchestrator of server "
+                                f"{self.peer_id} nor the leader of its segment; {what} ignored")
+
     def _check_orchestrator(self, ctx: CallContext, what: str) -> None:
         """Raises AssignmentRefused unless the caller is one of the orchestrators this server follows."""
         if not self.config.orchestrators:
@@ -306,7 +316,7 @@ class SwarmServer:
     async def _drop(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         """Keeps only the blocks its orchestrator's drop plan names (KunServe): answers once the others' pages are
         KV pages, or will be when the batch computing with them ends."""
-        self._check_orchestrator(ctx, "drop")
+        await self._check_drop_caller(ctx, "drop")
         start, end = _block_pair(payload)
         self._check_accepting()
         evicted = await self.drop_blocks(start, end)
@@ -315,7 +325,7 @@ class SwarmServer:
 
     async def _restore(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         """Loads the dropped blocks back on its orchestrator's word: answers once they serve again."""
-        self._check_orchestrator(ctx, "restore")
+        await self._check_drop_caller(ctx, "restore")
         self._check_accepting()
         await self.restore_blocks()
         return {"blocks": [self.hosting.start, self.hosting.end]}
@@ -383,6 +393,7 @@ class SwarmServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.packing.close()
+        await self.dropping.close()
         open_sessions = len(self.sessions)
         if self.pusher is not None:
             await self.pusher.close()
@@ -423,7 +434,8 @@ class SwarmServer:
                 "migrations": self.migrations.stats.to_wire(),
                 "packing": self.packing.loop.to_wire() if self.packing.loop is not None else None,
                 "dropping": {"drops": self.hosting.drops, "restores": self.hosting.restores,
-                             "restorable": list(self.hosting.restorable) if self.hosting.restorable else None}}
+                             "restorable": list(self.hosting.restorable) if self.hosting.restorable else None,
+                             "loop": self.dropping.loop.to_wire() if self.dropping.loop is not None else None}}
 
     async def _open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         self._check_accepting()

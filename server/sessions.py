@@ -24,6 +24,7 @@ from swarm.records import NextHop
 MAX_BATCH_ROWS = 64
 EVICTED_TTL_S = 900.0  # how long an evicted session's steps still learn why it went
 MAX_EVICTED = 4096
+REFUSED_WINDOW_S = 1.0  # how long a session refused for room counts in the demand (KunServe's trigger horizon)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Session:
     running: Step | None = None  # the step queued or computing now (one at a time)
     in_batches: int = 0  # batches computing with its pages now; its pages stay its own until this drops to 0
     closed: bool = False
+    evicted: SwarmError | None = None  # why the server closed it, if it did (its steps get this error)
     # Resolved (and replaced) whenever a step is admitted, for requests waiting for a pushed step.
     admitted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     last_active_s: float = field(default_factory=time.monotonic)
@@ -131,6 +133,7 @@ class SessionTable:
         self._sessions: dict[str, Session] = {}
         self._closing: dict[str, Session] = {}  # closed while a batch computes with them; freed when it ends
         self._evicted: OrderedDict[str, tuple[float, SwarmError]] = OrderedDict()  # id -> (when, what its steps get)
+        self._refused: OrderedDict[str, tuple[float, int]] = OrderedDict()  # id -> (when, pages) of opens refused
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -216,6 +219,7 @@ class SessionTable:
             reserve = self.growth_reserve()
         pages_free = self.pool.pages_free
         if not self.policy.admits(pages_free=pages_free, reserve=reserve, new_session_pages=expected):
+            self._note_refused(session_id, expected)
             raise ServerBusy(
                 f"no room for a session of {end - start} blocks x {batch} row(s): it is expected to take {expected} "
                 f"pages, {pages_free} are free and the {len(self)} open session(s) are expected to take {reserve} "
@@ -275,11 +279,29 @@ class SessionTable:
             raise SessionNotFound(f"session {session_id!r} is not open on this server (unknown, closed or timed out)")
         return session
 
+    def _note_refused(self, session_id: str, pages: int) -> None:
+        self._refused[session_id] = (time.monotonic(), pages)
+        self._refused.move_to_end(session_id)
+        while len(self._refused) > MAX_EVICTED:
+            self._refused.popitem(last=False)
+
+    def kv_demand_pages(self, window_s: float = REFUSED_WINDOW_S) -> int:
+        """Gives the KV pages asked of this server beyond what its sessions hold: what they are expected to take as
+        they grow, and what the sessions it refused for room in the last `window_s` would have taken (each session
+        once, however often its client retried): the demand KunServe's drop trigger watches."""
+        now = time.monotonic()
+        while self._refused and now - next(iter(self._refused.values()))[0] > window_s:
+            self._refused.popitem(last=False)
+        return self.growth_reserve() + sum(pages for _, pages in self._refused.values())
+
     def evict(self, session_id: str, error: SwarmError) -> bool:
         """Closes a session the server can no longer serve (as `close`), and answers its later steps with `error`
         instead of SessionNotFound, so that its client knows why; gives False if it was not open."""
-        if not self.close(session_id):
+        session = self._sessions.get(session_id)
+        if session is None:
             return False
+        session.evicted = error
+        self.close(session_id)
         self._evicted[session_id] = (time.monotonic(), error)
         self._evicted.move_to_end(session_id)
         while len(self._evicted) > MAX_EVICTED:

@@ -102,6 +102,11 @@ class ServerRecord(BaseModel):
     accepting: bool = Field(
         default=True, description="takes new sessions; false: a standby its segment's KV packing emptied"
     )
+    kv_demand_pages: int = Field(
+        default=0, ge=0,
+        description="KV pages asked beyond those held: the open sessions' expected growth and what the sessions "
+                    "refused for room in the last second would have taken (KunServe's drop trigger)",
+    )
     restorable_start: int | None = Field(
         default=None, ge=0, lt=MAX_BLOCKS,
         description="with restorable_end: the range served before this server dropped blocks (KunServe), which it can "

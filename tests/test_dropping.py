@@ -4,6 +4,7 @@ model's tokens, the dropped blocks' pages hold KV, and a restore brings every bl
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ def test_replicas_drop_half_each_a_running_session_goes_on_through_both_and_a_re
             swarm_factory.wait_ready(server)
         wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
         baseline = {peer: info["record"] for peer, info in infos(client).items()}
-        input_ids = prompt(24, 5)
+        input_ids = prompt(5, 24)
         expected = local.generate(input_ids, max_new_tokens=12, do_sample=False)
         halves: dict[str, tuple[int, int]] = {}
 
@@ -88,7 +89,7 @@ def test_replicas_drop_half_each_a_running_session_goes_on_through_both_and_a_re
             assert (record["restorable_start"], record["restorable_end"]) == (0, 8)
             assert record["pages_params"] == baseline[peer]["pages_params"] // 2  # four of eight blocks, alike
             assert record["pages_free"] == baseline[peer]["pages_free"] + baseline[peer]["pages_params"] // 2
-            assert dropped[peer]["dropping"] == {"drops": 1, "restores": 0, "restorable": [0, 8]}
+            assert dropped[peer]["dropping"] == {"drops": 1, "restores": 0, "restorable": [0, 8], "loop": None}
         # a new session routes through the two halves as one chain
         again = remote.generate(input_ids, max_new_tokens=6, do_sample=False)
         assert again.tolist() == local.generate(input_ids, max_new_tokens=6, do_sample=False).tolist()
@@ -99,7 +100,7 @@ def test_replicas_drop_half_each_a_running_session_goes_on_through_both_and_a_re
         for peer, info in infos(client).items():
             assert info["record"]["pages_free"] == baseline[peer]["pages_free"]
             assert info["record"]["restorable_start"] is None
-            assert info["dropping"] == {"drops": 1, "restores": 1, "restorable": None}
+            assert info["dropping"] == {"drops": 1, "restores": 1, "restorable": None, "loop": None}
         with remote.inference_session(max_length=64) as session:
             restored = remote.generate(input_ids, session=session, max_new_tokens=6, do_sample=False)
             assert len(session.route) == 1
@@ -125,5 +126,76 @@ def test_only_the_servers_orchestrator_may_make_it_drop(swarm_factory: SwarmProc
         (info,) = infos(client).values()
         assert (info["record"]["block_start"], info["record"]["block_end"]) == (0, 8)
         assert info["dropping"]["drops"] == 0
+    finally:
+        remote.shutdown()
+
+
+POOL = ("--memory", "1600KB", "--page-size", "16KB")  # tiny Llama: 80 pages of parameters, 20 free for KV
+SMALL_SESSIONS = ("--max-length", "64", "--kv-headroom-tokens", "32")  # one KV page per block and session
+
+
+def test_a_burst_makes_the_segment_drop_admit_more_sessions_with_exact_tokens_and_restore_after(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    """Without an orchestrator (`--kv-dropping`): two replicas whose pages hold two sessions each take eight at
+    once. Refused sessions raise the segment's demand, its leader has both drop half of the blocks, every session
+    ends with the local model's tokens, and once the burst is over both restore their blocks and pages."""
+    swarm_factory.start_dht()
+    servers = [swarm_factory.start_server(tiny_llama, "0:8", *POOL, *SMALL_SESSIONS, "--kv-dropping",
+                                          "--drop-period", "0.25", "--restore-after", "2", wait=False)
+               for _ in range(2)]
+    for server in servers:
+        swarm_factory.wait_ready(server)
+    local, remote = local_and_remote(swarm_factory, tiny_llama, busy_wait_s=120.0)
+    client = remote.swarm
+    try:
+        wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
+        baseline = {peer: info["record"] for peer, info in infos(client).items()}
+        prompts = [prompt(seed, 20) for seed in range(8)]
+        expected = [local.generate(ids, max_new_tokens=24, do_sample=False).tolist() for ids in prompts]
+        outputs: dict[int, list[list[int]]] = {}
+        errors: list[BaseException] = []
+        most_sessions = {server.peer_id: 0 for server in servers}
+        running = threading.Event()
+        running.set()
+
+        def generate(index: int) -> None:
+            try:
+                outputs[index] = remote.generate(prompts[index], max_new_tokens=24, do_sample=False).tolist()
+            except BaseException as error:  # asserted below
+                errors.append(error)
+
+        def watch() -> None:
+            while running.is_set():
+                for peer, info in infos(client).items():
+                    most_sessions[peer] = max(most_sessions[peer], info["record"]["session_count"])
+                time.sleep(0.1)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        threads = [threading.Thread(target=generate, args=(index,), daemon=True) for index in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(180)
+        running.clear()
+        watcher.join(10)
+        assert errors == [] and [outputs[index] for index in range(8)] == expected
+        assert max(most_sessions.values()) > 2, f"no server held more sessions than it could undropped: {most_sessions}"
+
+        # the burst is over: both restore the whole segment, and their pages come back
+        wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            after = infos(client)
+            if all(info["record"]["pages_free"] == baseline[peer]["pages_free"] for peer, info in after.items()):
+                break
+            time.sleep(0.2)
+        for peer, info in after.items():
+            assert info["record"]["pages_free"] == baseline[peer]["pages_free"]
+            assert info["record"]["restorable_start"] is None
+            assert info["dropping"]["drops"] >= 1 and info["dropping"]["restores"] == info["dropping"]["drops"]
+        leader = min(after)
+        assert after[leader]["dropping"]["loop"]["drops"] >= 1
     finally:
         remote.shutdown()

@@ -1,0 +1,169 @@
+"""KunServe's loop over the servers of one segment, as its leader runs it (`swarm-server --kv-dropping`, without an
+orchestrator). It does no I/O of its own: the caller gives it the members' fresh records and the drops and restores
+as callables.
+
+A segment is the range a server hosts, or, once it dropped blocks, the range it can restore; its servers form a group
+whose leader is the online one with the smallest peer id (every member computes the same from the DHT, as MELL's
+packing does). Every `period_s` the leader:
+1. reads each member's record: KV demand (pages its KV holds, plus `kv_demand_pages`: its sessions' expected growth
+   and what it refused for room in the last second) and the pages that can hold KV (all but its parameters');
+2. while nothing is dropped, runs `drop_trigger` on the segment's sums; when it asks for R pages, plans the drop
+   (`plan_drop`: buddy groups, kept slices) and tells each member that keeps less than the segment to `drop`. The
+   plan is proposed and committed in one round: a member that refuses or fails aborts it, and the leader asks the
+   members that had dropped to restore [chainswarm: a round of RPCs from the leader, in place of the spec's
+   propose-commit over DHT records];
+3. while blocks are dropped, runs `restore_trigger` and tells every member that dropped to `restore`.
+One level of drop at a time: a second burst while dropped waits for the restore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.buddy.groups import plan_drop
+from orchestrator.buddy.records import DropPlan, SegmentReplica
+from orchestrator.buddy.triggers import RESTORE_MIN_DROPPED_S, drop_trigger, restore_trigger
+from orchestrator.packing.segment_loop import leader_of
+from swarm.errors import SwarmError
+from swarm.records import ServerRecord, ServerState
+
+log = logging.getLogger(__name__)
+
+DROP_PERIOD_S = 0.5
+SAMPLES_KEPT = 8
+
+
+def segment_of(record: ServerRecord) -> tuple[int, int]:
+    """Gives the segment a server belongs to: the range it can restore, else the range it hosts."""
+    if record.restorable_start is not None and record.restorable_end is not None:
+        return record.restorable_start, record.restorable_end
+    return record.block_start, record.block_end
+
+
+def drop_group(records: dict[str, ServerRecord], segment: tuple[int, int]) -> list[ServerRecord]:
+    """Gives the online servers of `segment`, in peer-id order."""
+    return sorted((record for record in records.values()
+                   if record.state == ServerState.online and segment_of(record) == segment),
+                  key=lambda record: record.peer_id)
+
+
+def params_pages_per_block(record: ServerRecord) -> int:
+    return max(1, record.pages_params // max(1, record.block_end - record.block_start))
+
+
+def replica_of(record: ServerRecord) -> SegmentReplica:
+    start, end = segment_of(record)
+    return SegmentReplica(record.peer_id, start, end, params_pages_per_block(record),
+                          pages_free=record.pages_free, pages_kv=record.pages_kv,
+                          tau_p_ms=record.block_compute_ms or 1.0, draining=record.state == ServerState.draining)
+
+
+@dataclass
+class DropLoop:
+    """The segment's drop and restore decisions, taken while `peer_id` leads it."""
+
+    peer_id: str
+    group: Callable[[], Awaitable[list[ServerRecord]]]  # fresh records of the segment's online servers, own included
+    drop: Callable[[str, int, int], Awaitable[None]]  # (member, start, end): keep only [start, end)
+    restore: Callable[[str], Awaitable[None]]
+    period_s: float = DROP_PERIOD_S
+    restore_after_s: float = RESTORE_MIN_DROPPED_S
+    balanced: bool = True
+    demand: list[tuple[float, int]] = field(default_factory=list)
+    available: list[tuple[float, int]] = field(default_factory=list)
+    dropped_since_s: float | None = None
+    drops: int = 0
+    restores: int = 0
+    aborts: int = 0
+    last_plan: DropPlan | None = None
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.tick(time.monotonic())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("drop loop tick failed")
+            await asyncio.sleep(self.period_s)
+
+    async def tick(self, now_s: float) -> None:
+        """One look at the segment: samples its demand, then drops, restores or does nothing."""
+        records = await self.group()
+        if leader_of(records) != self.peer_id:
+            self._forget()
+            return
+        self._sample(now_s, records)
+        dropped = [record for record in records if record.restorable_start is not None]
+        if dropped:
+            self.dropped_since_s = self.dropped_since_s if self.dropped_since_s is not None else now_s
+            capacity = sum(record.pages_total - params_pages_per_block(record) * (end - start)
+                           for record in records for start, end in [segment_of(record)])
+            if restore_trigger(self.demand, capacity, now_s - self.dropped_since_s, min_dropped_s=self.restore_after_s):
+                await self._restore_all(dropped)
+            return
+        self.dropped_since_s = None
+        required = drop_trigger(self.demand, self.available)
+        if required > 0:
+            await self._drop(records, required, now_s)
+
+    def _sample(self, now_s: float, records: Sequence[ServerRecord]) -> None:
+        self.demand.append((now_s, sum(record.pages_kv + record.kv_demand_pages for record in records)))
+        self.available.append((now_s, sum(record.pages_total - record.pages_params for record in records)))
+        del self.demand[:-SAMPLES_KEPT], self.available[:-SAMPLES_KEPT]
+
+    def _forget(self) -> None:
+        self.demand.clear()
+        self.available.clear()
+
+    async def _drop(self, records: list[ServerRecord], required: int, now_s: float) -> None:
+        plan = plan_drop([replica_of(record) for record in records], required, balanced=self.balanced,
+                         epoch=self.drops + self.aborts + 1)
+        if not plan.changes_anything:
+            return
+        segment = (plan.block_start, plan.block_end)
+        dropped: list[str] = []
+        try:
+            for peer, kept in sorted(plan.kept.items()):
+                if kept != segment:
+                    await self.drop(peer, *kept)
+                    dropped.append(peer)
+        except (SwarmError, OSError, TimeoutError) as error:
+            self.aborts += 1
+            log.warning("drop plan %d aborted (%s: %s); restoring %s", plan.epoch, type(error).__name__, error,
+                        dropped)
+            for peer in dropped:
+                await self._try_restore(peer)
+            return
+        self.drops += 1
+        self.last_plan = plan
+        self.dropped_since_s = now_s
+        self._forget()  # the pages moved: rates across the drop mean nothing
+        log.info("drop plan %d for %d pages: groups %s, kept %s, %d pages freed", plan.epoch, required,
+                 [group.members for group in plan.groups], dict(plan.kept), plan.total_freed_pages)
+
+    async def _restore_all(self, dropped: list[ServerRecord]) -> None:
+        restored = [record.peer_id for record in dropped if await self._try_restore(record.peer_id)]
+        if len(restored) == len(dropped):
+            self.restores += 1
+            self.dropped_since_s = None
+            self._forget()
+            log.info("restored the segment's blocks on %s", restored)
+
+    async def _try_restore(self, peer: str) -> bool:
+        try:
+            await self.restore(peer)
+        except (SwarmError, OSError, TimeoutError) as error:
+            log.warning("restore on %s failed (%s: %s); trying again later", peer, type(error).__name__, error)
+            return False
+        return True
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"drops": self.drops, "restores": self.restores, "aborts": self.aborts,
+                "dropped": self.dropped_since_s is not None,
+                "plan": dict(self.last_plan.kept) if self.last_plan is not None else None}

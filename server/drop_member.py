@@ -1,0 +1,132 @@
+"""A server's part in KunServe's dropping: without an orchestrator, the servers of a segment run
+`orchestrator.buddy.segment_loop.DropLoop` (it acts only while this server leads the segment), and each takes
+`drop` and `restore` from its segment's leader, checking the claim against its own view of the DHT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Protocol
+
+from hivemind import DHT
+from hivemind.p2p import P2P
+
+from orchestrator.buddy.segment_loop import DropLoop, drop_group, segment_of
+from orchestrator.packing.segment_loop import leader_of
+from server.config import ServerConfig
+from server.hosting import Hosting
+from swarm.dht import lookup_servers_async
+from swarm.errors import PeerUnreachable
+from swarm.model import ModelSource
+from swarm.records import ServerRecord
+from swarm.rpc import RpcConnection, dial
+
+GROUP_MAX_AGE_S = 2.0  # how long a view of the segment's servers in the DHT is reused
+
+
+class DropHost(Protocol):
+    """What a drop member needs of its server (`server.server.SwarmServer`)."""
+
+    config: ServerConfig
+    source: ModelSource
+    hosting: Hosting
+    dht: DHT | None
+    p2p: P2P | None
+
+    @property
+    def peer_id(self) -> str: ...
+
+    def record(self) -> ServerRecord: ...
+
+
+class DropMember:
+    """The dropping loop and the leader check of one server."""
+
+    def __init__(self, server: DropHost) -> None:
+        self.server = server
+        self.loop: DropLoop | None = None
+        self._view: tuple[float, dict[str, ServerRecord]] = (0.0, {})  # (when, the DHT's records)
+        self._connections: dict[str, RpcConnection] = {}
+
+    def start(self) -> asyncio.Task[None] | None:
+        """Starts the segment's drop loop, for a server started with `--kv-dropping` and no orchestrator."""
+        config = self.server.config
+        if not config.kv_dropping or config.orchestrators:
+            return None
+        self.loop = DropLoop(self.server.peer_id, group=self._fresh_group, drop=self._ask_to_drop,
+                             restore=self._ask_to_restore, period_s=config.drop_period_s,
+                             restore_after_s=config.restore_after_s)
+        return asyncio.create_task(self.loop.run(), name="segment-dropping")
+
+    async def close(self) -> None:
+        for connection in self._connections.values():
+            await connection.close()
+
+    async def leads_me(self, peer_id: str) -> bool:
+        """Gives whether `peer_id` leads this server's segment (by this server's own view of the DHT)."""
+        if not self.server.config.kv_dropping or peer_id == self.server.peer_id:
+            return False
+        group = await self._group(max_age_s=GROUP_MAX_AGE_S)
+        if peer_id not in {record.peer_id for record in group}:
+            group = await self._group(max_age_s=0.0)
+        return leader_of(group) == peer_id
+
+    async def _group(self, *, max_age_s: float) -> list[ServerRecord]:
+        server = self.server
+        when, records = self._view
+        if time.monotonic() - when > max_age_s:
+            assert server.dht is not None
+            records = await lookup_servers_async(server.dht, server.source.model_id,
+                                                 timeout_s=server.config.push_timeout_s)
+            self._view = (time.monotonic(), records)
+        own = server.record()
+        return drop_group({**records, own.peer_id: own}, segment_of(own))
+
+    async def _fresh_group(self) -> list[ServerRecord]:
+        """Gives the segment's records as its servers see themselves now (`info`), this server's own included;
+        a member that does not answer is left out of this look."""
+        fresh = []
+        for record in await self._group(max_age_s=GROUP_MAX_AGE_S):
+            if record.peer_id == self.server.peer_id:
+                fresh.append(self.server.record())
+                continue
+            try:
+                reply = await (await self._connection(record)).call("info", {},
+                                                                    timeout=self.server.config.push_timeout_s)
+            except (PeerUnreachable, TimeoutError, OSError):
+                continue
+            member = ServerRecord.from_wire(reply.get("record"))
+            if member is not None and member.peer_id == record.peer_id:
+                fresh.append(member)
+        return fresh
+
+    async def _ask_to_drop(self, peer_id: str, start: int, end: int) -> None:
+        if peer_id == self.server.peer_id:
+            await self.server.hosting.drop(start, end)
+            return
+        await self._call(peer_id, "drop", {"blocks": [start, end]})
+
+    async def _ask_to_restore(self, peer_id: str) -> None:
+        if peer_id == self.server.peer_id:
+            await self.server.hosting.restore()
+            return
+        await self._call(peer_id, "restore", {})
+
+    async def _call(self, peer_id: str, method: str, payload: dict[str, object]) -> None:
+        record = self._view[1].get(peer_id)
+        if record is None:
+            raise PeerUnreachable(f"server {peer_id} is not in this server's view of the DHT")
+        # a restore loads blocks: it may take as long as a range change
+        await (await self._connection(record)).call(method, payload, timeout=self.server.config.block_change_timeout_s)
+
+    async def _connection(self, record: ServerRecord) -> RpcConnection:
+        server = self.server
+        connection = self._connections.get(record.peer_id)
+        if connection is None or connection.is_closed:
+            if server.p2p is None:
+                raise PeerUnreachable("this server is not connected yet")
+            connection = self._connections[record.peer_id] = await dial(
+                server.p2p, record.peer_id, list(record.addrs), timeout=server.config.push_timeout_s,
+                max_frame_bytes=server.config.max_frame_bytes)
+        return connection

@@ -1,0 +1,97 @@
+"""KunServe's loop over a segment (orchestrator/buddy/segment_loop), driven by records a test writes: the leader
+drops when the segment's demand outgrows its KV pages, aborts a plan a member refuses, restores once the drop is old
+enough and the demand fits; the other members do nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+from orchestrator.buddy.segment_loop import DropLoop, drop_group, segment_of
+from swarm.errors import ServerBusy
+from swarm.records import ServerRecord
+from tests.test_records import make_wire
+
+PAGES_TOTAL, PARAMS_PER_BLOCK = 100, 5
+
+
+def record(peer: str, start: int, end: int, *, kv: int, demand: int = 0,
+           restorable: tuple[int, int] | None = None) -> ServerRecord:
+    params = PARAMS_PER_BLOCK * (end - start)
+    parsed = ServerRecord.from_wire(make_wire(
+        peer_id=peer, block_start=start, block_end=end, pages_total=PAGES_TOTAL, pages_params=params, pages_kv=kv,
+        pages_free=PAGES_TOTAL - params - kv, kv_demand_pages=demand,
+        restorable_start=restorable[0] if restorable else None, restorable_end=restorable[1] if restorable else None,
+    ))
+    assert parsed is not None
+    return parsed
+
+
+class Segment:
+    """The records the loop reads, and what it asked of whom."""
+
+    def __init__(self, records: list[ServerRecord], refuse: frozenset[str] = frozenset()) -> None:
+        self.records = records
+        self.refuse = refuse
+        self.calls: list[tuple[str, ...]] = []
+
+    async def group(self) -> list[ServerRecord]:
+        return list(self.records)
+
+    async def drop(self, peer: str, start: int, end: int) -> None:
+        self.calls.append(("drop", peer, f"{start}:{end}"))
+        if peer in self.refuse:
+            raise ServerBusy(f"{peer} refuses")
+
+    async def restore(self, peer: str) -> None:
+        self.calls.append(("restore", peer))
+
+    def loop(self, peer: str) -> DropLoop:
+        return DropLoop(peer, group=self.group, drop=self.drop, restore=self.restore, restore_after_s=10.0)
+
+
+def test_the_leader_drops_on_a_burst_and_restores_once_the_drop_is_old_and_the_demand_fits() -> None:
+    async def body() -> None:
+        segment = Segment([record("a", 0, 8, kv=20), record("b", 0, 8, kv=20)])
+        leader, member = segment.loop("a"), segment.loop("b")
+        for now in (0.0, 0.5):
+            await leader.tick(now)
+            await member.tick(now)
+            assert segment.calls == []  # 40 of 120 KV pages in use, steady
+        segment.records = [record("a", 0, 8, kv=50, demand=20), record("b", 0, 8, kv=50, demand=20)]
+        await member.tick(1.0)
+        assert segment.calls == []  # not the leader
+        await leader.tick(1.0)  # demand 140 and rising against 120 pages: a pair, half the blocks each
+        assert segment.calls == [("drop", "a", "0:4"), ("drop", "b", "4:8")]
+        assert leader.drops == 1 and leader.last_plan is not None and leader.last_plan.total_freed_pages == 40
+
+        segment.calls.clear()
+        segment.records = [record("a", 0, 4, kv=10, restorable=(0, 8)), record("b", 4, 8, kv=10, restorable=(0, 8))]
+        for now in (1.5, 5.0, 10.5):
+            await leader.tick(now)
+        assert segment.calls == []  # demand fits, but the drop is not 10 s old
+        await leader.tick(11.5)
+        assert segment.calls == [("restore", "a"), ("restore", "b")]
+        assert leader.restores == 1 and leader.dropped_since_s is None
+
+    asyncio.run(body())
+
+
+def test_a_member_that_refuses_the_plan_aborts_it_and_the_members_that_dropped_restore() -> None:
+    async def body() -> None:
+        segment = Segment([record("a", 0, 8, kv=20), record("b", 0, 8, kv=20)], refuse=frozenset({"b"}))
+        leader = segment.loop("a")
+        await leader.tick(0.0)
+        segment.records = [record("a", 0, 8, kv=50, demand=20), record("b", 0, 8, kv=50, demand=20)]
+        await leader.tick(0.5)
+        assert segment.calls == [("drop", "a", "0:4"), ("drop", "b", "4:8"), ("restore", "a")]
+        assert (leader.drops, leader.aborts) == (0, 1)
+
+    asyncio.run(body())
+
+
+def test_a_dropped_server_stays_in_the_segment_it_can_restore() -> None:
+    dropped = record("a", 0, 4, kv=0, restorable=(0, 8))
+    whole = record("b", 0, 8, kv=0)
+    other = record("c", 8, 16, kv=0)
+    assert segment_of(dropped) == segment_of(whole) == (0, 8)
+    assert [r.peer_id for r in drop_group({"a": dropped, "b": whole, "c": other}, (0, 8))] == ["a", "b"]
