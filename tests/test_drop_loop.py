@@ -95,3 +95,18 @@ def test_a_dropped_server_stays_in_the_segment_it_can_restore() -> None:
     other = record("c", 8, 16, kv=0)
     assert segment_of(dropped) == segment_of(whole) == (0, 8)
     assert [r.peer_id for r in drop_group({"a": dropped, "b": whole, "c": other}, (0, 8))] == ["a", "b"]
+
+
+def test_a_member_that_leaves_while_dropped_makes_the_others_restore_at_once() -> None:
+    async def body() -> None:
+        segment = Segment([record("a", 0, 8, kv=20), record("b", 0, 8, kv=20)])
+        leader = segment.loop("a")
+        await leader.tick(0.0)
+        segment.records = [record("a", 0, 8, kv=50, demand=20), record("b", 0, 8, kv=50, demand=20)]
+        await leader.tick(0.5)
+        segment.calls.clear()
+        segment.records = [record("a", 0, 4, kv=50, demand=20, restorable=(0, 8))]  # b, keeping 4:8, is gone
+        await leader.tick(1.0)  # busy, and the drop is young: only the lost blocks make it restore
+        assert segment.calls == [("restore", "a")] and leader.restores == 1
+
+    asyncio.run(body())

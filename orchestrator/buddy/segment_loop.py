@@ -12,7 +12,8 @@ packing does). Every `period_s` the leader:
    plan is proposed and committed in one round: a member that refuses or fails aborts it, and the leader asks the
    members that had dropped to restore [chainswarm: a round of RPCs from the leader, in place of the spec's
    propose-commit over DHT records];
-3. while blocks are dropped, runs `restore_trigger` and tells every member that dropped to `restore`.
+3. while blocks are dropped, runs `restore_trigger` and tells every member that dropped to `restore`; at once, whatever
+   the trigger says, when a block of the segment is left without an online server (a member that kept it left).
 One level of drop at a time: a second burst while dropped waits for the restore.
 """
 
@@ -50,6 +51,16 @@ def drop_group(records: dict[str, ServerRecord], segment: tuple[int, int]) -> li
     return sorted((record for record in records.values()
                    if record.state == ServerState.online and segment_of(record) == segment),
                   key=lambda record: record.peer_id)
+
+
+def uncovered_blocks(records: Sequence[ServerRecord]) -> list[int]:
+    """Gives the blocks of the records' segment that no online record among them hosts."""
+    if not records:
+        return []
+    start, end = segment_of(records[0])
+    hosted = {block for record in records if record.state == ServerState.online
+              for block in range(record.block_start, record.block_end)}
+    return [block for block in range(start, end) if block not in hosted]
 
 
 def params_pages_per_block(record: ServerRecord) -> int:
@@ -104,7 +115,11 @@ class DropLoop:
             self.dropped_since_s = self.dropped_since_s if self.dropped_since_s is not None else now_s
             capacity = sum(record.pages_total - params_pages_per_block(record) * (end - start)
                            for record in records for start, end in [segment_of(record)])
-            if restore_trigger(self.demand, capacity, now_s - self.dropped_since_s, min_dropped_s=self.restore_after_s):
+            uncovered = uncovered_blocks(records)
+            if uncovered:
+                log.warning("blocks %s of the segment have no online server: restoring at once", uncovered)
+            if uncovered or restore_trigger(self.demand, capacity, now_s - self.dropped_since_s,
+                                            min_dropped_s=self.restore_after_s):
                 await self._restore_all(dropped)
             return
         self.dropped_since_s = None
