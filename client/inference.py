@@ -161,7 +161,7 @@ class RemoteInferenceSession:
                 route = await self.client.route(start, end, max_length=self.max_length, batch=self.batch,
                                                 avoid=busy)
             except NoRouteFound:
-                if not busy:
+                if not busy and not await self._blocks_may_return(start, end):
                     raise
                 if time.monotonic() + backoff_s > deadline:
                     raise ServerBusy(f"every server of blocks {start}:{end} that could take this session was busy "
@@ -188,6 +188,14 @@ class RemoteInferenceSession:
                     for span_session in opened:
                         await span_session.connection.close()
         raise NoRouteFound(f"no chain over blocks {start}:{end} accepted a session of {self.max_length} tokens")
+
+    async def _blocks_may_return(self, start: int, end: int) -> bool:
+        """Gives whether an online server that dropped blocks of [start, end) can load them back (KunServe: when a
+        buddy that kept some of them leaves, the others restore at once), so that the session waits for them as
+        for a busy swarm."""
+        return any(record.restorable_start is not None and record.restorable_end is not None
+                   and record.restorable_start < end and start < record.restorable_end
+                   for record in (await self.client.servers()).values())
 
     async def _open_span(self, span: Span, *, moved_from: str | None = None,
                          session_id: str | None = None) -> _SpanSession:

@@ -107,11 +107,11 @@ class DropMember:
             return
         await self._call(peer_id, "drop", {"blocks": [start, end]})
 
-    async def _ask_to_restore(self, peer_id: str) -> None:
+    async def _ask_to_restore(self, peer_id: str, evict_merged: bool) -> None:
         if peer_id == self.server.peer_id:
-            await self.server.hosting.restore()
+            await self.server.hosting.restore(evict_merged=evict_merged)
             return
-        await self._call(peer_id, "restore", {})
+        await self._call(peer_id, "restore", {"evict_merged": evict_merged})
 
     async def _call(self, peer_id: str, method: str, payload: dict[str, object]) -> None:
         record = self._view[1].get(peer_id)

@@ -140,16 +140,31 @@ class Hosting:
                      *old, start, end, pages, len(victims))
             return victims
 
-    async def restore(self) -> None:
+    async def restore(self, *, evict_merged: bool = False) -> list[str]:
         """Loads the dropped blocks back and serves the range from before the drop again (nothing dropped: does
-        nothing). Raises OutOfPages as `change` does; the server then still serves what it kept."""
+        nothing); gives the sessions it evicted. Raises OutOfPages as `change` does; the server then still serves
+        what it kept.
+
+        With `evict_merged` (a buddy that kept other blocks of the segment is gone), the sessions that went through
+        this server's kept blocks only, as part of the group's chain, are evicted first: their chains are broken,
+        their clients replay them anyway, and the pages they hold are what the blocks need to come back."""
         target = self._restorable
         if target is None:
-            return
+            return []
+        evicted = []
+        if evict_merged:
+            evicted = [session.session_id for session in self.sessions if (session.start, session.end) != target]
+            for session_id in evicted:
+                self.sessions.evict(session_id, BlocksDropped(
+                    f"a server that kept other blocks of session {session_id!r} left; this one loads blocks "
+                    f"{target[0]}:{target[1]} back: continue through it"
+                ))
         before = self.pool.stats().pages_params
         await self.change(*target)
         self.restores += 1
-        log.info("Restored blocks %d:%d: %d parameter pages taken", *target, self.pool.stats().pages_params - before)
+        log.info("Restored blocks %d:%d: %d parameter pages taken, %d session(s) evicted", *target,
+                 self.pool.stats().pages_params - before, len(evicted))
+        return evicted
 
     async def _load(self, index: int, *, leaving_blocks: set[int]) -> None:
         """Loads block `index` into the pool once its pages fit beside the running sessions' expected growth."""

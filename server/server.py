@@ -282,9 +282,9 @@ class SwarmServer:
         gives the evicted sessions (see `Hosting.drop`)."""
         return await self.hosting.drop(start, end)
 
-    async def restore_blocks(self) -> None:
+    async def restore_blocks(self, *, evict_merged: bool = False) -> list[str]:
         """Loads the blocks dropped since the last restore back and serves them again (see `Hosting.restore`)."""
-        await self.hosting.restore()
+        return await self.hosting.restore(evict_merged=evict_merged)
 
     async def _check_drop_caller(self, ctx: CallContext, what: str) -> None:
         """Raises AssignmentRefused unless the caller is an orchestrator of this server or its segment's leader."""
@@ -327,8 +327,8 @@ class SwarmServer:
         """Loads the dropped blocks back on its orchestrator's word: answers once they serve again."""
         await self._check_drop_caller(ctx, "restore")
         self._check_accepting()
-        await self.restore_blocks()
-        return {"blocks": [self.hosting.start, self.hosting.end]}
+        evicted = await self.restore_blocks(evict_merged=field(payload, "evict_merged", bool, optional=True) is True)
+        return {"blocks": [self.hosting.start, self.hosting.end], "evicted": len(evicted)}
 
     async def _choose_blocks_loop(self) -> None:
         """Chooses this server's blocks as Petals' servers do, then checks every `rebalance_period_s` whether

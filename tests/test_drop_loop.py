@@ -42,8 +42,8 @@ class Segment:
         if peer in self.refuse:
             raise ServerBusy(f"{peer} refuses")
 
-    async def restore(self, peer: str) -> None:
-        self.calls.append(("restore", peer))
+    async def restore(self, peer: str, evict_merged: bool) -> None:
+        self.calls.append(("restore", peer, "evict") if evict_merged else ("restore", peer))
 
     def loop(self, peer: str) -> DropLoop:
         return DropLoop(peer, group=self.group, drop=self.drop, restore=self.restore, restore_after_s=10.0)
@@ -107,6 +107,6 @@ def test_a_member_that_leaves_while_dropped_makes_the_others_restore_at_once() -
         segment.calls.clear()
         segment.records = [record("a", 0, 4, kv=50, demand=20, restorable=(0, 8))]  # b, keeping 4:8, is gone
         await leader.tick(1.0)  # busy, and the drop is young: only the lost blocks make it restore
-        assert segment.calls == [("restore", "a")] and leader.restores == 1
+        assert segment.calls == [("restore", "a", "evict")] and leader.restores == 1
 
     asyncio.run(body())

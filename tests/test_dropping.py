@@ -95,7 +95,7 @@ def test_replicas_drop_half_each_a_running_session_goes_on_through_both_and_a_re
         assert again.tolist() == local.generate(input_ids, max_new_tokens=6, do_sample=False).tolist()
 
         for peer in halves:
-            assert call(client, peer, "restore", {}) == {"blocks": [0, 8]}
+            assert call(client, peer, "restore", {}) == {"blocks": [0, 8], "evicted": 0}
         wait_for_ranges(client, {peer: (0, 8) for peer in halves})
         for peer, info in infos(client).items():
             assert info["record"]["pages_free"] == baseline[peer]["pages_free"]
@@ -197,5 +197,53 @@ def test_a_burst_makes_the_segment_drop_admit_more_sessions_with_exact_tokens_an
             assert info["dropping"]["drops"] >= 1 and info["dropping"]["restores"] == info["dropping"]["drops"]
         leader = min(after)
         assert after[leader]["dropping"]["loop"]["drops"] >= 1
+    finally:
+        remote.shutdown()
+
+
+def test_a_member_that_dies_while_its_group_is_dropped_leaves_no_block_without_a_host(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    """The buddy keeping half of the blocks is killed while eight sessions run through the group: the leader loads
+    its dropped blocks back at once (evicting the sessions of the broken chain to make room), and every session
+    ends on it with the local model's tokens."""
+    swarm_factory.start_dht()
+    servers = [swarm_factory.start_server(tiny_llama, "0:8", *POOL, *SMALL_SESSIONS, "--kv-dropping",
+                                          "--drop-period", "0.25", "--restore-after", "600", wait=False)
+               for _ in range(2)]
+    for server in servers:
+        swarm_factory.wait_ready(server)
+    survivor, doomed = sorted(servers, key=lambda server: server.peer_id)  # the leader survives
+    local, remote = local_and_remote(swarm_factory, tiny_llama, busy_wait_s=120.0)
+    client = remote.swarm
+    try:
+        wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
+        prompts = [prompt(seed, 20) for seed in range(8)]
+        expected = [local.generate(ids, max_new_tokens=40, do_sample=False).tolist() for ids in prompts]
+        outputs: dict[int, list[list[int]]] = {}
+        errors: list[BaseException] = []
+
+        def generate(index: int) -> None:
+            try:
+                outputs[index] = remote.generate(prompts[index], max_new_tokens=40, do_sample=False).tolist()
+            except BaseException as error:  # asserted below
+                errors.append(error)
+
+        threads = [threading.Thread(target=generate, args=(index,), daemon=True) for index in range(8)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline and not all(
+            info["dropping"]["restorable"] for info in infos(client).values()
+        ):
+            time.sleep(0.05)
+        assert all(info["dropping"]["restorable"] for info in infos(client).values()), "the group never dropped"
+        swarm_factory.kill(doomed)
+        for thread in threads:
+            thread.join(180)
+        assert errors == [] and [outputs[index] for index in range(8)] == expected
+        info = infos(client)[survivor.peer_id]
+        assert (info["record"]["block_start"], info["record"]["block_end"]) == (0, 8)
+        assert info["dropping"]["restores"] == 1 and info["dropping"]["restorable"] is None
     finally:
         remote.shutdown()

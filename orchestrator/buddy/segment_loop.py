@@ -13,7 +13,8 @@ packing does). Every `period_s` the leader:
    members that had dropped to restore [chainswarm: a round of RPCs from the leader, in place of the spec's
    propose-commit over DHT records];
 3. while blocks are dropped, runs `restore_trigger` and tells every member that dropped to `restore`; at once, whatever
-   the trigger says, when a block of the segment is left without an online server (a member that kept it left).
+   the trigger says, when a block of the segment is left without an online server (a member that kept it left):
+   then the members first evict the sessions of the group's chain, which is broken, to make room for the blocks.
 One level of drop at a time: a second burst while dropped waits for the restore.
 """
 
@@ -81,7 +82,7 @@ class DropLoop:
     peer_id: str
     group: Callable[[], Awaitable[list[ServerRecord]]]  # fresh records of the segment's online servers, own included
     drop: Callable[[str, int, int], Awaitable[None]]  # (member, start, end): keep only [start, end)
-    restore: Callable[[str], Awaitable[None]]
+    restore: Callable[[str, bool], Awaitable[None]]  # (member, evict_merged): load the dropped blocks back
     period_s: float = DROP_PERIOD_S
     restore_after_s: float = RESTORE_MIN_DROPPED_S
     balanced: bool = True
@@ -120,7 +121,7 @@ class DropLoop:
                 log.warning("blocks %s of the segment have no online server: restoring at once", uncovered)
             if uncovered or restore_trigger(self.demand, capacity, now_s - self.dropped_since_s,
                                             min_dropped_s=self.restore_after_s):
-                await self._restore_all(dropped)
+                await self._restore_all(dropped, evict_merged=bool(uncovered))
             return
         self.dropped_since_s = None
         required = drop_trigger(self.demand, self.available)
@@ -162,17 +163,18 @@ class DropLoop:
         log.info("drop plan %d for %d pages: groups %s, kept %s, %d pages freed", plan.epoch, required,
                  [group.members for group in plan.groups], dict(plan.kept), plan.total_freed_pages)
 
-    async def _restore_all(self, dropped: list[ServerRecord]) -> None:
-        restored = [record.peer_id for record in dropped if await self._try_restore(record.peer_id)]
+    async def _restore_all(self, dropped: list[ServerRecord], *, evict_merged: bool = False) -> None:
+        restored = [record.peer_id for record in dropped
+                    if await self._try_restore(record.peer_id, evict_merged=evict_merged)]
         if len(restored) == len(dropped):
             self.restores += 1
             self.dropped_since_s = None
             self._forget()
             log.info("restored the segment's blocks on %s", restored)
 
-    async def _try_restore(self, peer: str) -> bool:
+    async def _try_restore(self, peer: str, *, evict_merged: bool = False) -> bool:
         try:
-            await self.restore(peer)
+            await self.restore(peer, evict_merged)
         except (SwarmError, OSError, TimeoutError) as error:
             log.warning("restore on %s failed (%s: %s); trying again later", peer, type(error).__name__, error)
             return False
