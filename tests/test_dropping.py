@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from client import ClientConfig, DistributedModelForCausalLM
 from client.swarm_client import SwarmClient
 from swarm.errors import AssignmentRefused
-from swarm.local_swarm import SwarmProcesses
+from swarm.local_swarm import Proc, SwarmProcesses
 from tests.test_failover import ActAfterTokens
 from tests.test_migration import infos, local_and_remote
 from tests.test_swarm_generate import prompt
@@ -134,18 +135,49 @@ POOL = ("--memory", "1600KB", "--page-size", "16KB")  # tiny Llama: 80 pages of 
 SMALL_SESSIONS = ("--max-length", "64", "--kv-headroom-tokens", "32")  # one KV page per block and session
 
 
+def start_dropping_replicas(swarm: SwarmProcesses, model: Path, *, restore_after_s: float) -> list[Proc]:
+    """Starts the DHT and two servers of all blocks with small pools, dropping on their own (`--kv-dropping`)."""
+    swarm.start_dht()
+    servers = [swarm.start_server(model, "0:8", *POOL, *SMALL_SESSIONS, "--kv-dropping", "--drop-period", "0.25",
+                                  "--restore-after", str(restore_after_s), wait=False) for _ in range(2)]
+    for server in servers:
+        swarm.wait_ready(server)
+    return servers
+
+
+class Generation:
+    """Greedy generations of several prompts at once, a thread each."""
+
+    def __init__(self, remote: DistributedModelForCausalLM, prompts: list[torch.Tensor], *, new_tokens: int) -> None:
+        self.results: dict[int, list[list[int]]] = {}
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._run, args=(remote, index, ids, new_tokens), daemon=True)
+                        for index, ids in enumerate(prompts)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, remote: DistributedModelForCausalLM, index: int, ids: torch.Tensor, new_tokens: int) -> None:
+        try:
+            self.results[index] = remote.generate(ids, max_new_tokens=new_tokens, do_sample=False).tolist()
+        except BaseException as error:  # the test asserts on it
+            self.errors.append(error)
+
+    def join(self, timeout_s: float = 180.0) -> None:
+        for thread in self.threads:
+            thread.join(timeout_s)
+
+    @property
+    def outputs(self) -> list[list[list[int]]]:
+        return [self.results.get(index, []) for index in range(len(self.threads))]
+
+
 def test_a_burst_makes_the_segment_drop_admit_more_sessions_with_exact_tokens_and_restore_after(
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:
     """Without an orchestrator (`--kv-dropping`): two replicas whose pages hold two sessions each take eight at
     once. Refused sessions raise the segment's demand, its leader has both drop half of the blocks, every session
     ends with the local model's tokens, and once the burst is over both restore their blocks and pages."""
-    swarm_factory.start_dht()
-    servers = [swarm_factory.start_server(tiny_llama, "0:8", *POOL, *SMALL_SESSIONS, "--kv-dropping",
-                                          "--drop-period", "0.25", "--restore-after", "2", wait=False)
-               for _ in range(2)]
-    for server in servers:
-        swarm_factory.wait_ready(server)
+    servers = start_dropping_replicas(swarm_factory, tiny_llama, restore_after_s=2)
     local, remote = local_and_remote(swarm_factory, tiny_llama, busy_wait_s=120.0)
     client = remote.swarm
     try:
@@ -153,17 +185,9 @@ def test_a_burst_makes_the_segment_drop_admit_more_sessions_with_exact_tokens_an
         baseline = {peer: info["record"] for peer, info in infos(client).items()}
         prompts = [prompt(seed, 20) for seed in range(8)]
         expected = [local.generate(ids, max_new_tokens=24, do_sample=False).tolist() for ids in prompts]
-        outputs: dict[int, list[list[int]]] = {}
-        errors: list[BaseException] = []
         most_sessions = {server.peer_id: 0 for server in servers}
         running = threading.Event()
         running.set()
-
-        def generate(index: int) -> None:
-            try:
-                outputs[index] = remote.generate(prompts[index], max_new_tokens=24, do_sample=False).tolist()
-            except BaseException as error:  # asserted below
-                errors.append(error)
 
         def watch() -> None:
             while running.is_set():
@@ -173,14 +197,11 @@ def test_a_burst_makes_the_segment_drop_admit_more_sessions_with_exact_tokens_an
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
-        threads = [threading.Thread(target=generate, args=(index,), daemon=True) for index in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(180)
+        generation = Generation(remote, prompts, new_tokens=24)
+        generation.join()
         running.clear()
         watcher.join(10)
-        assert errors == [] and [outputs[index] for index in range(8)] == expected
+        assert generation.errors == [] and generation.outputs == expected
         assert max(most_sessions.values()) > 2, f"no server held more sessions than it could undropped: {most_sessions}"
 
         # the burst is over: both restore the whole segment, and their pages come back
@@ -207,12 +228,7 @@ def test_a_member_that_dies_while_its_group_is_dropped_leaves_no_block_without_a
     """The buddy keeping half of the blocks is killed while eight sessions run through the group: the leader loads
     its dropped blocks back at once (evicting the sessions of the broken chain to make room), and every session
     ends on it with the local model's tokens."""
-    swarm_factory.start_dht()
-    servers = [swarm_factory.start_server(tiny_llama, "0:8", *POOL, *SMALL_SESSIONS, "--kv-dropping",
-                                          "--drop-period", "0.25", "--restore-after", "600", wait=False)
-               for _ in range(2)]
-    for server in servers:
-        swarm_factory.wait_ready(server)
+    servers = start_dropping_replicas(swarm_factory, tiny_llama, restore_after_s=600)
     survivor, doomed = sorted(servers, key=lambda server: server.peer_id)  # the leader survives
     local, remote = local_and_remote(swarm_factory, tiny_llama, busy_wait_s=120.0)
     client = remote.swarm
@@ -220,18 +236,7 @@ def test_a_member_that_dies_while_its_group_is_dropped_leaves_no_block_without_a
         wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
         prompts = [prompt(seed, 20) for seed in range(8)]
         expected = [local.generate(ids, max_new_tokens=40, do_sample=False).tolist() for ids in prompts]
-        outputs: dict[int, list[list[int]]] = {}
-        errors: list[BaseException] = []
-
-        def generate(index: int) -> None:
-            try:
-                outputs[index] = remote.generate(prompts[index], max_new_tokens=40, do_sample=False).tolist()
-            except BaseException as error:  # asserted below
-                errors.append(error)
-
-        threads = [threading.Thread(target=generate, args=(index,), daemon=True) for index in range(8)]
-        for thread in threads:
-            thread.start()
+        generation = Generation(remote, prompts, new_tokens=40)
         deadline = time.monotonic() + TIMEOUT_S
         while time.monotonic() < deadline and not all(
             info["dropping"]["restorable"] for info in infos(client).values()
@@ -239,9 +244,8 @@ def test_a_member_that_dies_while_its_group_is_dropped_leaves_no_block_without_a
             time.sleep(0.05)
         assert all(info["dropping"]["restorable"] for info in infos(client).values()), "the group never dropped"
         swarm_factory.kill(doomed)
-        for thread in threads:
-            thread.join(180)
-        assert errors == [] and [outputs[index] for index in range(8)] == expected
+        generation.join()
+        assert generation.errors == [] and generation.outputs == expected
         info = infos(client)[survivor.peer_id]
         assert (info["record"]["block_start"], info["record"]["block_end"]) == (0, 8)
         assert info["dropping"]["restores"] == 1 and info["dropping"]["restorable"] is None
