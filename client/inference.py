@@ -190,12 +190,17 @@ class RemoteInferenceSession:
         raise NoRouteFound(f"no chain over blocks {start}:{end} accepted a session of {self.max_length} tokens")
 
     async def _blocks_may_return(self, start: int, end: int) -> bool:
-        """Gives whether an online server that dropped blocks of [start, end) can load them back (KunServe: when a
-        buddy that kept some of them leaves, the others restore at once), so that the session waits for them as
-        for a busy swarm."""
-        return any(record.restorable_start is not None and record.restorable_end is not None
-                   and record.restorable_start < end and start < record.restorable_end
-                   for record in (await self.client.servers()).values())
+        """Gives whether some blocks of [start, end) have no online server now and every one of them can be loaded
+        back by an online server that dropped it (KunServe: when a buddy that kept blocks leaves, the others
+        restore at once), so that the session waits for them as for a busy swarm. A route that failed only for
+        banned or full servers fails as before."""
+        servers = (await self.client.servers()).values()
+        hosted = {block for record in servers for block in range(record.block_start, record.block_end)}
+        restorable = {block for record in servers
+                      if record.restorable_start is not None and record.restorable_end is not None
+                      for block in range(record.restorable_start, record.restorable_end)}
+        missing = set(range(start, end)) - hosted
+        return bool(missing) and missing <= restorable
 
     async def _open_span(self, span: Span, *, moved_from: str | None = None,
                          session_id: str | None = None) -> _SpanSession:

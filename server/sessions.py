@@ -23,7 +23,7 @@ from swarm.records import NextHop
 
 MAX_BATCH_ROWS = 64
 EVICTED_TTL_S = 900.0  # how long an evicted session's steps still learn why it went
-MAX_EVICTED = 4096
+MAX_REMEMBERED = 4096  # evicted and refused sessions kept in mind at most
 REFUSED_WINDOW_S = 1.0  # how long a session refused for room counts in the demand (KunServe's trigger horizon)
 
 
@@ -282,7 +282,7 @@ class SessionTable:
     def _note_refused(self, session_id: str, pages: int) -> None:
         self._refused[session_id] = (time.monotonic(), pages)
         self._refused.move_to_end(session_id)
-        while len(self._refused) > MAX_EVICTED:
+        while len(self._refused) > MAX_REMEMBERED:
             self._refused.popitem(last=False)
 
     def kv_demand_pages(self, window_s: float = REFUSED_WINDOW_S) -> int:
@@ -304,7 +304,7 @@ class SessionTable:
         self.close(session_id)
         self._evicted[session_id] = (time.monotonic(), error)
         self._evicted.move_to_end(session_id)
-        while len(self._evicted) > MAX_EVICTED:
+        while len(self._evicted) > MAX_REMEMBERED:
             self._evicted.popitem(last=False)
         return True
 
