@@ -190,12 +190,15 @@ class RemoteInferenceSession:
         raise NoRouteFound(f"no chain over blocks {start}:{end} accepted a session of {self.max_length} tokens")
 
     async def _blocks_may_return(self, start: int, end: int) -> bool:
-        """Gives whether some blocks of [start, end) have no online server now and every one of them can be loaded
-        back by an online server that dropped it (KunServe: when a buddy that kept blocks leaves, the others
-        restore at once), so that the session waits for them as for a busy swarm. A route that failed only for
-        banned or full servers fails as before."""
+        """Gives whether some blocks of [start, end) have no usable server now (online in the DHT and not banned:
+        a server that just died is both, until its record expires) and every one of them can be loaded back by
+        an online server that dropped it (KunServe: when a buddy that kept blocks leaves, the others restore at
+        once), so that the session waits for them as for a busy swarm. Blocks no live server can restore fail the
+        route as before."""
         servers = (await self.client.servers()).values()
-        hosted = {block for record in servers for block in range(record.block_start, record.block_end)}
+        banned = self.client.banned()
+        hosted = {block for record in servers if record.peer_id not in banned
+                  for block in range(record.block_start, record.block_end)}
         restorable = {block for record in servers
                       if record.restorable_start is not None and record.restorable_end is not None
                       for block in range(record.restorable_start, record.restorable_end)}
