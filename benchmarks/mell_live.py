@@ -47,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from benchmarks.mell_live_monitor import spawn_monitor
 from benchmarks.table1_client import run_replay, trace_requests
 from netem import netns
 from netem.network import EmulatedNetwork
@@ -167,12 +168,8 @@ def run_live(policy: str, args: argparse.Namespace, workdir: Path, memory: int) 
         for proc in procs.values():
             swarm.wait_ready(proc)
         polls_path = workdir / "polls.jsonl"
-        monitor = network.spawn("mon", [sys.executable, str(REPO / "benchmarks" / "mell_live_monitor.py"), "--model",
-                                        DEFAULT_MODEL, "--initial-peers", *swarm.initial_peers, "--servers",
-                                        str(len(REPLICAS)), "--out", str(polls_path), "--period", str(POLL_S)],
-                                name="monitor", log_dir=workdir, interactive=True, env={"OMP_WAIT_POLICY": "PASSIVE"})
+        monitor = spawn_monitor(network, DEFAULT_MODEL, swarm.initial_peers, len(REPLICAS), polls_path, POLL_S, workdir)
         try:
-            monitor.read_line(300)
             deadline = time.monotonic() + 60
             while len(_read_jsonl(polls_path)) < len(REPLICAS) and time.monotonic() < deadline:
                 time.sleep(0.5)

@@ -6,7 +6,8 @@
 Waits until the DHT shows `--servers` servers, prints `ready`, then writes one JSON line per server and poll:
 `{t (wall clock), peer_id, pages_kv, sessions, accepting, capacity_pages (its pool less its parameters), blocks,
 kv_tokens_per_page, kv_bytes_per_token (one block's), prefill_ms_per_token (one block's), network_mbps, migrations
-(info's), packing (info's)}` until its standard
+(info's), packing (info's), block_start, block_end, pages_total, pages_params, pages_free, block_compute_ms,
+block_decode_ms, dropping (info's)}` until its standard
 input closes or says `quit`; prints `done`. A server that does not answer is skipped for that poll.
 """
 
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -28,8 +30,28 @@ from swarm.model import resolve_model
 from swarm.records import ServerRecord
 from swarm.rpc import RpcConnection
 
+if TYPE_CHECKING:
+    from netem.network import EmulatedNetwork
+    from netem.processes import HostProcess
+
 READY_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 10.0
+
+
+def spawn_monitor(network: EmulatedNetwork, model: str, initial_peers: list[str], servers: int, out: Path,
+                  period_s: float, log_dir: Path) -> HostProcess:
+    """Starts this monitor in `network`'s host "mon"; it has printed `ready` when this returns (stop it with
+    `send_line("quit")` and `stop()`)."""
+    monitor = network.spawn("mon", [sys.executable, str(Path(__file__).resolve()), "--model", model,
+                                    "--initial-peers", *initial_peers, "--servers", str(servers), "--out", str(out),
+                                    "--period", str(period_s)],
+                            name="monitor", log_dir=log_dir, interactive=True, env={"OMP_WAIT_POLICY": "PASSIVE"})
+    try:
+        monitor.read_line(READY_TIMEOUT_S)
+    except BaseException:
+        monitor.stop()
+        raise
+    return monitor
 
 
 async def poll_once(swarm: SwarmClient, connections: dict[str, RpcConnection], records: dict[str, ServerRecord]
@@ -50,7 +72,11 @@ async def poll_once(swarm: SwarmClient, connections: dict[str, RpcConnection], r
                 "blocks": record["block_end"] - record["block_start"],
                 "kv_tokens_per_page": reply["kv_tokens_per_page"], "kv_bytes_per_token": record["kv_bytes_per_token"],
                 "prefill_ms_per_token": record["block_prefill_ms_per_token"], "network_mbps": record["network_mbps"],
-                "migrations": reply["migrations"], "packing": reply["packing"]}
+                "migrations": reply["migrations"], "packing": reply["packing"],
+                "block_start": record["block_start"], "block_end": record["block_end"],
+                "pages_total": record["pages_total"], "pages_params": record["pages_params"],
+                "pages_free": record["pages_free"], "block_compute_ms": record["block_compute_ms"],
+                "block_decode_ms": record["block_decode_ms"], "dropping": reply.get("dropping")}
 
     results = await asyncio.gather(*(one(peer_id) for peer_id in sorted(records)))
     return [result for result in results if result is not None]

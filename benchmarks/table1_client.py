@@ -8,9 +8,9 @@ Each request `{id, at_s, prompt_tokens, output_tokens}` starts `at_s` after the 
 (through the orchestrator's JFFC queue, or by routing over DHT records with Petals' retry and exponential backoff
 while no server has room, its delays stretched by the run's time dilation) and generates exactly `output_tokens`
 greedy tokens. One JSON line per request: `{id, arrival_s, arrival_wall, started_s, first_token_s, ended_s,
-closed_s, failovers, first_route, route, spans, error}`: waiting = started - arrival, service = ended - started
-(its first token at first_token_s, its last at ended_s; the session closed, its servers and lease released, at
-closed_s);
+closed_s, tokens, failovers, moves, first_route, route, spans, error}`: waiting = started - arrival, service =
+ended - started (its first token at first_token_s, its last at ended_s; the session closed, its servers and lease
+released, at closed_s); `tokens` the generated ids;
 `first_route` is the chain the session opened on, `route` the one it ended on; `spans` the client's timings per
 server (steps, summed round trips, and the compute time of the batches the server reported); `arrival_wall` is the
 arrival by the wall clock. With `--servers-out`, each server's batch statistics at the end.
@@ -81,12 +81,14 @@ def serve_request(model: DistributedModelForCausalLM, request: dict, started_at:
         record["first_route"] = [span.peer_id for span in session.route]
         first_token = _FirstToken()
         with session:
-            model.generate(input_ids, session=session, max_new_tokens=output, min_new_tokens=output,
-                           do_sample=False, streamer=first_token)
+            generated = model.generate(input_ids, session=session, max_new_tokens=output, min_new_tokens=output,
+                                       do_sample=False, streamer=first_token)
             record["ended_s"] = time.perf_counter() - started_at  # the last token is the user's: the response ends
             if first_token.at is not None:
                 record["first_token_s"] = first_token.at - started_at
+            record["tokens"] = generated[0, prompt:].tolist()  # greedy: arms compare them request by request
             record["failovers"] = session.failovers
+            record["moves"] = session.moves
             record["route"] = [span.peer_id for span in session.route]
             record["spans"] = [{"peer_id": span.peer_id, "steps": span.steps, "round_trip_ms": span.round_trip_ms,
                                 "compute_ms": span.compute_ms} for span in session.timings()]

@@ -23,6 +23,7 @@ from client.swarm_client import SwarmClient
 from swarm.errors import (
     BlocksDropped,
     BlocksNotHosted,
+    ChainChanged,
     InternalServerError,
     MalformedFrame,
     MaxLengthExceeded,
@@ -53,7 +54,7 @@ RECOVERABLE = (
 )
 # Failures that say nothing against the server (it is full, moved the session, or dropped blocks to hold more KV):
 # its replacement chain may go through it again, and it is not banned.
-NOT_THE_SERVERS_FAULT = (ServerBusy, SessionMoved, BlocksDropped)
+NOT_THE_SERVERS_FAULT = (ServerBusy, SessionMoved, BlocksDropped, ChainChanged)
 # When opening a session, a stale record (blocks no longer hosted) or a lower --max-length also means: try another.
 RECOVERABLE_AT_OPEN = (*RECOVERABLE, BlocksNotHosted, MaxLengthExceeded)
 
@@ -87,6 +88,9 @@ class _SpanSession:
     history: list[torch.Tensor] = field(default_factory=list)
     position: int = 0
     steps_in_flight: int = 0  # step calls sent on `connection` whose reply has not come
+    # Whether `history` holds every input since the session's first token. A part split off to a server by a drop
+    # (KunServe's exchange) has only the inputs sent after the split: a replay of it starts at an earlier span.
+    complete: bool = True
     following: asyncio.Future[None] | None = None  # set while the client switches it to the server it moved to
 
     @property
@@ -190,11 +194,11 @@ class RemoteInferenceSession:
         raise NoRouteFound(f"no chain over blocks {start}:{end} accepted a session of {self.max_length} tokens")
 
     async def _blocks_may_return(self, start: int, end: int) -> bool:
-        """Gives whether some blocks of [start, end) have no usable server now (online in the DHT and not banned:
-        a server that just died is both, until its record expires) and every one of them can be loaded back by
-        an online server that dropped it (KunServe: when a buddy that kept blocks leaves, the others restore at
-        once), so that the session waits for them as for a busy swarm. Blocks no live server can restore fail the
-        route as before."""
+        """Gives whether a route over [start, end) may be found soon: every block of it has a usable server now
+        (online in the DHT and not banned: the route failed on an older view, e.g. just before a restore was
+        announced), or the blocks without one can be loaded back by an online server that dropped them (KunServe:
+        when a buddy that kept blocks leaves, the others restore at once), so that the session waits for them as
+        for a busy swarm. Blocks no live server can restore fail the route as before."""
         servers = (await self.client.servers()).values()
         banned = self.client.banned()
         hosted = {block for record in servers if record.peer_id not in banned
@@ -203,7 +207,7 @@ class RemoteInferenceSession:
                       if record.restorable_start is not None and record.restorable_end is not None
                       for block in range(record.restorable_start, record.restorable_end)}
         missing = set(range(start, end)) - hosted
-        return bool(missing) and missing <= restorable
+        return missing <= restorable
 
     async def _open_span(self, span: Span, *, moved_from: str | None = None,
                          session_id: str | None = None) -> _SpanSession:
@@ -250,17 +254,26 @@ class RemoteInferenceSession:
                     continue  # the same step, on the server the span's KV moved to
                 if replace is not None:
                     failed, replace = replace, None
-                    await self._replace(index, busy=isinstance(failed, NOT_THE_SERVERS_FAULT))
-                    continue  # retry the same span index with the replacement servers
+                    index, hidden = await self._replace(index, hidden, busy=isinstance(failed, NOT_THE_SERVERS_FAULT))
+                    continue  # retry the step from the first replacement server
                 # No push here: a prefill would cross each link twice (push and client), and a pushed step that
                 # stopped midway goes on from the client anyway.
                 output = await self._call_step(span_session, hidden, step_id=f"{self.position}",
                                                last_only=last_only and index == len(self.spans) - 1)
+            except ChainChanged as changed:
+                moves_this_step += 1
+                if moves_this_step > MAX_MOVES_PER_STEP:
+                    raise
+                if recovering or not await self._reshape(index, changed):
+                    log.warning("Session on %s changed its chain in a way this client cannot follow; replaying it",
+                                span_session.peer_id)
+                    replace = changed
+                continue
             except SessionMoved as moved:
                 moves_this_step += 1
                 if moves_this_step > MAX_MOVES_PER_STEP:
                     raise
-                if recovering:  # it moved again while being followed or replayed: rebuild it from its inputs
+                if recovering or not span_session.complete:  # it moved again while recovering: rebuild it
                     log.warning("Session on %s moved again while it recovered; replaying it", span_session.peer_id)
                     replace = moved
                 else:
@@ -350,9 +363,18 @@ class RemoteInferenceSession:
         if not self.client.config.server_push:
             return []
         return [
-            NextHop(peer_id=later.peer_id, session_id=later.session_id, addrs=later.span.record.addrs)
+            NextHop(peer_id=later.peer_id, session_id=later.session_id, addrs=later.span.record.addrs,
+                    start=later.span.start, end=later.span.end)
             for later in self.spans[index + 1 :]
         ]
+
+    def _then(self, span_session: _SpanSession) -> NextHop | None:
+        """Gives the span after `span_session` in the chain, if any."""
+        for earlier, later in zip(self.spans, self.spans[1:], strict=False):
+            if earlier is span_session:
+                return NextHop(peer_id=later.peer_id, session_id=later.session_id, addrs=later.span.record.addrs,
+                               start=later.span.start, end=later.span.end)
+        return None
 
     async def _call_step(
         self,
@@ -375,7 +397,12 @@ class RemoteInferenceSession:
             "session_id": span_session.session_id,
             "step_id": step_id,
             "position": span_session.position,
+            "blocks": [span_session.span.start, span_session.span.end],
         }
+        if not next_hops:  # the next server, which a restore may take this one's part back from
+            then = self._then(span_session)
+            if then is not None:
+                payload["then"] = [then.to_wire()]
         if hidden is not None:
             payload["hidden"] = encode_tensor(hidden, config.compression)
         if wait_ms is not None:
@@ -450,7 +477,10 @@ class RemoteInferenceSession:
     async def _switch(self, index: int, span_session: _SpanSession, moved: SessionMoved) -> None:
         span = span_session.span
         record = (await self.client.servers()).get(moved.peer_id or "")
-        if record is None or not (record.block_start <= span.start and span.end <= record.block_end):
+        hosts = record is not None and record.block_start <= span.start and span.end <= record.block_end
+        if not span_session.complete and (not hosts or moved.replay):
+            return  # a replay must start at an earlier span: the next step does it (see `_replace`)
+        if record is None or not hosts:
             log.warning("Session on %s moved to %s, which does not announce blocks %d:%d; replaying instead",
                         span.peer_id, moved.peer_id, span.start, span.end)
             await self._replace(index)
@@ -480,20 +510,89 @@ class RemoteInferenceSession:
         log.info("Session moved from %s to %s (blocks %d:%d) %s", span.peer_id, record.peer_id, span.start,
                  span.end, "by a replay" if moved.replay else "with its KV")
 
-    async def _replace(self, index: int, *, busy: bool = False) -> None:
+    async def _replace(self, index: int, hidden: torch.Tensor | None = None, *,
+                       busy: bool = False) -> tuple[int, torch.Tensor | None]:
         """Replaces span `index` by a new chain over the same blocks and replays its saved inputs through it; a
-        server that failed as `busy` (out of room) is only avoided while the others have room, others are banned."""
-        failed = self.spans[index]
+        server that failed as `busy` (out of room) is only avoided while the others have room, others are banned.
+
+        A span without its complete history (split off by a drop) is replaced together with the spans before it
+        back to one that has it, whose saved inputs the replay sends; those spans already ran the current step
+        (`hidden` is the failed span's input), so the step goes on from the first replacement with the first
+        span's input for it. Gives the index and input to go on with."""
+        first = index
+        while first > 0 and not self.spans[first].complete:
+            first -= 1
+        failed, head = self.spans[index], self.spans[first]
         if not busy:
             self.client.ban(failed.peer_id)
-        await failed.connection.close()
+        for span_session in self.spans[first : index + 1]:
+            if span_session is not failed:  # a healthy server: its part of the session goes back to its pool now
+                await self._close_remote(span_session)
+            await span_session.connection.close()
         self.failovers += 1
-        replacements = await self._open_chain(failed.span.start, failed.span.end,
+        if first < index:  # the step's input to the first span goes again, after the replay of what came before
+            hidden = head.history.pop()
+            head.position -= hidden.shape[1]
+        replacements = await self._open_chain(head.span.start, failed.span.end,
                                               busy={failed.peer_id} if busy else None)
-        await self._replay_onto(failed, replacements)
-        log.info("Replaced %s (blocks %d:%d) by %s", failed.peer_id, failed.span.start, failed.span.end,
+        await self._replay_onto(head, replacements)
+        log.info("Replaced %s (blocks %d:%d) by %s", failed.peer_id, head.span.start, failed.span.end,
                  " -> ".join(f"{r.peer_id}[{r.span.start}:{r.span.end}]" for r in replacements))
-        self.spans[index : index + 1] = replacements
+        self.spans[first : index + 1] = replacements
+        return first, hidden
+
+    async def _close_remote(self, span_session: _SpanSession) -> None:
+        try:
+            await span_session.connection.call("close", {"session_id": span_session.session_id},
+                                               timeout=self.client.config.connect_timeout_s)
+        except SwarmError as error:
+            log.debug("closing a session on %s failed: %s", span_session.peer_id, error)
+
+    async def _reshape(self, index: int, changed: ChainChanged) -> bool:
+        """Points the spans over the blocks a server split or merged (KunServe's exchange and restore) at the hops
+        that run them now, keeping the saved inputs; gives False when they do not line up with this client's chain
+        at the same position (the caller replays instead)."""
+        hops = changed.hops
+        if not hops:
+            return False
+        first = next((i for i, s in enumerate(self.spans) if s.span.start == hops[0].start), None)
+        last = next((i for i, s in enumerate(self.spans) if s.span.end == hops[-1].end), None)
+        if first is None or last is None or not first <= index <= last or first < index:
+            return False
+        covered = self.spans[first : last + 1]
+        if any(s.position != changed.position for s in covered) or len({hop.peer_id for hop in hops}) < len(hops):
+            return False
+        servers = await self.client.servers()
+        ours = {s.peer_id: s for s in covered}
+        reshaped: list[_SpanSession] = []
+        try:
+            for hop in hops:
+                kept = ours.get(hop.peer_id)
+                record = servers.get(hop.peer_id) or (kept.span.record if kept is not None else None)
+                if record is None:
+                    return False
+                connection = kept.connection if kept is not None else await self.client.connect(record)
+                head = not reshaped
+                reshaped.append(_SpanSession(
+                    Span(hop.peer_id, hop.start, hop.end, record), connection, hop.session_id,
+                    history=list(covered[0].history) if head else [], position=changed.position,
+                    complete=covered[0].complete if head else False,
+                ))
+                self.timings.setdefault(hop.peer_id, SpanTimings(hop.peer_id, (hop.start, hop.end),
+                                                                 record.public_name))
+        finally:
+            if len(reshaped) != len(hops):
+                for span_session in reshaped:
+                    if span_session.peer_id not in ours:
+                        await span_session.connection.close()
+        for span_session in covered:
+            if span_session.peer_id not in {hop.peer_id for hop in hops}:
+                await span_session.connection.close()
+        self.spans[first : last + 1] = reshaped
+        self.moves += 1
+        log.info("Chain changed over blocks %d:%d: %s", hops[0].start, hops[-1].end,
+                 " -> ".join(f"{hop.peer_id}[{hop.start}:{hop.end}]" for hop in hops))
+        return True
 
     async def _replay_onto(self, failed: _SpanSession, replacements: list[_SpanSession]) -> None:
         """Sends the inputs `failed` was given through `replacements` (a chain over its blocks), rebuilding their KV

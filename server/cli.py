@@ -12,6 +12,7 @@ from pathlib import Path
 
 from orchestrator.admission import DEFAULT_HEADROOM_TOKENS
 from server.config import ServerConfig
+from server.exchange import EXCHANGE_SETTINGS
 from server.migration import IMPORT_IDLE_S, KV_CHUNK_BYTES
 from server.server import SwarmServer
 from swarm.errors import InvalidBlockRange, OutOfPages, UnsupportedArchitecture
@@ -150,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drop-period", type=float, default=0.5, help="seconds between two looks at the demand")
     parser.add_argument("--restore-after", type=float, default=10.0,
                         help="seconds a drop lasts at least before its blocks may be restored")
+    parser.add_argument("--kv-exchange", choices=EXCHANGE_SETTINGS, default="auto",
+                        help="how the sessions running over blocks a drop frees go on: 'blocking' moves their KV of "
+                        "those blocks to the servers that keep them (each waits for its own), 'replay' evicts them "
+                        "for their clients to replay, 'auto' (default) picks per session whichever is expected to "
+                        "end sooner")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -195,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_dropping=args.kv_dropping,
         drop_period_s=args.drop_period,
         restore_after_s=args.restore_after,
+        kv_exchange=args.kv_exchange,
     )
 
 

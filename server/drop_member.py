@@ -39,6 +39,10 @@ class DropHost(Protocol):
 
     def record(self) -> ServerRecord: ...
 
+    async def drop_blocks(self, start: int, end: int) -> list[str]: ...
+
+    async def restore_blocks(self, *, evict_merged: bool = False) -> list[str]: ...
+
 
 class DropMember:
     """The dropping loop and the leader check of one server."""
@@ -103,13 +107,13 @@ class DropMember:
 
     async def _ask_to_drop(self, peer_id: str, start: int, end: int) -> None:
         if peer_id == self.server.peer_id:
-            await self.server.hosting.drop(start, end)
+            await self.server.drop_blocks(start, end)
             return
         await self._call(peer_id, "drop", {"blocks": [start, end]})
 
     async def _ask_to_restore(self, peer_id: str, evict_merged: bool) -> None:
         if peer_id == self.server.peer_id:
-            await self.server.hosting.restore(evict_merged=evict_merged)
+            await self.server.restore_blocks(evict_merged=evict_merged)
             return
         await self._call(peer_id, "restore", {"evict_merged": evict_merged})
 

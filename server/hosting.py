@@ -109,9 +109,11 @@ class Hosting:
             self._set_range(start, end)
             self._restorable = None
 
-    async def drop(self, start: int, end: int) -> list[str]:
-        """Keeps only [start, end) of the serving range, at once; gives the ids of the sessions it evicted (those
-        that used a dropped block). Raises InvalidBlockRange unless [start, end) is a non-empty part of the range."""
+    async def drop(self, start: int, end: int, *, evict: bool = True) -> list[str]:
+        """Keeps only [start, end) of the serving range, at once; gives the ids of the sessions that use a dropped
+        block (the victims), evicted unless `evict` is False (their KV then moves to the servers that keep those
+        blocks: `server.exchange`; the blocks unload once the last victim left them). Raises InvalidBlockRange
+        unless [start, end) is a non-empty part of the range."""
         async with self._lock:
             if not self.start <= start < end <= self.end:
                 raise InvalidBlockRange(
@@ -123,7 +125,7 @@ class Hosting:
             pages = sum(len(self.pool.pages_of(ParamsOwner(index))) for index in dropped)
             victims = [session.session_id for session in self.sessions
                        if any(session.start <= index < session.end for index in dropped)]
-            for session_id in victims:
+            for session_id in victims if evict else ():
                 self.sessions.evict(session_id, BlocksDropped(
                     f"this server dropped blocks of session {session_id!r} to hold more KV and keeps {start}:{end} "
                     f"only; continue through the servers that keep the others"
@@ -136,8 +138,8 @@ class Hosting:
             self.drops += 1
             self.unload_unused()  # what no batch computes with goes now, the rest once its batch ends
             self._ensure_retire_task()
-            log.info("Dropped blocks %d:%d -> %d:%d: %d parameter pages freed for KV, %d session(s) evicted",
-                     *old, start, end, pages, len(victims))
+            log.info("Dropped blocks %d:%d -> %d:%d: %d parameter pages freed for KV, %d session(s) %s",
+                     *old, start, end, pages, len(victims), "evicted" if evict else "to exchange")
             return victims
 
     async def restore(self, *, evict_merged: bool = False) -> list[str]:

@@ -33,7 +33,7 @@ import torch
 
 from orchestrator.packing.migration_split import KV_CHUNK_BYTES, Mode, announced_bytes_per_s
 from server.sessions import Session, SessionTable, StepResult
-from swarm.errors import InvalidTensor, SessionMoved, SessionNotFound, SwarmError
+from swarm.errors import ChainChanged, Hop, InvalidTensor, SessionMoved, SessionNotFound, SwarmError
 from swarm.model.paged_kv import PagedKV
 from swarm.rpc import RpcConnection
 from swarm.wire import decode_tensor, encode_tensor
@@ -79,6 +79,33 @@ class LinkEstimates:
 
 
 @dataclass(frozen=True)
+class Part:
+    """The blocks [start, end) of a session that a move sends (a prefix or suffix of what it holds: a split), or,
+    with `into`, adds to the destination's session `into` next to them (a merge); once at the destination, the
+    session's blocks run on `hops`, which the source answers steps that expected the session whole with. With
+    `position`, the move waits until the session is there (its peer's part, which the merge joins, is)."""
+
+    start: int
+    end: int
+    hops: list[Hop]
+    into: str | None = None
+    position: int | None = None
+
+
+@dataclass(frozen=True)
+class _Departure:
+    """Where a session that left went: a server (`peer_id`, its `addrs`, by `mode`), or, merged into a peer's part
+    of it, the `hops` that run it now at `position`."""
+
+    peer_id: str
+    addrs: list[str]
+    mode: Mode
+    when: float
+    hops: list[Hop]
+    position: int
+
+
+@dataclass(frozen=True)
 class MoveChoice:
     """The mode a move took and, when `choose_mode` picked it, the seconds it expected of each mode."""
 
@@ -121,28 +148,36 @@ class Migrations:
         self.chunk_bytes, self.import_idle_s = chunk_bytes, import_idle_s
         self.stats = MigrationStats()
         self.links = LinkEstimates()
-        self._moved: dict[str, tuple[str, list[str], Mode, float]] = {}  # session -> (peer id, addrs, mode, when)
+        self._moved: dict[str, _Departure] = {}  # sessions that left, by id
+        self.peer_id = ""  # this server's, once it runs: the hop a session split or merged here names
         self.unclaimed: set[str] = set()  # moved sessions whose client has not yet been told where they went
 
     # ---- what steps see
 
-    def check_step(self, session_id: str) -> None:
-        """Raises SessionMoved for a session that left this server, SessionNotFound for one still importing."""
+    def check_step(self, session_id: str, blocks: tuple[int, int] | None = None) -> None:
+        """Raises SessionMoved for a session that left this server, SessionNotFound for one still importing, and
+        ChainChanged for a step that expects the session over `blocks` after the session was split or merged with a
+        peer (or left, merged into one)."""
         session = self._find(session_id)
         moved = self._moved.get(session_id)
         if moved is not None and session is None:
             self.unclaimed.discard(session_id)
-            raise SessionMoved.to(session_id, moved[0], moved[1], mode=moved[2])
+            if moved.hops:
+                raise ChainChanged.to(moved.hops, moved.position)
+            raise SessionMoved.to(session_id, moved.peer_id, moved.addrs, mode=moved.mode)
         if session is not None and session.importing_from is not None:
             raise SessionNotFound(f"session {session_id!r} is still arriving from {session.importing_from}")
+        if session is not None and blocks is not None and blocks != (session.start, session.end):
+            hops = session.hops or [Hop(self.peer_id, session.start, session.end, session_id)]
+            raise ChainChanged.to(hops, session.position)
 
-    async def wait_if_moving(self, session_id: str) -> None:
-        """Waits while the session's KV leaves; raises SessionMoved if it left."""
+    async def wait_if_moving(self, session_id: str, blocks: tuple[int, int] | None = None) -> None:
+        """Waits while the session's KV leaves or a peer's part of it arrives; raises as `check_step` does."""
         session = self._find(session_id)
         if session is not None and session.moving is not None:
             self.stats.held_steps += 1
             await asyncio.shield(session.moving)
-        self.check_step(session_id)
+        self.check_step(session_id, blocks)
 
     # ---- the source
 
@@ -151,54 +186,85 @@ class Migrations:
         return self._token_bytes() * (session.end - session.start) * session.batch
 
     async def send(self, session: Session, destination: RpcConnection, addrs: list[str], *, timeout_s: float,
-                   rtt_s: float = 0.0) -> None:
-        """Moves `session` to the server at the other end of `destination` (see the module docstring); raises the
-        typed error of a move that failed, the session then still whole here."""
+                   rtt_s: float = 0.0, part: Part | None = None) -> None:
+        """Moves `session` to the server at the other end of `destination` (see the module docstring), or only
+        the blocks `part` names (a split or a merge); raises the typed error of a move that failed, the session then
+        still whole here."""
         if session.moving is not None or session.importing_from is not None:
             raise SessionNotFound(f"session {session.session_id!r} is already moving")
+        start, end = (part.start, part.end) if part is not None else (session.start, session.end)
+        if not (session.start <= start < end <= session.end and (start == session.start or end == session.end)):
+            raise InvalidTensor(f"blocks {start}:{end} are not a prefix or suffix of the session's "
+                                f"{session.start}:{session.end}")
+        remote_id = part.into if part is not None and part.into else session.session_id
         started = time.perf_counter()
+        if part is not None and part.position is not None:
+            await self._reach(session, part.position)
         session.moving = asyncio.get_running_loop().create_future()
         sent_bytes, chunks, committed = 0, 0, False
         try:
-            await self._quiesce(session)
+            await self.quiesce(session)
+            if part is not None and part.position is not None and session.position != part.position:
+                raise SessionNotFound(f"session {session.session_id!r} is at position {session.position}, not at "
+                                      f"{part.position} where its peer's part is")
             await destination.call("import_open", {
-                "session_id": session.session_id, "blocks": [session.start, session.end], "batch": session.batch,
+                "session_id": remote_id, "blocks": [start, end], "batch": session.batch,
                 "max_length": session.max_length, "position": session.position, "client": session.opener,
                 **({"lease_id": session.lease_id} if session.lease_id else {}),
+                **({"merge": True} if part is not None and part.into else {}),
             }, timeout=timeout_s)
             chunks_started = time.perf_counter()
-            for frame in self._frames(session):
+            for frame in self._frames(session, start, end):
                 if not self.sessions.is_open(session):  # its client closed it meanwhile: its pages are gone
                     raise SessionNotFound(f"session {session.session_id!r} closed while it moved")
-                pieces = [self._piece(session, block, row, start, end) for block, row, start, end in frame]
-                await destination.call("import_kv", {"session_id": session.session_id, "pieces": pieces},
-                                       timeout=timeout_s)
-                sent_bytes += sum(end - start for _, _, start, end in frame) * self._token_bytes()
+                pieces = [self._piece(session, *piece) for piece in frame]
+                await destination.call("import_kv", {"session_id": remote_id, "pieces": pieces}, timeout=timeout_s)
+                sent_bytes += sum(last - first for _, _, first, last in frame) * self._token_bytes()
                 chunks += 1
             self.links.note_transfer(destination.peer_id, sent_bytes, time.perf_counter() - chunks_started,
                                      chunks * rtt_s)
-            commit: dict[str, Any] = {"session_id": session.session_id, "position": session.position}
-            if session.last_step_id is not None and session.last_result is not None:
-                commit["last_step_id"] = session.last_step_id
+            commit: dict[str, Any] = {"session_id": remote_id, "position": session.position}
+            if end == session.end and session.last_step_id is not None and session.last_result is not None:
+                commit["last_step_id"] = session.last_step_id  # the session's output is the destination's now
                 commit["last_output"] = encode_tensor(session.last_result.output)
             await destination.call("import_commit", commit, timeout=timeout_s)
             committed = True
         except BaseException:
             self.stats.failed_out += 1
             if not committed:
-                await self._abort_remote(destination, session.session_id)
+                await self._abort_remote(destination, remote_id)
             raise
         finally:
             moving, session.moving = session.moving, None
-            if committed:
-                self._remember(session.session_id, destination.peer_id, addrs, "kv")
+            if committed and (start, end) == (session.start, session.end):
+                hops = part.hops if part is not None else []
+                self._remember(session.session_id, destination.peer_id, addrs, "kv", hops, session.position)
                 self.sessions.close(session.session_id)
+            elif committed:
+                assert part is not None
+                self.sessions.release_blocks(session, start, end)
+                session.hops = part.hops
+                session.last_step_id, session.last_result = None, None  # its output now ends elsewhere
             moving.set_result(None)  # the waiting steps go on here, or learn where the session went
         self.stats.sessions_out["kv"] += 1
         self.stats.bytes_out += sent_bytes
         self.stats.ms_out += (time.perf_counter() - started) * 1000
-        log.info("Moved session %s (%d tokens, %d KV bytes) to %s in %.0f ms", session.session_id, session.position,
-                 sent_bytes, destination.peer_id, (time.perf_counter() - started) * 1000)
+        log.info("Moved session %s (blocks %d:%d, %d tokens, %d KV bytes) to %s in %.0f ms", session.session_id,
+                 start, end, session.position, sent_bytes, destination.peer_id,
+                 (time.perf_counter() - started) * 1000)
+
+    async def _reach(self, session: Session, position: int) -> None:
+        """Waits (within STEP_WAIT_S) until `session` computed the steps up to `position` that its client sent it
+        (they arrive after its peer's part computed them); raises SessionNotFound if it went past or never got
+        there."""
+        deadline = time.monotonic() + STEP_WAIT_S
+        while session.position < position or session.running is not None:
+            if time.monotonic() > deadline or not self.sessions.is_open(session):
+                break
+            await asyncio.sleep(POLL_S)
+        if session.position != position:
+            raise SessionNotFound(f"session {session.session_id!r} is at position {session.position}, not at "
+                                  f"{position} where its peer's part is")
 
     async def hand_over(self, session: Session, peer_id: str, addrs: list[str]) -> None:
         """Replay mode: once no step of `session` runs, frees it here and sends its client to `peer_id`, where the
@@ -207,7 +273,7 @@ class Migrations:
             raise SessionNotFound(f"session {session.session_id!r} is already moving")
         moving = session.moving = asyncio.get_running_loop().create_future()
         try:
-            await self._quiesce(session)
+            await self.quiesce(session)
         except BaseException:
             self.stats.failed_out += 1
             session.moving = None
@@ -221,7 +287,7 @@ class Migrations:
         log.info("Handed session %s (%d tokens) over to %s for a replay", session.session_id, session.position,
                  peer_id)
 
-    async def _quiesce(self, session: Session) -> None:
+    async def quiesce(self, session: Session) -> None:
         """Waits until no step of `session` runs and no batch holds its pages."""
         deadline = time.monotonic() + STEP_WAIT_S
         while session.running is not None or session.in_batches:
@@ -234,15 +300,16 @@ class Migrations:
     def _token_bytes(self) -> int:
         return 2 * self.kv.kv_heads * self.kv.head_dim * torch.finfo(self.dtype).bits // 8
 
-    def _frames(self, session: Session) -> list[list[tuple[int, int, int, int]]]:
-        """Gives the session's filled KV in the pieces one `import_kv` frame each carries: (block, row, start, end)
+    def _frames(self, session: Session, first: int, last: int) -> list[list[tuple[int, int, int, int]]]:
+        """Gives the session's filled KV of blocks [first, last) in the pieces one `import_kv` frame each carries:
+        (block, row, start, end)
         token ranges, at most `chunk_bytes` of keys and values a frame (a piece of one token at least), several
         blocks' and rows' pieces sharing a frame."""
         token_bytes = self._token_bytes()
         span = max(1, self.chunk_bytes // token_bytes)
         frames: list[list[tuple[int, int, int, int]]] = [[]]
         room = span
-        for block in range(session.start, session.end):
+        for block in range(first, last):
             for row in range(session.batch):
                 start = 0
                 while start < session.position:
@@ -267,12 +334,13 @@ class Migrations:
         except SwarmError as error:  # it drops the import by itself once it stays idle
             log.debug("could not abort the import of %s on %s: %s", session_id, destination.peer_id, error.message)
 
-    def _remember(self, session_id: str, peer_id: str, addrs: list[str], mode: Mode) -> None:
+    def _remember(self, session_id: str, peer_id: str, addrs: list[str], mode: Mode, hops: list[Hop] | None = None,
+                  position: int = 0) -> None:
         now = time.monotonic()
-        self._moved = {sid: entry for sid, entry in self._moved.items() if now - entry[3] < MOVED_TTL_S}
+        self._moved = {sid: entry for sid, entry in self._moved.items() if now - entry.when < MOVED_TTL_S}
         while len(self._moved) >= MAX_MOVED:
             self._moved.pop(next(iter(self._moved)))
-        self._moved[session_id] = (peer_id, list(addrs), mode, now)
+        self._moved[session_id] = _Departure(peer_id, list(addrs), mode, now, list(hops or []), position)
         self.unclaimed = {sid for sid in self.unclaimed if sid in self._moved} | {session_id}
 
     def note_replayed_in(self, session_id: str) -> None:
@@ -286,25 +354,43 @@ class Migrations:
 
     def open_import(
         self, source: str, session_id: str, start: int, end: int, *, batch: int, max_length: int, position: int,
-        client: str, lease_id: str | None = None,
+        client: str, lease_id: str | None = None, merge: bool = False,
     ) -> Session:
         """Opens `session_id` with pages for its `position` tokens, importing from `source`; `client`, the peer
         that opened the session where it came from, may move it on from here; `lease_id`, the orchestrator's lease
-        it runs under, goes with it."""
+        it runs under, goes with it. With `merge`, the blocks join this server's open session `session_id`, which
+        they must adjoin, at its position."""
         if position < 0:
             raise InvalidTensor(f"a session's position is at least 0, got {position}")
+        if merge:
+            return self._open_merge(source, session_id, start, end, batch=batch, position=position)
         session = self.sessions.open(session_id, start, end, batch=batch, max_length=max_length, opener=client,
                                      tokens=max(1, position), moved_in=True)
         session.importing_from, session.lease_id = source, lease_id
         self._moved.pop(session_id, None)
         return session
 
+    def _open_merge(self, source: str, session_id: str, start: int, end: int, *, batch: int,
+                    position: int) -> Session:
+        session = self.sessions.get(session_id)
+        if session.importing_from is not None or session.merging is not None:
+            raise SessionNotFound(f"session {session_id!r} is already taking KV from a peer")
+        if not (end == session.start or start == session.end) or batch != session.batch:
+            raise InvalidTensor(f"blocks {start}:{end} x {batch} rows do not adjoin session {session_id!r} "
+                                f"({session.start}:{session.end} x {session.batch} rows)")
+        if position != session.position:
+            raise SessionNotFound(f"session {session_id!r} is at position {session.position}, not at {position}")
+        self.sessions.take_blocks(session, start, end, max(1, position))
+        session.merging = (source, start, end)
+        session.last_active_s = time.monotonic()
+        return session
+
     def write_kv(self, source: str, session_id: str, block: int, row: int, start: int, keys: Any,
                  values: Any) -> int:
         """Writes one chunk of an import; gives its bytes."""
-        session = self._import(source, session_id)
-        if not (session.start <= block < session.end and 0 <= row < session.batch):
-            raise InvalidTensor(f"block {block} row {row} is outside the session ({session.start}:{session.end})")
+        session, (first, last) = self._import(source, session_id)
+        if not (first <= block < last and 0 <= row < session.batch):
+            raise InvalidTensor(f"block {block} row {row} is outside the import ({first}:{last})")
         max_elements = self.kv.kv_heads * session.max_length * self.kv.head_dim
         k = decode_tensor(keys, max_elements=max_elements)
         v = decode_tensor(values, max_elements=max_elements)
@@ -323,11 +409,22 @@ class Migrations:
 
     def commit(self, source: str, session_id: str, position: int, last_step_id: str | None,
                last_output: Any | None) -> Session:
-        """Makes an import a session of this server at `position`."""
-        session = self._import(source, session_id)
-        held = kv_tokens_held(session, self.kv.tokens_per_page)
+        """Makes an import a session of this server at `position` (a merge: part of its session)."""
+        session, (first, last) = self._import(source, session_id)
+        held = kv_tokens_held(session, self.kv.tokens_per_page, first, last)
         if not 0 <= position <= held:
             raise InvalidTensor(f"position {position} is outside the {held} tokens the import holds")
+        if session.merging is not None:
+            if position != session.position:
+                raise SessionNotFound(f"session {session_id!r} is at position {session.position}, the merge at "
+                                      f"{position}")
+            session.start, session.end = min(session.start, first), max(session.end, last)
+            session.merging = None
+            session.hops = [Hop(self.peer_id, session.start, session.end, session_id)]
+            session.last_step_id, session.last_result = None, None  # its output now ends at another block
+            session.last_active_s = time.monotonic()
+            self.stats.sessions_in["kv"] += 1
+            return session
         if last_step_id is not None and last_output is not None:
             output = decode_tensor(last_output, max_elements=session.batch * session.max_length * self.hidden_size)
             session.last_step_id, session.last_result = last_step_id, StepResult(output, 0.0, 0)
@@ -338,32 +435,46 @@ class Migrations:
         return session
 
     def abort(self, source: str, session_id: str) -> None:
-        """Drops an import (its pages return to the pool)."""
-        self._import(source, session_id)
+        """Drops an import (its pages return to the pool; a merge's session stays as it was)."""
+        session, (first, last) = self._import(source, session_id)
+        if session.merging is not None:
+            self.sessions.release_blocks(session, first, last)
+            session.merging = None
+            return
         self.sessions.close(session_id)
 
     def expire_imports(self) -> list[str]:
         """Drops the imports that received nothing for `import_idle_s`; gives their ids."""
         now = time.monotonic()
-        stale = [s.session_id for s in self.sessions
-                 if s.importing_from is not None and now - s.last_active_s > self.import_idle_s]
-        return [session_id for session_id in stale if self.sessions.close(session_id)]
+        stale = [s for s in self.sessions if (s.importing_from is not None or s.merging is not None)
+                 and now - s.last_active_s > self.import_idle_s]
+        for session in stale:
+            source = session.importing_from or (session.merging[0] if session.merging else "")
+            self.abort(source, session.session_id)
+        return [session.session_id for session in stale]
 
-    def _import(self, source: str, session_id: str) -> Session:
+    def _import(self, source: str, session_id: str) -> tuple[Session, tuple[int, int]]:
+        """Gives the session `source` imports into and the blocks it imports."""
         session = self._find(session_id)
+        if session is not None and session.merging is not None:
+            merging_from, first, last = session.merging
+            if merging_from != source:
+                raise SessionNotFound(f"session {session_id!r} is taking KV from another server than {source}")
+            return session, (first, last)
         if session is None or session.importing_from is None:
             raise SessionNotFound(f"no import of session {session_id!r} is in progress here")
         if session.importing_from != source:
             raise SessionNotFound(f"session {session_id!r} is being imported from another server than {source}")
-        return session
+        return session, (session.start, session.end)
 
     def _find(self, session_id: str) -> Session | None:
         try:
             return self.sessions.get(session_id)
-        except SessionNotFound:
+        except SwarmError:  # not open (unknown, closed or evicted)
             return None
 
 
-def kv_tokens_held(session: Session, tokens_per_page: int) -> int:
-    """Gives the tokens every block and row of `session` has pages for."""
-    return min((len(pages) for rows in session.page_tables.values() for pages in rows), default=0) * tokens_per_page
+def kv_tokens_held(session: Session, tokens_per_page: int, first: int, last: int) -> int:
+    """Gives the tokens every row of blocks [first, last) of `session` has pages for."""
+    rows = [pages for block in range(first, last) for pages in session.page_tables.get(block, [[]])]
+    return min((len(pages) for pages in rows), default=0) * tokens_per_page

@@ -82,6 +82,8 @@ class Pusher:
                 continue
             first, rest = hops[0], hops[1:]
             payload = {**step, "session_id": first.session_id, "next": [hop.to_wire() for hop in rest]}
+            if first.start is not None and first.end is not None:
+                payload["blocks"] = [first.start, first.end]
             key = (first.peer_id, block)
             nbytes = len(step.get("hidden", {}).get("data", b""))
             group = groups.setdefault(key, [])

@@ -22,6 +22,7 @@ from server.compute import DECODE_BATCHES, PREFILL_CHUNK_TOKENS, BlockSpeed, cac
 from server.config import ServerConfig
 from server.drop_member import DropMember
 from server.emulated_gpu import load_profile
+from server.exchange import BlockExchange
 from server.hosting import Hosting
 from server.migration import AUTO, MAX_PIECES_PER_FRAME, MODES, Migrations, MoveChoice
 from server.packing_member import PackingMember
@@ -63,6 +64,11 @@ def _step_list(payload: dict[str, Any]) -> list[Any]:
     if not 0 < len(steps) <= MAX_STEPS_PER_FRAME:
         raise MalformedFrame(f"a frame carries 1..{MAX_STEPS_PER_FRAME} steps, got {len(steps)}")
     return steps
+
+
+def _expected_blocks(payload: dict[str, Any]) -> tuple[int, int] | None:
+    """Gives the blocks a step expects its session to run over here (`blocks`, optional)."""
+    return _block_pair(payload) if "blocks" in payload else None
 
 
 def _block_pair(payload: dict[str, Any]) -> tuple[int, int]:
@@ -140,6 +146,7 @@ class SwarmServer:
         self.network_mbps: float | None = None
         self.packing = PackingMember(self)  # its part in the KV packing of its segment
         self.dropping = DropMember(self)  # its part in its segment's block dropping (KunServe)
+        self.exchange = BlockExchange(self, config.kv_exchange)  # victims' KV after a drop, merges after a restore
         self.dht: hivemind.DHT | None = None
         self._addrs: list[str] = []
         self.rpc: RpcServer | None = None
@@ -189,6 +196,7 @@ class SwarmServer:
             kv_demand_pages=self.sessions.kv_demand_pages(),
             restorable_start=self.hosting.restorable[0] if self.hosting.restorable else None,
             restorable_end=self.hosting.restorable[1] if self.hosting.restorable else None,
+            reshaping=self.exchange.reshaping,
             emulated_gpu=self.gpu_profile.name if self.gpu_profile else None,
         )
 
@@ -202,13 +210,15 @@ class SwarmServer:
             start=True,
         )
         self._addrs = [str(addr) for addr in self.dht.get_visible_maddrs()][:16]
+        self.migrations.peer_id = self.peer_id
         p2p = self.p2p = await self.dht.replicate_p2p()
         self.rpc = RpcServer(p2p, max_frame_bytes=self.config.max_frame_bytes)
         methods = {"info": self._info, "open": self._open, "step": self._step, "steps": self._steps, "push": self._push,
                    "close": self._close, "assign": self._assign, "drop": self._drop, "restore": self._restore,
                    "migrate": self._migrate,
                    "import_open": self._import_open, "import_kv": self._import_kv, "import_commit": self._import_commit,
-                   "import_abort": self._import_abort, "kv_report": self.packing.kv_report}
+                   "import_abort": self._import_abort, "kv_report": self.packing.kv_report,
+                   "export": self.exchange.export}
         for name, method in methods.items():
             self.rpc.add_method(name, method)
         self.pusher = Pusher(
@@ -250,7 +260,7 @@ class SwarmServer:
         self._update_state()
         log.info("blocks %d:%d -> %d:%d", *old, *new)
         if self.announcer is not None:
-            task = asyncio.create_task(self._announce_now(), name="announce-range")
+            task = asyncio.create_task(self.announce_now(), name="announce-range")
             self._tasks.append(task)
             task.add_done_callback(lambda done: self._tasks.remove(done) if done in self._tasks else None)
 
@@ -258,11 +268,12 @@ class SwarmServer:
         """Announces the record now, in a task of its own (a change others should see before the next period)."""
         if self.announcer is None:
             return
-        task = asyncio.create_task(self._announce_now(), name="announce-now")
+        task = asyncio.create_task(self.announce_now(), name="announce-now")
         self._tasks.append(task)
         task.add_done_callback(lambda done: self._tasks.remove(done) if done in self._tasks else None)
 
-    async def _announce_now(self) -> None:
+    async def announce_now(self) -> None:
+        """Announces the record now (a failure is logged: the periodic announce retries)."""
         assert self.announcer is not None
         try:
             await self.announcer.announce_now()
@@ -279,12 +290,20 @@ class SwarmServer:
 
     async def drop_blocks(self, start: int, end: int) -> list[str]:
         """Keeps only blocks [start, end) at once, their dropped neighbours' pages becoming KV pages (KunServe);
-        gives the evicted sessions (see `Hosting.drop`)."""
-        return await self.hosting.drop(start, end)
+        gives the victims (see `Hosting.drop`), whose KV for the dropped blocks then moves to the servers that keep
+        them (`server.exchange`), or who are evicted for a replay with `--kv-exchange replay`."""
+        replay = self.config.kv_exchange == "replay"
+        victims = await self.hosting.drop(start, end, evict=replay)
+        if victims and not replay:
+            self.exchange.after_drop(victims)
+        return victims
 
     async def restore_blocks(self, *, evict_merged: bool = False) -> list[str]:
-        """Loads the blocks dropped since the last restore back and serves them again (see `Hosting.restore`)."""
-        return await self.hosting.restore(evict_merged=evict_merged)
+        """Loads the blocks dropped since the last restore back and serves them again (see `Hosting.restore`),
+        then takes back the buddies' parts of the sessions that run on into them (`server.exchange`)."""
+        evicted = await self.hosting.restore(evict_merged=evict_merged)
+        self.exchange.after_restore()
+        return evicted
 
     async def _check_drop_caller(self, ctx: CallContext, what: str) -> None:
         """Raises AssignmentRefused unless the caller is an orchestrator of this server or its segment's leader."""
@@ -319,8 +338,8 @@ class SwarmServer:
         await self._check_drop_caller(ctx, "drop")
         start, end = _block_pair(payload)
         self._check_accepting()
-        evicted = await self.drop_blocks(start, end)
-        return {"blocks": [self.hosting.start, self.hosting.end], "evicted": len(evicted),
+        victims = await self.drop_blocks(start, end)
+        return {"blocks": [self.hosting.start, self.hosting.end], "victims": len(victims),
                 "restorable": list(self.hosting.restorable) if self.hosting.restorable else None}
 
     async def _restore(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
@@ -382,6 +401,7 @@ class SwarmServer:
                 await asyncio.wait_for(self.announcer.stop(), timeout=self.config.drain_timeout_s)
             except TimeoutError:
                 log.warning("Could not announce draining within %.0f s", self.config.drain_timeout_s)
+        await self.exchange.stop()
         await self._move_sessions_away()
         await self._tell_moved_clients()
         self._steps_stopped = True
@@ -435,7 +455,8 @@ class SwarmServer:
                 "packing": self.packing.loop.to_wire() if self.packing.loop is not None else None,
                 "dropping": {"drops": self.hosting.drops, "restores": self.hosting.restores,
                              "restorable": list(self.hosting.restorable) if self.hosting.restorable else None,
-                             "loop": self.dropping.loop.to_wire() if self.dropping.loop is not None else None}}
+                             "loop": self.dropping.loop.to_wire() if self.dropping.loop is not None else None,
+                             "reshaping": self.exchange.reshaping, "exchange": self.exchange.stats.to_wire()}}
 
     async def _open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         self._check_accepting()
@@ -475,7 +496,7 @@ class SwarmServer:
         output = field(payload, "output", str, optional=True) or "all"
         if output not in ("all", "last"):
             raise MalformedFrame(f"output {output!r} is neither 'all' nor 'last'")
-        await self.migrations.wait_if_moving(field(payload, "session_id", str))
+        await self.migrations.wait_if_moving(field(payload, "session_id", str), _expected_blocks(payload))
         if "hidden" not in payload and "wait_ms" in payload:
             session, result = await self._await_pushed_step(payload)
         else:
@@ -547,6 +568,7 @@ class SwarmServer:
     async def _await_pushed_step(self, payload: dict[str, Any]) -> tuple[Session, asyncio.Future[StepResult]]:
         """Gives the result of a step the previous server is to push, waiting at most `wait_ms` for it to arrive."""
         self._check_serving()
+        self.migrations.check_step(field(payload, "session_id", str), _expected_blocks(payload))
         session = self.sessions.get(field(payload, "session_id", str))
         step_id = field(payload, "step_id", str)
         wait_ms = field(payload, "wait_ms", int)
@@ -559,7 +581,7 @@ class SwarmServer:
                 raise StepNotPushed(f"step {step_id!r} was not pushed within {wait_ms} ms; send its hidden states")
             with suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(session.admitted), remaining_s)
-            self.migrations.check_step(session.session_id)  # it may have moved away
+            self.migrations.check_step(session.session_id, _expected_blocks(payload))  # it may have moved away
             session = self.sessions.get(session.session_id)  # or closed meanwhile
         return session, known
 
@@ -572,7 +594,7 @@ class SwarmServer:
         """
         self._check_serving()
         session_id = field(payload, "session_id", str)
-        self.migrations.check_step(session_id)
+        self.migrations.check_step(session_id, _expected_blocks(payload))
         session = self.sessions.get(session_id)
         step_id = field(payload, "step_id", str, optional=True)
         known = self._known_step(session, step_id)
@@ -585,8 +607,11 @@ class SwarmServer:
             raise ServerBusy(f"session {session.session_id!r} is already running step {running.step_id!r}")
         try:
             next_hops = NextHop.list_from_wire(payload.get("next", []))
+            then = NextHop.list_from_wire(payload.get("then", []))  # the next server, named without a push
         except ValueError as error:
             raise MalformedFrame(str(error)) from None
+        following = (next_hops or then)[:1]
+        session.next_hop = following[0] if following else None
         hidden = self._decode_hidden(payload, session)
         position = field(payload, "position", int, optional=True)
         if position is not None and position != session.position:
@@ -750,7 +775,7 @@ class SwarmServer:
         self.migrations.open_import(
             ctx.peer_id, session_id, start, end, batch=field(payload, "batch", int),
             max_length=field(payload, "max_length", int), position=field(payload, "position", int),
-            client=client, lease_id=lease_id,
+            client=client, lease_id=lease_id, merge=field(payload, "merge", bool, optional=True) is True,
         )
         return {}
 

@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 import torch
 
 from orchestrator.admission import KVPolicy, SessionKV
-from swarm.errors import BlocksNotHosted, MaxLengthExceeded, OutOfPages, ServerBusy, SessionNotFound, SwarmError
+from swarm.errors import (
+    BlocksNotHosted,
+    Hop,
+    MaxLengthExceeded,
+    OutOfPages,
+    ServerBusy,
+    SessionNotFound,
+    SwarmError,
+)
 from swarm.memory import KVOwner, PagePool, kv_pages_for
 from swarm.model.paged_kv import SequenceChunk
 from swarm.records import NextHop
@@ -63,6 +71,11 @@ class Session:
     lease_id: str | None = None  # the orchestrator's lease its client runs it under, if any
     importing_from: str | None = None  # the source server while its KV arrives; it takes no steps until then
     moving: asyncio.Future[None] | None = None  # set while its KV leaves for another server: its steps wait
+    merging: tuple[str, int, int] | None = None  # (source, start, end) while a peer's part of it arrives
+    # Once split or merged with peers (KunServe's exchange and restore): the servers that run the blocks its client
+    # last saw it over, which steps that still expect it there are told of.
+    hops: list[Hop] | None = None
+    next_hop: NextHop | None = None  # the server after this one in its client's chain, as its last step named it
 
     @property
     def blocks(self) -> int:
@@ -266,6 +279,32 @@ class SessionTable:
             for pages in rows:
                 while len(pages) < needed:
                     pages.append(taken.pop())
+
+    def take_blocks(self, session: Session, start: int, end: int, tokens: int) -> None:
+        """Gives `session` pages for `tokens` tokens per row in blocks [start, end) outside its range (a peer's part
+        of it arriving), all or none; raises ServerBusy when the pool has too few free pages."""
+        per_row = kv_pages_for(tokens, self.tokens_per_page)
+        total = (end - start) * session.batch * per_row
+        if total > self.pool.pages_free:
+            raise ServerBusy(f"out of KV pages: blocks {start}:{end} of session {session.session_id!r} need {total} "
+                             f"pages at {tokens} tokens, {self.pool.pages_free} are free")
+        for block in range(start, end):
+            taken = list(self.pool.take(KVOwner(session.session_id, block), session.batch * per_row))
+            session.page_tables[block] = [taken[row * per_row:(row + 1) * per_row] for row in range(session.batch)]
+
+    def release_blocks(self, session: Session, start: int, end: int) -> int:
+        """Returns the pages of `session`'s blocks [start, end) to the pool (a part of it that left, or one that did
+        not arrive) and shrinks its range if they were an end of it; gives how many. No batch may be computing with
+        the session."""
+        freed = 0
+        for block in range(start, end):
+            freed += self.pool.free(KVOwner(session.session_id, block))
+            session.page_tables.pop(block, None)
+        if session.start == start and end < session.end:
+            session.start = end
+        elif session.end == end and session.start < start:
+            session.end = start
+        return freed
 
     def get(self, session_id: str) -> Session:
         """Gives the open session `session_id`; raises the error it was evicted with (for `EVICTED_TTL_S`), else

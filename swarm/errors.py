@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from itertools import pairwise
 from typing import ClassVar
 
 MAX_DETAIL_KEYS = 8
@@ -180,3 +182,53 @@ class SessionMoved(SwarmError):
     def addrs(self) -> list[str]:
         value = self.details.get("addrs")
         return list(value) if isinstance(value, list) else []
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One server's part of a session whose chain changed: blocks [start, end) of it run on `peer_id` under
+    `session_id`."""
+
+    peer_id: str
+    start: int
+    end: int
+    session_id: str
+
+    def to_text(self) -> str:
+        return f"{self.peer_id} {self.start} {self.end} {self.session_id}"
+
+    @staticmethod
+    def from_text(text: str) -> Hop | None:
+        parts = text.split(" ", 3)
+        if len(parts) != 4 or not parts[1].isdigit() or not parts[2].isdigit() or not parts[0] or not parts[3]:
+            return None
+        return Hop(parts[0], int(parts[1]), int(parts[2]), parts[3])
+
+
+class ChainChanged(SwarmError):
+    """The server split or merged this session's blocks with a peer's, its KV with them, at a step boundary (KunServe's
+    drop exchange and restore): `details` give the `hops` that now run the blocks [hops[0].start, hops[-1].end) of
+    the session, in order, and the `position` they are all at. The client points its chain at them and sends the
+    step again, without a replay."""
+
+    @classmethod
+    def to(cls, hops: list[Hop], position: int) -> ChainChanged:
+        route = " -> ".join(f"{hop.peer_id}[{hop.start}:{hop.end}]" for hop in hops)
+        return cls(f"the session's blocks {hops[0].start}:{hops[-1].end} now run on {route} at position {position}; "
+                   f"send the step there", {"hops": [hop.to_text() for hop in hops[:MAX_DETAIL_LIST]],
+                                            "position": position})
+
+    @property
+    def hops(self) -> list[Hop]:
+        """Gives the hops, in block order; empty if they do not tile a range (a malformed error)."""
+        value = self.details.get("hops")
+        hops = [Hop.from_text(item) for item in value] if isinstance(value, list) else []
+        if not hops or any(hop is None or hop.start >= hop.end for hop in hops):
+            return []
+        valid = [hop for hop in hops if hop is not None]
+        return valid if all(a.end == b.start for a, b in pairwise(valid)) else []
+
+    @property
+    def position(self) -> int:
+        value = self.details.get("position")
+        return value if isinstance(value, int) else -1

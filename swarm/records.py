@@ -113,6 +113,10 @@ class ServerRecord(BaseModel):
                     "load back from its local checkpoint; None while nothing is dropped",
     )
     restorable_end: int | None = Field(default=None, ge=0, le=MAX_BLOCKS)
+    reshaping: bool = Field(
+        default=False, description="whether a KV exchange after a drop, or the merges after a restore, run now "
+        "(the server takes new sessions meanwhile)",
+    )
     orchestrators: list[Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]] = Field(
         default_factory=list, max_length=MAX_ORCHESTRATORS,
         description="peer ids of the orchestrators whose block assignments this server follows",
@@ -173,9 +177,12 @@ class NextHop(BaseModel):
     peer_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     session_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
     addrs: list[AddrText] = Field(max_length=MAX_ADDRS)
+    # the blocks the client runs there: a server that split or merged the session since refuses the step
+    start: int | None = Field(default=None, ge=0, lt=MAX_BLOCKS)
+    end: int | None = Field(default=None, ge=0, le=MAX_BLOCKS)
 
     def to_wire(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        return self.model_dump(mode="json", exclude_none=True)
 
     @staticmethod
     def list_from_wire(obj: object) -> list[NextHop]:

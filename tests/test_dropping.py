@@ -45,7 +45,18 @@ def wait_for_ranges(client: SwarmClient, ranges: dict[str, tuple[int, int]]) -> 
     raise AssertionError(f"the DHT did not show the ranges {ranges}")
 
 
-def test_replicas_drop_half_each_a_running_session_goes_on_through_both_and_a_restore_brings_all_back(
+def wait_until_reshaped(client: SwarmClient, peers: list[str]) -> dict[str, dict[str, Any]]:
+    """Waits until no exchange or merge runs on `peers`; gives their `info`."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        found = {peer: info for peer, info in infos(client).items() if peer in peers}
+        if len(found) == len(peers) and not any(info["dropping"]["reshaping"] for info in found.values()):
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"servers {peers} kept reshaping")
+
+
+def test_replicas_drop_half_each_a_running_session_moves_its_kv_through_both_and_merges_back_after_a_restore(
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:
     swarm_factory.start_dht()
@@ -54,11 +65,13 @@ def test_replicas_drop_half_each_a_running_session_goes_on_through_both_and_a_re
     client = remote.swarm
     try:
         orchestrator = client.p2p.peer_id.to_base58()
-        servers = [swarm_factory.start_server(tiny_llama, "0:8", "--orchestrator", orchestrator, wait=False)
-                   for _ in range(2)]
+        # blocking: on this tiny model a replay is cheaper, and `auto` would pick it
+        servers = [swarm_factory.start_server(tiny_llama, "0:8", "--orchestrator", orchestrator, "--kv-exchange",
+                                              "blocking", wait=False) for _ in range(2)]
         for server in servers:
             swarm_factory.wait_ready(server)
-        wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
+        peers = [server.peer_id for server in servers]
+        wait_for_ranges(client, {peer: (0, 8) for peer in peers})
         baseline = {peer: info["record"] for peer, info in infos(client).items()}
         input_ids = prompt(5, 24)
         expected = local.generate(input_ids, max_new_tokens=12, do_sample=False)
@@ -68,44 +81,58 @@ def test_replicas_drop_half_each_a_running_session_goes_on_through_both_and_a_re
 
             def drop_halves() -> None:
                 first = session.route[0].peer_id  # the session runs here; it keeps the first half
-                (second,) = {server.peer_id for server in servers} - {first}
+                (second,) = set(peers) - {first}
                 halves.update({first: (0, 4), second: (4, 8)})
                 replies = {peer: call(client, peer, "drop", {"blocks": list(blocks)})
                            for peer, blocks in halves.items()}
-                assert replies[first] == {"blocks": [0, 4], "evicted": 1, "restorable": [0, 8]}
-                assert replies[second] == {"blocks": [4, 8], "evicted": 0, "restorable": [0, 8]}
+                assert replies[first] == {"blocks": [0, 4], "victims": 1, "restorable": [0, 8]}
+                assert replies[second] == {"blocks": [4, 8], "victims": 0, "restorable": [0, 8]}
                 wait_for_ranges(client, halves)
+                # the victim's KV of blocks 4:8 went to the second server while the client waited here
+                assert wait_until_reshaped(client, peers)[first]["dropping"]["exchange"]["moved"] == 1
 
             actual = remote.generate(input_ids, session=session, max_new_tokens=12, do_sample=False,
                                      streamer=ActAfterTokens({4: drop_halves}))
-            assert session.failovers == 1  # one replay, through both halves, and no server banned
+            assert (session.failovers, session.moves) == (0, 1)  # no replay: the chain changed with the KV
             assert [(span.peer_id, span.start, span.end) for span in session.route] == [
                 (peer, *halves[peer]) for peer in sorted(halves, key=lambda peer: halves[peer])]
         assert actual.tolist() == expected.tolist()
 
-        dropped = {peer: info for peer, info in infos(client).items()}
+        dropped = wait_until_reshaped(client, peers)
         for peer, blocks in halves.items():
             record = dropped[peer]["record"]
             assert (record["block_start"], record["block_end"]) == blocks
             assert (record["restorable_start"], record["restorable_end"]) == (0, 8)
             assert record["pages_params"] == baseline[peer]["pages_params"] // 2  # four of eight blocks, alike
             assert record["pages_free"] == baseline[peer]["pages_free"] + baseline[peer]["pages_params"] // 2
-            assert dropped[peer]["dropping"] == {"drops": 1, "restores": 0, "restorable": [0, 8], "loop": None}
-        # a new session routes through the two halves as one chain
-        again = remote.generate(input_ids, max_new_tokens=6, do_sample=False)
-        assert again.tolist() == local.generate(input_ids, max_new_tokens=6, do_sample=False).tolist()
+            assert dropped[peer]["dropping"]["drops"] == 1
+            assert dropped[peer]["dropping"]["restorable"] == [0, 8]
+        first = min(halves, key=lambda peer: halves[peer])
+        assert dropped[first]["dropping"]["exchange"]["replayed"] == 0
+        assert dropped[first]["migrations"]["out"]["kv"] == 1
 
-        for peer in halves:
-            assert call(client, peer, "restore", {}) == {"blocks": [0, 8], "evicted": 0}
-        wait_for_ranges(client, {peer: (0, 8) for peer in halves})
-        for peer, info in infos(client).items():
+        # a new session routes through the two halves as one chain; the servers restore under it
+        with remote.inference_session(max_length=64) as session:
+
+            def restore_both() -> None:
+                assert len(session.route) == 2
+                for peer in halves:
+                    assert call(client, peer, "restore", {}) == {"blocks": [0, 8], "evicted": 0}
+                wait_for_ranges(client, {peer: (0, 8) for peer in halves})
+                merged = wait_until_reshaped(client, peers)
+                assert sum(info["dropping"]["exchange"]["merged"] for info in merged.values()) == 1
+
+            again = remote.generate(input_ids, session=session, max_new_tokens=10, do_sample=False,
+                                    streamer=ActAfterTokens({3: restore_both}))
+            assert session.failovers == 0
+            assert [(span.start, span.end) for span in session.route] == [(0, 8)]  # merged back into one server
+        assert again.tolist() == local.generate(input_ids, max_new_tokens=10, do_sample=False).tolist()
+
+        for peer, info in wait_until_reshaped(client, peers).items():
             assert info["record"]["pages_free"] == baseline[peer]["pages_free"]
             assert info["record"]["restorable_start"] is None
-            assert info["dropping"] == {"drops": 1, "restores": 1, "restorable": None, "loop": None}
-        with remote.inference_session(max_length=64) as session:
-            restored = remote.generate(input_ids, session=session, max_new_tokens=6, do_sample=False)
-            assert len(session.route) == 1
-        assert restored.tolist() == again.tolist()
+            assert (info["dropping"]["drops"], info["dropping"]["restores"]) == (1, 1)
+            assert info["dropping"]["restorable"] is None
     finally:
         remote.shutdown()
 
@@ -135,11 +162,14 @@ POOL = ("--memory", "1600KB", "--page-size", "16KB")  # tiny Llama: 80 pages of 
 SMALL_SESSIONS = ("--max-length", "64", "--kv-headroom-tokens", "32")  # one KV page per block and session
 
 
-def start_dropping_replicas(swarm: SwarmProcesses, model: Path, *, restore_after_s: float) -> list[Proc]:
-    """Starts the DHT and two servers of all blocks with small pools, dropping on their own (`--kv-dropping`)."""
+def start_dropping_replicas(swarm: SwarmProcesses, model: Path, *, restore_after_s: float,
+                            exchange: str = "auto") -> list[Proc]:
+    """Starts the DHT and two servers of all blocks with small pools, dropping on their own (`--kv-dropping`);
+    `exchange` is how victims go on (on this tiny model `auto` replays them)."""
     swarm.start_dht()
     servers = [swarm.start_server(model, "0:8", *POOL, *SMALL_SESSIONS, "--kv-dropping", "--drop-period", "0.25",
-                                  "--restore-after", str(restore_after_s), wait=False) for _ in range(2)]
+                                  "--restore-after", str(restore_after_s), "--kv-exchange", exchange, wait=False)
+               for _ in range(2)]
     for server in servers:
         swarm.wait_ready(server)
     return servers
@@ -225,10 +255,11 @@ def test_a_burst_makes_the_segment_drop_admit_more_sessions_with_exact_tokens_an
 def test_a_member_that_dies_while_its_group_is_dropped_leaves_no_block_without_a_host(
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:
-    """The buddy keeping half of the blocks is killed while eight sessions run through the group: the leader loads
-    its dropped blocks back at once (evicting the sessions of the broken chain to make room), and every session
-    ends on it with the local model's tokens."""
-    servers = start_dropping_replicas(swarm_factory, tiny_llama, restore_after_s=600)
+    """The buddy keeping half of the blocks is killed while eight sessions run through the group, some of them
+    victims whose KV moved to it (blocking exchange: their client has no inputs of its part, and replays them from
+    the leader's): the leader loads its dropped blocks back at once (evicting the sessions of the broken chain to
+    make room), and every session ends on it with the local model's tokens."""
+    servers = start_dropping_replicas(swarm_factory, tiny_llama, restore_after_s=600, exchange="blocking")
     survivor, doomed = sorted(servers, key=lambda server: server.peer_id)  # the leader survives
     local, remote = local_and_remote(swarm_factory, tiny_llama, busy_wait_s=120.0)
     client = remote.swarm

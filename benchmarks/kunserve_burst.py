@@ -1,0 +1,303 @@
+"""KunServe live on the emulated WAN (spec `kunserve.md` 5.8): two replicas of SmolLM2-135M whose pools throttle on
+KV before their cores do, under the burst of the Azure code trace, in four arms on the same arrivals, and the
+simulator (`orchestrator.sim.kunserve_sim`) replaying the same requests on the live swarm's measured geometry.
+
+The swarm: servers `a` and `b`, the DHT, a client and a monitor, each in a network namespace, every pair at `--rtt`
+ms (20, and 40) and every access link at 100 Mbit/s each way. Pools of `--kv-pages` 1-MiB pages beside the 30
+blocks' parameters: sessions of at most 288 tokens take one page per block, so a replica holds `--kv-pages` / 30
+sessions and a drop to half the blocks frees 15 blocks' parameters (210 pages) for KV.
+Arms:
+1. no drop (Llumnix (replication) analog): both host 0:30; a client that finds both full backs off (0.5 s doubling
+   to 4 s, `ClientConfig.busy_wait_s`) and asks again;
+2. static pipeline (Llumnix (pipeline)): `a` hosts 0:15 and `b` 15:30 all the time;
+3. KunServe, blocking exchange: both host 0:30 with `--kv-dropping --kv-exchange blocking`;
+4. KunServe with remote attention: not built (the `attend` RPC); printed as such.
+Requests: every `--thin`-th request of the code trace from `--start` to `--end` s (its busiest 10 s, 12.7x its mean
+rate, are 858-868 s), prompts divided by `--prompt-scale` and cut to 256 tokens, outputs cut to 32, arrivals
+stretched to a mean of `--rate` per second (the burst's shape kept). Each request's greedy tokens are compared with
+the no-drop arm's for the same request (the same random prompt).
+
+Printed per RTT: per arm, P50/P99 TTFT (arrival to first token, backoff waits included), P50/P99 TBT (a request's
+mean time per token after its first), the victims' longest and mean stall (the servers' `exchange` statistics),
+drops and restores, requests whose tokens differ from the no-drop arm's, errors; the ratios to arm 1 (targets: P99
+TTFT >= 3x lower, TBT P50 within 2x); KV pages held and capacity over time in 5-s windows; the simulator's P99 TTFT
+for arms 1 and 3 on the live run's geometry and speeds, against the live one (target: within 15%).
+
+    sudo .venv/bin/python benchmarks/kunserve_burst.py [--rtt 20 40] [--rate 1.0] [--thin 6]
+
+Needs root (network namespaces). Never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from benchmarks.mell_live_monitor import spawn_monitor
+from benchmarks.table1_client import run_replay
+from netem.network import EmulatedNetwork
+from netem.topology import Topology
+from orchestrator.sim.kunserve_sim import KunServeSimConfig, SimRequest, simulate
+from orchestrator.sim.workload import load_azure_trace
+from swarm.local_swarm import SwarmProcesses
+from swarm.model import DEFAULT_MODEL, resolve_model
+
+REPO = Path(__file__).resolve().parents[1]
+TRACE = REPO.parent / "shared" / "data" / "azure_llm_inference_2023_code.csv"
+SERVERS = ("a", "b")
+HOSTS = ("dht", "client", "mon", *SERVERS)
+MBIT = 100.0
+PAGE_BYTES = 1 << 20
+MAX_PROMPT, MAX_OUTPUT = 256, 32
+HEADROOM_TOKENS = MAX_OUTPUT  # admission reserves a session's output: KV throttles on what sessions will take
+POLL_S = 0.5
+WINDOW_S = 5.0
+BUSY_WAIT_S = 600.0
+BACKOFF_S = (0.5, 4.0)  # the client library's busy backoff (client.inference)
+ARMS = ("no drop", "static pipeline", "KunServe blocking", "KunServe remote attention")
+TARGET_TTFT_GAIN, TARGET_TBT_RATIO, TARGET_SIM = 3.0, 2.0, 0.15
+
+
+def topology(rtt_ms: float) -> Topology:
+    rtt = [[0.0 if i == j else rtt_ms for j in range(len(HOSTS))] for i in range(len(HOSTS))]
+    return Topology(HOSTS, rtt, {host: MBIT for host in HOSTS}, source=f"every pair {rtt_ms:g} ms, {MBIT:g} Mbit/s")
+
+
+def burst_requests(args: argparse.Namespace) -> list[dict]:
+    """Gives the replayed requests: every `thin`-th of the trace in [start, end), arrivals stretched to `rate`."""
+    trace = load_azure_trace(TRACE)
+    chosen = np.where((trace.seconds >= args.start) & (trace.seconds < args.end))[0][:: args.thin]
+    seconds = trace.seconds[chosen] - trace.seconds[chosen[0]]
+    stretch = (len(chosen) - 1) / float(seconds[-1]) / args.rate
+    return [{"id": n, "at_s": float(seconds[n] * stretch),
+             "prompt_tokens": max(1, min(MAX_PROMPT, round(trace.context_tokens[i] / args.prompt_scale))),
+             "output_tokens": max(2, min(MAX_OUTPUT, int(trace.generated_tokens[i])))}
+            for n, i in enumerate(chosen)]
+
+
+def server_memory(kv_pages: int) -> int:
+    """Gives a `--memory` holding the 30 blocks' parameters and `kv_pages` pages besides."""
+    from swarm.model.blocks import BlockRange
+
+    source = resolve_model(DEFAULT_MODEL)
+    block_pages = -(-BlockRange(source, 0, 1).block_bytes(0) // PAGE_BYTES) + 1  # +1: the pool aligns each tensor
+    return (source.num_blocks * block_pages + kv_pages) * PAGE_BYTES
+
+
+@dataclass
+class ArmRun:
+    arm: str
+    results: list[dict]
+    polls: list[dict]
+    t0_wall: float
+
+    @property
+    def served(self) -> list[dict]:
+        return [r for r in self.results if "first_token_s" in r and "ended_s" in r]
+
+    def ttft(self) -> np.ndarray:
+        return np.array([r["first_token_s"] - r["arrival_s"] for r in self.served])
+
+    def tbt(self, requests: dict[int, dict]) -> np.ndarray:
+        return np.array([(r["ended_s"] - r["first_token_s"]) / (requests[r["id"]]["output_tokens"] - 1)
+                         for r in self.served])
+
+    def last_polls(self) -> dict[str, dict]:
+        last: dict[str, dict] = {}
+        for row in sorted(self.polls, key=lambda row: row["t"]):
+            last[row["peer_id"]] = row
+        return last
+
+    def exchange(self) -> tuple[float, float, int, int]:
+        """Gives the victims' longest and mean stall (s), drops and restores, summed over the servers."""
+        stalls_max, stalls_mean, drops, restores = 0.0, [], 0, 0
+        for row in self.last_polls().values():
+            dropping = row.get("dropping") or {}
+            exchange = dropping.get("exchange") or {}
+            stalls_max = max(stalls_max, exchange.get("stall_ms_max", 0.0) / 1000)
+            if exchange.get("moved"):
+                stalls_mean.append(exchange["stall_ms_mean"] / 1000)
+            drops += dropping.get("drops", 0)
+            restores += dropping.get("restores", 0)
+        return stalls_max, (statistics.mean(stalls_mean) if stalls_mean else 0.0), drops, restores
+
+    def pages_series(self) -> list[tuple[float, int, int]]:
+        """Gives (t, KV pages held, pages that can hold KV) over both servers at every poll."""
+        latest: dict[str, dict] = {}
+        series = []
+        for row in sorted(self.polls, key=lambda row: row["t"]):
+            latest[row["peer_id"]] = row
+            series.append((row["t"] - self.t0_wall, sum(r["pages_kv"] for r in latest.values()),
+                           sum(r["pages_total"] - r["pages_params"] for r in latest.values())))
+        return series
+
+
+def server_flags(arm: str, host: str, kv_pages: int) -> tuple[str, list[str]]:
+    common = ["--page-size", str(PAGE_BYTES), "--memory", str(server_memory(kv_pages)), "--max-length",
+              str(MAX_PROMPT + MAX_OUTPUT), "--kv-headroom-tokens", str(HEADROOM_TOKENS), "--session-timeout", "900"]
+    if arm == "static pipeline":
+        return ("0:15" if host == "a" else "15:30"), common
+    if arm == "KunServe blocking":
+        return "0:30", [*common, "--kv-dropping", "--kv-exchange", "blocking"]
+    return "0:30", common
+
+
+def run_arm(arm: str, rtt_ms: float, requests: list[dict], args: argparse.Namespace, workdir: Path) -> ArmRun:
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with EmulatedNetwork(topology(rtt_ms), run_id=f"kb{os.getpid()}{arm[:2]}") as network, \
+            SwarmProcesses(workdir, announce_period_s=5.0, record_ttl_s=30.0, torch_threads=1) as swarm:
+        swarm.start_dht(host=network.address("dht"), launcher=network.command("dht", []))
+        procs = {}
+        for host in SERVERS:
+            blocks, flags = server_flags(arm, host, args.kv_pages)
+            procs[host] = swarm.start_server(DEFAULT_MODEL, blocks, *flags, wait=False, name=host,
+                                             host=network.address(host), launcher=network.command(host, []))
+        for proc in procs.values():
+            swarm.wait_ready(proc)
+        polls_path = workdir / "polls.jsonl"
+        monitor = spawn_monitor(network, DEFAULT_MODEL, swarm.initial_peers, len(SERVERS), polls_path, POLL_S, workdir)
+        try:
+            requests_path = workdir / "requests.json"
+            requests_path.write_text(json.dumps(requests))
+            print(f"  {arm} at {rtt_ms:g} ms: swarm up in {time.monotonic() - started:.0f} s", flush=True)
+            out = workdir / "results.jsonl"
+            run_replay(network, swarm.initial_peers, DEFAULT_MODEL, requests_path, out, workdir, args.timeout,
+                       "--orchestrator", "none", "--busy-wait", str(BUSY_WAIT_S))
+            time.sleep(2 * POLL_S)
+        finally:
+            monitor.send_line("quit")
+            monitor.stop()
+    results = _read_jsonl(out)
+    offsets = [r["arrival_wall"] - r["arrival_s"] for r in results]
+    return ArmRun(arm, results, _read_jsonl(polls_path), statistics.median(offsets) if offsets else 0.0)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def sim_config(run: ArmRun, rtt_ms: float, dropping: bool) -> KunServeSimConfig:
+    """Gives the simulator the live swarm's geometry and its servers' measured speeds: an iteration is a decode step
+    through 30 blocks (batch 1 and its growth with the batch, from the records) plus one client round trip; a group's
+    extra member adds a half round trip (the pushed hop)."""
+    first = min(run.polls, key=lambda row: row["t"])
+    decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
+    one = decode.get(1, first["block_compute_ms"])
+    widest = max(decode, default=1)
+    per_row = (decode[widest] - one) / (widest - 1) if widest > 1 else 0.0
+    blocks = first["block_end"] - first["block_start"]
+    params_per_block = first["pages_params"] // blocks
+    return KunServeSimConfig(
+        replicas=len(SERVERS), blocks=blocks, pages_total=first["pages_total"],
+        params_pages=params_per_block * blocks, tokens_per_page=first["kv_tokens_per_page"],
+        step_ms=blocks * one + rtt_ms, prefill_token_ms=blocks * (first["prefill_ms_per_token"] or one),
+        decode_token_ms=blocks * per_row, hop_ms=rtt_ms / 2, link_bytes_per_s=MBIT * 1e6 / 8,
+        kv_bytes_per_token_block=first["kv_bytes_per_token"], prefill_chunk_tokens=MAX_PROMPT, dropping=dropping,
+        retry_backoff_s=BACKOFF_S,
+    )
+
+
+def sim_p99_ttft(run: ArmRun, rtt_ms: float, requests: list[dict], dropping: bool) -> float:
+    sim_requests = [SimRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"]) for r in requests]
+    result = simulate(sim_config(run, rtt_ms, dropping), sim_requests)
+    return result.percentile(result.ttft_s, 99)
+
+
+def pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else math.nan
+
+
+def report(rtt_ms: float, runs: dict[str, ArmRun], requests: list[dict]) -> None:
+    by_id = {r["id"]: r for r in requests}
+    base = runs["no drop"]
+    reference = {r["id"]: r.get("tokens") for r in base.served}
+    base_ttft99, base_tbt50 = pct(base.ttft(), 99), pct(base.tbt(by_id), 50)
+    print(f"\nRTT {rtt_ms:g} ms, {len(requests)} requests over {requests[-1]['at_s']:.0f} s")
+    print(f"{'arm':<27} {'TTFT p50':>8} {'TTFT p99':>8} {'gain':>6} {'TBT p50':>8} {'TBT p99':>8} {'ratio':>6} "
+          f"{'stall mx':>8} {'stall mn':>8} {'drops':>5} {'rest.':>5} {'differ':>6} {'errors':>6}")
+    print(f"{'':<27} {'s':>8} {'s':>8} {'':>6} {'ms':>8} {'ms':>8} {'':>6} {'s':>8} {'s':>8}")
+    for arm in ARMS:
+        run = runs.get(arm)
+        if run is None:
+            print(f"{arm:<27} not built (remote attention: the `attend` RPC is issue 13's open part)")
+            continue
+        ttft, tbt = run.ttft(), run.tbt(by_id)
+        stall_max, stall_mean, drops, restores = run.exchange()
+        differ = sum(1 for r in run.served if r.get("tokens") != reference.get(r["id"]))
+        errors = sum(1 for r in run.results if "error" in r)
+        gain = base_ttft99 / pct(ttft, 99) if ttft.size else math.nan
+        ratio = pct(tbt, 50) / base_tbt50 if tbt.size else math.nan
+        print(f"{arm:<27} {pct(ttft, 50):8.2f} {pct(ttft, 99):8.2f} {gain:5.1f}x {pct(tbt, 50) * 1000:8.0f} "
+              f"{pct(tbt, 99) * 1000:8.0f} {ratio:5.2f}x {stall_max:8.2f} {stall_mean:8.2f} {drops:5d} {restores:5d} "
+              f"{differ:6d} {errors:6d}")
+    kunserve = runs.get("KunServe blocking")
+    if kunserve is not None and kunserve.served:
+        gain = base_ttft99 / pct(kunserve.ttft(), 99)
+        ratio = pct(kunserve.tbt(by_id), 50) / base_tbt50
+        print(f"targets: P99 TTFT >= {TARGET_TTFT_GAIN:g}x lower than no drop: {gain:.1f}x "
+              f"{'MET' if gain >= TARGET_TTFT_GAIN else 'NOT MET'}; TBT P50 within {TARGET_TBT_RATIO:g}x: "
+              f"{ratio:.2f}x {'MET' if ratio <= TARGET_TBT_RATIO else 'NOT MET'}")
+        print("KV pages held / pages that can hold KV, both servers, 5-s windows (KunServe | no drop):")
+        for name, run in (("KunServe", kunserve), ("no drop", base)):
+            windows: dict[int, tuple[int, int]] = {}
+            for t, held, capacity in run.pages_series():
+                if t >= 0:
+                    window = int(t // WINDOW_S)
+                    windows[window] = (max(windows.get(window, (0, 0))[0], held), capacity)
+            print(f"  {name:<9} " + " ".join(f"{held}/{capacity}" for _, (held, capacity) in sorted(windows.items())))
+        print("simulator (same requests, the live swarm's geometry and speeds) against live, P99 TTFT:")
+        for arm, dropping in (("no drop", False), ("KunServe blocking", True)):
+            run = runs[arm]
+            live = pct(run.ttft(), 99)
+            sim = sim_p99_ttft(run, rtt_ms, requests, dropping)
+            off = abs(sim - live) / live if live else math.nan
+            print(f"  {arm:<20} live {live:7.2f} s  sim {sim:7.2f} s  off by {off:.0%}: "
+                  f"{'within' if off <= TARGET_SIM else 'NOT within'} {TARGET_SIM:.0%}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rtt", type=float, nargs="+", default=[20.0, 40.0])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS[:3]), choices=ARMS[:3])
+    parser.add_argument("--start", type=float, default=700.0, help="trace seconds")
+    parser.add_argument("--end", type=float, default=900.0)
+    parser.add_argument("--thin", type=int, default=8, help="replay every n-th request of the window")
+    parser.add_argument("--rate", type=float, default=0.6, help="mean arrivals per second")
+    parser.add_argument("--prompt-scale", type=float, default=8.0)
+    parser.add_argument("--kv-pages", type=int, default=120, help="KV pages of each server's pool beside 30 blocks")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        print("needs root: network namespaces", file=sys.stderr)
+        return 2
+    requests = burst_requests(args)
+    print(f"KunServe live: {len(requests)} requests (every {args.thin}th of the code trace's {args.start:g}-"
+          f"{args.end:g} s), mean {args.rate:g}/s; {args.kv_pages} KV pages per server "
+          f"({args.kv_pages // 30} sessions of 30 blocks); {datetime.date.today()} on {platform.node()}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="kunserve-burst-") as tmp:
+        for rtt_ms in args.rtt:
+            runs = {arm: run_arm(arm, rtt_ms, requests, args, Path(tmp) / f"{rtt_ms:g}-{arm.replace(' ', '-')}")
+                    for arm in args.arms}
+            report(rtt_ms, runs, requests)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

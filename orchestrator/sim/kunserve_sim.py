@@ -1,0 +1,393 @@
+"""KunServe in the simulator (spec `kunserve.md` 5.7): replicas whose KV pages throttle under a burst, and the same
+pure policies the live servers run (`drop_trigger`, `plan_drop`, `restore_trigger`) merging them into buddy groups
+that hold more KV.
+
+The model, event by event (no clock, no global RNG; the same inputs give the same result):
+- A *unit* serves requests with continuous batching: a group of k replicas (k = 1 undropped) holding one copy of the
+  model's blocks, so its KV capacity is k x `pages_total` - `params_pages` (the dropped copies' pages hold KV).
+  An iteration computes one token of every decoding request and up to `prefill_chunk_tokens` of prefill, and takes
+  `step_ms + prefill_token_ms x prompt tokens + decode_token_ms x decoding requests + (k - 1) x hop_ms`. A group is
+  a pipeline: up to k micro-batches in flight, each with about 1/k of its requests, each crossing the k members
+  (each member computing its slice of the blocks for one micro-batch at a time) [chosen: no bubbles].
+- A request's KV is reserved at admission for its whole length (prompt + output, `blocks` x ceil(tokens /
+  `tokens_per_page`) pages), as servers with `--kv-headroom-tokens` at least the output admit, on the unit with the
+  most free pages. The dispatcher keeps one FCFS queue and admits its head as soon as it fits (head-of-line
+  blocking, as Llumnix's dispatcher); with `retry_backoff_s`, as a swarm's clients do without an orchestrator, a
+  request that finds no room tries again after its own exponential backoff instead.
+- TTFT = admission wait + the iterations that prefill the prompt; TBT = a request's mean time per output token after
+  its first (the paper's metric).
+- Every `monitor_s` the monitor samples demand (pages held + pages of queued requests) and KV capacity; while nothing
+  is dropped `drop_trigger` asks for R pages and `plan_drop` merges replicas into groups (one level at a time, as the
+  live segment loop). Victims (requests running on a member when it drops) stall while their KV for the dropped
+  blocks crosses `link_bytes_per_s` (blocking exchange, smallest first, each member's link in parallel); the group's
+  extra capacity is usable at once [chosen: the exchange's transient (spec 5.2) is not modelled]. While dropped,
+  `restore_trigger` splits the groups back once their requests fit on the members (live restore: no stall).
+- `static_groups` k > 1 runs the static pipeline baseline (Llumnix (pipeline)): groups of k from the start, never
+  restored; `dropping` False the no-drop baseline (Llumnix (replication)).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from orchestrator.buddy import SegmentReplica, drop_trigger, plan_drop, restore_trigger
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request: arrival (s), prompt and output tokens."""
+
+    arrival_s: float
+    prompt: int
+    output: int
+
+
+@dataclass(frozen=True)
+class KunServeSimConfig:
+    """The replicas, their memory and speed, the network between them, and the policies' knobs."""
+
+    replicas: int
+    blocks: int
+    pages_total: int  # per replica
+    params_pages: int  # per replica, all blocks (a multiple of `blocks`)
+    tokens_per_page: int  # KV tokens one page holds for one block
+    step_ms: float  # an iteration's fixed cost on a whole replica
+    prefill_token_ms: float  # and per prompt token it computes
+    decode_token_ms: float  # and per decoding request
+    hop_ms: float = 0.0  # one activation hop between group members
+    link_bytes_per_s: float = 12.5e6  # a member's link for the KV exchange
+    kv_bytes_per_token_block: int = 1536
+    prefill_chunk_tokens: int = 512
+    monitor_s: float = 0.5
+    dropping: bool = True
+    static_groups: int = 1
+    balanced: bool = True
+    restore_after_s: float = 10.0
+    # Without a dispatcher (a swarm's clients): a request that finds no room tries again after its own backoff,
+    # (first, longest) seconds doubling, and counts in the demand for `refused_window_s` after each refusal (the
+    # servers' `kv_demand_pages`); None: one FCFS queue that admits its head as soon as it fits.
+    retry_backoff_s: tuple[float, float] | None = None
+    refused_window_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.params_pages % self.blocks or self.params_pages >= self.pages_total:
+            raise ValueError("params_pages must be a multiple of blocks and below pages_total")
+        if self.static_groups < 1 or self.replicas % self.static_groups:
+            raise ValueError("static_groups must divide the replicas")
+
+    @property
+    def params_pages_per_block(self) -> int:
+        return self.params_pages // self.blocks
+
+    def pages_of(self, request: SimRequest) -> int:
+        return self.blocks * math.ceil((request.prompt + request.output) / self.tokens_per_page)
+
+
+@dataclass(eq=False)
+class _Running:
+    index: int
+    request: SimRequest
+    pages: int
+    prefilled: int = 0
+    produced: int = 0
+    first_token_s: float | None = None
+    stalled_until_s: float = 0.0
+    in_flight: bool = False  # in a batch computing now
+
+
+@dataclass(eq=False)
+class _Unit:
+    uid: int
+    members: tuple[int, ...]
+    capacity: int
+    running: list[_Running] = field(default_factory=list)
+    batches: int = 0  # micro-batches computing now: a group of k pipelines up to k
+    waking: bool = False  # a wake-up is due when its first stalled victim's KV has arrived
+
+    @property
+    def held(self) -> int:
+        return sum(r.pages for r in self.running)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.held
+
+
+@dataclass(frozen=True)
+class KunServeSimResult:
+    """Per request: TTFT and TBT (s; NaN if it never started or produced one token); victims' stalls; the drops and
+    restores; (time, demand, capacity) samples."""
+
+    ttft_s: np.ndarray
+    tbt_s: np.ndarray
+    stalls_s: tuple[float, ...]
+    drops: int
+    restores: int
+    largest_group: int
+    samples: tuple[tuple[float, int, int], ...]
+    end_s: float
+
+    def percentile(self, values: np.ndarray, q: float) -> float:
+        finite = values[np.isfinite(values)]
+        return float(np.percentile(finite, q)) if finite.size else math.nan
+
+
+def simulate(config: KunServeSimConfig, requests: Sequence[SimRequest], *, horizon_s: float = 3600.0
+             ) -> KunServeSimResult:
+    """Runs `requests` (arrival order) through the replicas; gives every request's TTFT and TBT."""
+    return _Sim(config, requests, horizon_s).run()
+
+
+class _Sim:
+    def __init__(self, config: KunServeSimConfig, requests: Sequence[SimRequest], horizon_s: float) -> None:
+        self.config, self.requests, self.horizon_s = config, list(requests), horizon_s
+        self.next_uid = 0
+        k = config.static_groups
+        self.units: dict[int, _Unit] = {}
+        for start in range(0, config.replicas, k):
+            self._add_unit(tuple(range(start, start + k)))
+        self.queue: deque[int] = deque()
+        self.backing_off: dict[int, tuple[float, float]] = {}  # request -> (its next backoff s, last refusal s)
+        self.events: list[tuple[float, int, str, int, list[tuple[_Running, int]]]] = []
+        self.sequence = 0
+        self.ttft = np.full(len(self.requests), math.nan)
+        self.tbt = np.full(len(self.requests), math.nan)
+        self.stalls: list[float] = []
+        self.demand: list[tuple[float, int]] = []
+        self.available: list[tuple[float, int]] = []
+        self.samples: list[tuple[float, int, int]] = []
+        self.dropped_at: float | None = None
+        self.drops = self.restores = 0
+        self.largest_group = k
+        self.link_free_s: dict[int, float] = {}  # per member: when its link has sent the victims' KV queued on it
+        self.now = 0.0
+        self.done = 0
+
+    def _add_unit(self, members: tuple[int, ...]) -> _Unit:
+        c = self.config
+        unit = _Unit(self.next_uid, members, len(members) * c.pages_total - c.params_pages)
+        self.units[unit.uid] = unit
+        self.next_uid += 1
+        return unit
+
+    def _push(self, when: float, kind: str, subject: int, batch: list[tuple[_Running, int]] | None = None) -> None:
+        self.sequence += 1
+        heapq.heappush(self.events, (when, self.sequence, kind, subject, batch or []))
+
+    def run(self) -> KunServeSimResult:
+        for index, request in enumerate(self.requests):
+            self._push(request.arrival_s, "arrive", index)
+        self._push(0.0, "monitor", 0)
+        while self.events and self.done < len(self.requests):
+            self.now, _, kind, subject, batch = heapq.heappop(self.events)
+            if self.now > self.horizon_s:
+                break
+            if kind == "arrive" and self.config.retry_backoff_s is not None:
+                self._try(subject)
+            elif kind == "arrive":
+                self.queue.append(subject)
+                self._dispatch()
+            elif kind == "step":
+                self._finish_step(subject, batch)
+            elif kind == "wake":
+                unit = self.units.get(subject)
+                if unit is not None:
+                    unit.waking = False
+                    self._start(unit)
+            elif kind == "monitor":
+                self._monitor()
+                self._push(self.now + self.config.monitor_s, "monitor", 0)
+        return KunServeSimResult(self.ttft, self.tbt, tuple(self.stalls), self.drops, self.restores,
+                                 self.largest_group, tuple(self.samples), self.now)
+
+    # ---- serving
+
+    def _try(self, index: int) -> None:
+        """A client's attempt to open request `index`: admitted where it fits, else it backs off."""
+        c = self.config
+        assert c.retry_backoff_s is not None
+        pages = c.pages_of(self.requests[index])
+        unit = max(self.units.values(), key=lambda u: (u.free, -u.uid))
+        if unit.free >= pages:
+            self.backing_off.pop(index, None)
+            unit.running.append(_Running(index, self.requests[index], pages))
+            self._start(unit)
+            return
+        first, longest = c.retry_backoff_s
+        backoff = self.backing_off.get(index, (first, 0.0))[0]
+        self.backing_off[index] = (min(longest, 2 * backoff), self.now)
+        self._push(self.now + backoff, "arrive", index)
+
+    def _dispatch(self) -> None:
+        c = self.config
+        largest = max(len(u.members) for u in self.units.values()) * c.pages_total - c.params_pages
+        while self.queue:
+            index = self.queue[0]
+            pages = c.pages_of(self.requests[index])
+            if pages > largest:  # fits on no unit, ever: never served (NaN)
+                self.queue.popleft()
+                self.done += 1
+                continue
+            unit = max(self.units.values(), key=lambda u: (u.free, -u.uid))
+            if unit.free < pages:
+                return
+            self.queue.popleft()
+            unit.running.append(_Running(index, self.requests[index], pages))
+            self._start(unit)
+
+    def _start(self, unit: _Unit) -> None:
+        """Starts micro-batches on `unit` while it has a free pipeline slot and ready requests: a group of k members
+        keeps up to k in flight, each with about 1/k of its requests, as a pipeline does."""
+        c = self.config
+        slots = len(unit.members)
+        share = max(1, math.ceil(len(unit.running) / slots))
+        while unit.batches < slots:
+            idle = [r for r in unit.running if not r.in_flight]
+            ready = [r for r in idle if r.stalled_until_s <= self.now]
+            if not ready:
+                if idle and not unit.waking:  # only stalled victims: wake when the first one's KV has arrived
+                    unit.waking = True
+                    self._push(min(r.stalled_until_s for r in idle), "wake", unit.uid)
+                return
+            budget = c.prefill_chunk_tokens
+            batch: list[tuple[_Running, int]] = []
+            for running in ready[:share]:
+                if running.prefilled < running.request.prompt:
+                    if budget <= 0:
+                        continue
+                    chunk = min(budget, running.request.prompt - running.prefilled)
+                    budget -= chunk
+                    batch.append((running, chunk))
+                else:
+                    batch.append((running, 1))
+            if not batch:
+                return
+            for running, _ in batch:
+                running.in_flight = True
+            prefill = sum(count for running, count in batch if running.prefilled < running.request.prompt)
+            decode = sum(1 for running, _ in batch if running.prefilled >= running.request.prompt)
+            step_s = (c.step_ms + c.prefill_token_ms * prefill + c.decode_token_ms * decode
+                      + (slots - 1) * c.hop_ms) / 1000
+            unit.batches += 1
+            self._push(self.now + step_s, "step", unit.uid, batch)
+
+    def _finish_step(self, uid: int, batch: list[tuple[_Running, int]]) -> None:
+        finished = []
+        for running, count in batch:
+            running.in_flight = False
+            request = running.request
+            if running.prefilled < request.prompt:
+                running.prefilled += count
+                if running.prefilled < request.prompt:
+                    continue
+            running.produced += 1
+            if running.first_token_s is None:
+                running.first_token_s = self.now
+                self.ttft[running.index] = self.now - request.arrival_s
+            if running.produced >= max(1, request.output):
+                finished.append(running)
+                if request.output > 1:
+                    self.tbt[running.index] = (self.now - running.first_token_s) / (request.output - 1)
+                self.done += 1
+        for unit in self.units.values():  # it may run on a unit formed while its step computed
+            unit.running = [r for r in unit.running if r not in finished]
+        unit = self.units.get(uid)
+        if unit is not None:
+            unit.batches -= 1
+        self._dispatch()
+        for unit in list(self.units.values()):
+            self._start(unit)
+
+    # ---- the monitor: drops and restores
+
+    def _monitor(self) -> None:
+        c = self.config
+        held = sum(u.held for u in self.units.values())
+        queued = sum(c.pages_of(self.requests[i]) for i in self.queue)
+        queued += sum(c.pages_of(self.requests[i]) for i, (_, refused_s) in self.backing_off.items()
+                      if self.now - refused_s <= c.refused_window_s)
+        capacity = sum(u.capacity for u in self.units.values())
+        self.demand.append((self.now, held + queued))
+        self.available.append((self.now, capacity))
+        del self.demand[:-2], self.available[:-2]
+        self.samples.append((self.now, held + queued, capacity))
+        if not c.dropping or c.static_groups > 1:
+            return
+        if self.dropped_at is None:
+            required = drop_trigger(self.demand, self.available)
+            if required > 0:
+                self._drop(required)
+        else:
+            undropped = c.replicas * (c.pages_total - c.params_pages)
+            if restore_trigger(self.demand, undropped, self.now - self.dropped_at,
+                               min_dropped_s=c.restore_after_s):
+                self._restore()
+
+    def _drop(self, required: int) -> None:
+        c = self.config
+        replicas = [SegmentReplica(f"r{member:04d}", 0, c.blocks, c.params_pages_per_block,
+                                   pages_free=unit.free, pages_kv=unit.held)
+                    for unit in self.units.values() for member in unit.members]
+        plan = plan_drop(replicas, required, balanced=c.balanced, epoch=self.drops + 1)
+        if not plan.changes_anything:
+            return
+        home = {member: unit for unit in self.units.values() for member in unit.members}
+        old = list(self.units.values())
+        self.units = {}
+        for group in plan.groups:
+            members = tuple(sorted(int(peer[1:]) for peer in group.members))
+            merged = self._add_unit(members)
+            for member in members:
+                victims = sorted(home[member].running, key=lambda r: (r.pages, r.index))
+                for running in victims:
+                    if len(members) > 1:
+                        self._stall_victim(running, member, len(members))
+                    merged.running.append(running)
+        self._restart(old)
+        self.dropped_at = self.now
+        self.drops += 1
+        self.largest_group = max(self.largest_group, max(group.size for group in plan.groups))
+
+    def _stall_victim(self, running: _Running, member: int, group_size: int) -> None:
+        """Blocking exchange: the victim's KV for the blocks its replica dropped crosses that replica's link after
+        the smaller victims' KV (the caller goes smallest first); it computes nothing meanwhile."""
+        c = self.config
+        tokens = running.prefilled + running.produced
+        moved_blocks = c.blocks - c.blocks // group_size
+        seconds = tokens * moved_blocks * c.kv_bytes_per_token_block / c.link_bytes_per_s
+        done = max(self.now, self.link_free_s.get(member, 0.0)) + seconds
+        self.link_free_s[member] = done
+        running.stalled_until_s = done
+        self.stalls.append(done - self.now)
+
+    def _restore(self) -> None:
+        members = [member for unit in self.units.values() for member in unit.members]
+        c = self.config
+        room = {member: c.pages_total - c.params_pages for member in members}
+        placed: dict[int, list[_Running]] = {member: [] for member in members}
+        for running in sorted((r for u in self.units.values() for r in u.running), key=lambda r: (r.pages, r.index)):
+            target = max(room, key=lambda member: (room[member], -member))
+            if room[target] < running.pages:
+                return  # the groups' requests do not fit on whole replicas yet: stay dropped
+            room[target] -= running.pages
+            placed[target].append(running)
+        old = list(self.units.values())
+        self.units = {}
+        for member in sorted(members):
+            self._add_unit((member,)).running.extend(placed[member])
+        self._restart(old)
+        self.dropped_at = None
+        self.restores += 1
+
+    def _restart(self, old: list[_Unit]) -> None:
+        """Starts the new units; a step still computing on an old one credits its requests when it ends."""
+        del old
+        self._dispatch()
+        for unit in list(self.units.values()):
+            self._start(unit)

@@ -1,0 +1,356 @@
+"""KunServe's KV exchange on one server (Sec. 4.2, spec 3.5, 3.6 and 5.4).
+
+After a drop, the sessions running here over blocks this server dropped (its victims) hand those blocks, with their
+KV, to servers that keep them, and go on as a chain through them: the session's pages for the dropped blocks travel
+by the migration mechanism (`server.migration`, a prefix or suffix of the session: a split), the part that stays
+here keeps the session's id, and the client learns the new chain from the next step (`ChainChanged`) and goes on
+without a replay. Blocking exchange: victims go one by one, smallest first (`exchange_order`); each waits only
+while its own KV moves, the others compute meanwhile over the dropped blocks, which stay loaded until the last
+victim has left them. A victim goes by replay instead (it is evicted with `BlocksDropped` and its client replays
+it through the keepers) where `exchange_mode` expects that to end sooner, where no keeper has room for it
+within `EXCHANGE_DEADLINE_S`, or with `--kv-exchange replay`.
+
+After a restore, the sessions that run here and on into a buddy (as the client's last step named the next server)
+take the buddy's part back (a merge): this server holds the session's steps, asks the buddy to `export` its part
+at the session's position, and the buddy sends the KV into this session; steps sent on the old chain get
+`ChainChanged` naming the one server. The upstream part pulls, so two restoring buddies never pull from each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from hivemind import DHT
+from hivemind.p2p import P2P
+
+from orchestrator.buddy.exchange import exchange_mode
+from orchestrator.live_model import replay_prefill_ms_per_token
+from orchestrator.packing.migration_split import move_costs
+from server.config import ServerConfig
+from server.hosting import Hosting
+from server.migration import Migrations, Part
+from server.sessions import Session, SessionTable
+from swarm.dht import lookup_servers_async
+from swarm.errors import BlocksDropped, Hop, MigrationRefused, PeerUnreachable, SwarmError
+from swarm.memory import kv_pages_for
+from swarm.model import BlockRange, ModelSource
+from swarm.records import ServerRecord, ServerState
+from swarm.rpc import CallContext, dial
+from swarm.wire import field
+
+log = logging.getLogger(__name__)
+
+ExchangeSetting = Literal["auto", "blocking", "replay"]
+EXCHANGE_SETTINGS: tuple[ExchangeSetting, ...] = ("auto", "blocking", "replay")
+EXCHANGE_DEADLINE_S = 30.0  # a victim no keeper takes within this is evicted: its client replays it
+RETRY_S = 0.25  # between two rounds over the victims that no keeper had room for
+TBT_SLACK_MS = 0.0  # remote attention (`live`) is not built: no victim goes live
+
+
+class ExchangeHost(Protocol):
+    """What the exchange needs of its server (`server.server.SwarmServer`)."""
+
+    config: ServerConfig
+    source: ModelSource
+    hosting: Hosting
+    sessions: SessionTable
+    migrations: Migrations
+    blocks: BlockRange
+    dht: DHT | None
+    p2p: P2P | None
+    dtype: torch.dtype
+
+    @property
+    def peer_id(self) -> str: ...
+
+    def record(self) -> ServerRecord: ...
+
+    def announce_soon(self) -> None: ...
+
+    async def announce_now(self) -> None: ...
+
+    async def announced_addrs(self, peer_id: str, block: int) -> list[str] | None: ...
+
+
+@dataclass
+class ExchangeStats:
+    """What the exchanges of this server did: victims, how each went, and the merges after restores."""
+
+    victims: int = 0
+    moved: int = 0  # victims whose dropped blocks' KV reached a keeper (no replay)
+    replayed: int = 0  # victims evicted for their client to replay
+    merged: int = 0  # sessions that took a buddy's part back after a restore
+    merge_failed: int = 0
+    stall_ms_max: float = 0.0  # the longest a victim's steps waited for its KV to move
+    stall_ms_total: float = 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"victims": self.victims, "moved": self.moved, "replayed": self.replayed, "merged": self.merged,
+                "merge_failed": self.merge_failed, "stall_ms_max": round(self.stall_ms_max, 3),
+                "stall_ms_mean": round(self.stall_ms_total / self.moved, 3) if self.moved else 0.0}
+
+
+class BlockExchange:
+    """Runs the exchange after each drop and the merges after each restore, one at a time."""
+
+    def __init__(self, server: ExchangeHost, setting: ExchangeSetting = "auto") -> None:
+        self.server, self.setting = server, setting
+        self.stats = ExchangeStats()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def reshaping(self) -> bool:
+        """Gives whether an exchange or a merge runs now."""
+        return self._task is not None and not self._task.done()
+
+    def after_drop(self, victims: list[str]) -> None:
+        """Starts moving `victims` (sessions over blocks just dropped) to the servers that keep those blocks."""
+        self._run(self._exchange(victims), "kv-exchange")
+
+    def after_restore(self) -> None:
+        """Starts taking back the buddies' parts of the sessions that run on into them."""
+        self._run(self._merge_all(), "kv-merge")
+
+    def _run(self, work: Any, name: str) -> None:
+        previous = self._task
+
+        async def in_turn() -> None:
+            if previous is not None:
+                await asyncio.gather(previous, return_exceptions=True)
+            self.server.announce_soon()
+            try:
+                await work
+            except Exception:  # a bug must not pass silently; the sessions it left go on or time out as before
+                log.exception("%s failed", name)
+            finally:
+                self.server.announce_soon()
+
+        self._task = asyncio.create_task(in_turn(), name=name)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # ---- victims of a drop
+
+    async def _exchange(self, victims: list[str]) -> None:
+        server = self.server
+        pending = self._by_size(victims, server.hosting.serving)
+        self.stats.victims += len(pending)
+        deadline = time.monotonic() + EXCHANGE_DEADLINE_S
+        unreachable: set[str] = set()  # keepers that could not be dialled (gone, their records not yet expired)
+        while pending:
+            kept = server.hosting.serving  # a restore meanwhile leaves nothing to move
+            records = [r for r in await self._records() if r.peer_id not in unreachable]
+            retry = []
+            for session in pending:
+                if not server.sessions.is_open(session) or not _parts_outside(session, kept):
+                    continue
+                try:
+                    if not await self._move_victim(session, kept, records):
+                        retry.append(session)
+                except SwarmError as error:
+                    log.info("Exchange: session %s could not move (%s: %s)", session.session_id,
+                             type(error).__name__, error.message)
+                    if isinstance(error, PeerUnreachable) and error.details.get("peer_id"):
+                        unreachable.add(str(error.details["peer_id"]))
+                    retry.append(session)
+            pending = retry
+            if pending and time.monotonic() > deadline:
+                for session in pending:
+                    self._evict(session, kept, "no server that keeps its blocks took its KV in time")
+                break
+            if pending:
+                await asyncio.sleep(RETRY_S)
+        server.hosting.unload_unused()
+
+    def _by_size(self, victims: list[str], kept: tuple[int, int]) -> list[Session]:
+        """Gives the open victims, the least KV to move first (ties: session id)."""
+        sessions = []
+        for session_id in victims:
+            try:
+                sessions.append(self.server.sessions.get(session_id))
+            except SwarmError:
+                continue
+        return sorted(sessions, key=lambda s: (s.position * s.batch * _dropped_blocks(s, kept), s.session_id))
+
+    async def _move_victim(self, session: Session, kept: tuple[int, int], records: list[ServerRecord]) -> bool:
+        """Moves the blocks of `session` outside `kept` to keepers, one part at a time; gives False when a part
+        found no keeper with room (try again later). A victim whose parts go by replay is evicted."""
+        for start, end in _parts_outside(session, kept):
+            pages = (end - start) * session.batch * kv_pages_for(max(1, session.position),
+                                                                 self.server.sessions.tokens_per_page)
+            keeper = _keeper(records, start, end, self.server.peer_id, pages)
+            if keeper is None:
+                return False
+            if await self._mode(session, keeper, start, end) == "replay":
+                self._evict(session, kept, "its client replays it sooner than its KV would move")
+                return True
+            stalled = time.perf_counter()
+            await self._send_part(session, keeper, start, end)
+            stall_ms = (time.perf_counter() - stalled) * 1000
+            self.stats.stall_ms_max = max(self.stats.stall_ms_max, stall_ms)
+            self.stats.stall_ms_total += stall_ms
+        self.stats.moved += 1
+        return True
+
+    async def _send_part(self, session: Session, keeper: ServerRecord, start: int, end: int) -> None:
+        server = self.server
+        assert server.p2p is not None
+        me = Hop(server.peer_id, session.start, session.end, session.session_id)
+        around = session.hops or [me]
+        staying = [Hop(server.peer_id, session.start, start, session.session_id)] if session.start < start else []
+        staying += [Hop(server.peer_id, end, session.end, session.session_id)] if end < session.end else []
+        leaving = Hop(keeper.peer_id, start, end, session.session_id)
+        hops = sorted([hop for hop in around if hop.peer_id != server.peer_id] + staying + [leaving],
+                      key=lambda hop: hop.start)
+        try:
+            connection = await dial(server.p2p, keeper.peer_id, keeper.addrs, timeout=server.config.push_timeout_s,
+                                    max_frame_bytes=server.config.max_frame_bytes)
+        except PeerUnreachable as error:
+            raise PeerUnreachable(error.message, {"peer_id": keeper.peer_id}) from None
+        try:
+            await server.migrations.send(session, connection, keeper.addrs, timeout_s=server.config.push_timeout_s,
+                                         part=Part(start, end, hops))
+        finally:
+            await connection.close()
+
+    async def _mode(self, session: Session, keeper: ServerRecord, start: int, end: int) -> str:
+        if self.setting != "auto":
+            return self.setting
+        server = self.server
+        blocks = end - start
+        token_bytes = server.migrations.token_bytes(session) * blocks // max(1, session.end - session.start)
+        bandwidth = server.migrations.links.bytes_per_s(keeper.peer_id, server.record().network_mbps,
+                                                        keeper.network_mbps)
+        prefill_ms = replay_prefill_ms_per_token(keeper, session.position)
+        costs = move_costs(
+            kv_bytes_per_token=token_bytes, bandwidth_bytes_per_s=bandwidth, rtt_s=0.0,
+            prefill_s_per_token=prefill_ms * (session.end - session.start) / 1000,
+            replay_bytes_per_token=session.batch * server.blocks.hidden_size * torch.finfo(server.dtype).bits // 8,
+            chunk_bytes=server.migrations.chunk_bytes,
+        )
+        return exchange_mode(costs, session.position, rtt_ms=0.0, pending_blocks=blocks, tbt_slack_ms=TBT_SLACK_MS)
+
+    def _evict(self, session: Session, kept: tuple[int, int], why: str) -> None:
+        if self.server.sessions.evict(session.session_id, BlocksDropped(
+            f"this server dropped blocks of session {session.session_id!r} and keeps {kept[0]}:{kept[1]} only "
+            f"({why}); continue through the servers that keep the others"
+        )):
+            self.stats.replayed += 1
+
+    async def _records(self) -> list[ServerRecord]:
+        server = self.server
+        if server.dht is None:
+            return []
+        try:
+            found = await lookup_servers_async(server.dht, server.source.model_id,
+                                               timeout_s=server.config.push_timeout_s)
+        except SwarmError as error:
+            log.info("Exchange: no servers found in the DHT (%s)", error.message)
+            return []
+        return [record for record in found.values() if record.state == ServerState.online]
+
+    # ---- merges after a restore
+
+    async def _merge_all(self) -> None:
+        server = self.server
+        await server.announce_now()  # a buddy gives its part back only to a server that announces the blocks
+        start, end = server.hosting.serving
+        for session in list(server.sessions):
+            hop = session.next_hop
+            if (hop is None or hop.peer_id == server.peer_id or hop.start != session.end or hop.end is None
+                    or not (start <= session.start and hop.end <= end) or session.merging is not None
+                    or session.importing_from is not None):
+                continue
+            try:
+                await self._pull(session, hop.peer_id, hop.session_id, hop.end)
+                self.stats.merged += 1
+            except SwarmError as error:
+                self.stats.merge_failed += 1
+                log.info("Restore: session %s stays on its chain through %s (%s: %s)", session.session_id,
+                         hop.peer_id, type(error).__name__, error.message)
+
+    async def _pull(self, session: Session, peer_id: str, remote_id: str, remote_end: int) -> None:
+        """Takes blocks [session.end, remote_end) of `session` back from `peer_id` (its session `remote_id`)."""
+        server = self.server
+        assert server.p2p is not None
+        addrs = await server.announced_addrs(peer_id, session.end)
+        if addrs is None:
+            raise PeerUnreachable(f"server {peer_id} announces no block {session.end}")
+        if session.moving is not None:
+            raise MigrationRefused(f"session {session.session_id!r} is moving already")
+        moving = session.moving = asyncio.get_running_loop().create_future()  # its steps wait for the merge
+        connection = await dial(server.p2p, peer_id, addrs, timeout=server.config.push_timeout_s,
+                                max_frame_bytes=server.config.max_frame_bytes)
+        try:
+            await server.migrations.quiesce(session)
+            first = session.end
+            await connection.call("export", {
+                "session_id": remote_id, "into": session.session_id, "position": session.position,
+                "blocks": [session.end, remote_end], "to": [session.start, remote_end],
+            }, timeout=server.config.block_change_timeout_s)
+        finally:
+            session.moving = None
+            moving.set_result(None)
+            await connection.close()
+        log.info("Restore: session %s took blocks %d:%d back from %s", session.session_id, first, remote_end,
+                 peer_id)
+
+    async def export(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        """RPC: sends this server's part of a session into the caller's session `into` next to it (a merge the
+        caller asked for after its restore), once the part is at `position`; the caller must announce the blocks."""
+        server = self.server
+        session = server.sessions.get(field(payload, "session_id", str))
+        into = field(payload, "into", str)
+        position = field(payload, "position", int)
+        to = field(payload, "to", list)
+        if len(into) > 128 or len(to) != 2 or not all(isinstance(b, int) for b in to):
+            raise MigrationRefused("export needs 'into' (a session id) and 'to', the merged [start, end]")
+        if not (to[0] < session.start and to[1] == session.end):
+            raise MigrationRefused(f"blocks {to[0]}:{to[1]} do not end with session {session.session_id!r}'s "
+                                   f"{session.start}:{session.end}")
+        addrs = await server.announced_addrs(ctx.peer_id, session.start)
+        if addrs is None or await server.announced_addrs(ctx.peer_id, session.end - 1) is None:
+            raise MigrationRefused(f"server {ctx.peer_id} does not announce blocks {session.start}:{session.end}")
+        assert server.p2p is not None
+        connection = await dial(server.p2p, ctx.peer_id, addrs, timeout=server.config.push_timeout_s,
+                                max_frame_bytes=server.config.max_frame_bytes)
+        try:
+            await server.migrations.send(
+                session, connection, addrs, timeout_s=server.config.push_timeout_s,
+                part=Part(session.start, session.end, [Hop(ctx.peer_id, to[0], to[1], into)], into=into,
+                          position=position),
+            )
+        finally:
+            await connection.close()
+        return {"blocks": to}
+
+
+def _dropped_blocks(session: Session, kept: tuple[int, int]) -> int:
+    return sum(end - start for start, end in _parts_outside(session, kept))
+
+
+def _parts_outside(session: Session, kept: tuple[int, int]) -> list[tuple[int, int]]:
+    """Gives the block ranges of `session` outside `kept`: a prefix and/or a suffix (all of it if they miss)."""
+    if session.end <= kept[0] or kept[1] <= session.start:
+        return [(session.start, session.end)]
+    parts = []
+    if session.start < kept[0]:
+        parts.append((session.start, kept[0]))
+    if kept[1] < session.end:
+        parts.append((kept[1], session.end))
+    return parts
+
+
+def _keeper(records: list[ServerRecord], start: int, end: int, me: str, pages: int) -> ServerRecord | None:
+    """Gives the online server, not `me`, that hosts [start, end) with the most free pages, if it has `pages`."""
+    hosts = [r for r in records if r.peer_id != me and r.block_start <= start and end <= r.block_end]
+    best = max(hosts, key=lambda r: (r.pages_free, r.peer_id), default=None)
+    return best if best is not None and best.pages_free >= pages else None

@@ -1,0 +1,163 @@
+"""A session's KV splits between two servers (a drop's exchange) and merges back (a restore), page for page, in
+process: the source's `Migrations` talks to the destination's through a stand-in for the RPC stream that calls the
+destination as its server's `import_*` handlers do. The live tests (`test_dropping.py`) run the same over hivemind."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import torch
+
+from server import migration
+from server.migration import Migrations, Part
+from server.sessions import Session, SessionTable
+from swarm.errors import ChainChanged, Hop, InvalidTensor, SessionNotFound, SwarmError
+from swarm.memory import KVOwner, PagePool
+from swarm.model.paged_kv import PagedKV
+
+KV_HEADS, HEAD_DIM, PAGE_BYTES = 2, 8, 1024  # 16 tokens a page in float32
+TOKENS = 20
+
+
+class Server:
+    """One server's pool, sessions and migrations (blocks 0:4)."""
+
+    def __init__(self, peer_id: str, pages: int = 64) -> None:
+        self.pool = PagePool(pages * PAGE_BYTES, PAGE_BYTES)
+        self.kv = PagedKV(self.pool.storage, PAGE_BYTES, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float32)
+        self.sessions = SessionTable(block_start=0, block_end=4, pool=self.pool,
+                                     tokens_per_page=self.kv.tokens_per_page, max_length=64, headroom_tokens=0)
+        self.migrations = Migrations(self.sessions, self.kv, torch.float32, hidden_size=16)
+        self.migrations.peer_id = peer_id
+
+    def session(self, session_id: str, start: int, end: int, seed: int) -> Session:
+        """Opens a session with TOKENS tokens of random KV in each of its blocks."""
+        session = self.sessions.open(session_id, start, end, batch=1, max_length=64, tokens=TOKENS, moved_in=True)
+        generator = torch.Generator().manual_seed(seed)
+        for block in range(start, end):
+            keys, values = (torch.randn(TOKENS, KV_HEADS, HEAD_DIM, generator=generator) for _ in range(2))
+            self.kv.write(session.page_tables[block][0], 0, keys, values)
+        session.position = TOKENS
+        return session
+
+    def kv_of(self, session: Session, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.kv.read(session.page_tables[block][0], 0, session.position)
+        return keys.clone(), values.clone()
+
+
+class Stream:
+    """Stands for the RPC stream from `source` to `destination`: each call does what the destination server's
+    handler of that method does."""
+
+    def __init__(self, source: Server, destination: Server) -> None:
+        self.source, self.destination = source.migrations.peer_id, destination
+        self.peer_id = destination.migrations.peer_id
+
+    async def call(self, method: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+        migrations, session_id = self.destination.migrations, payload["session_id"]
+        if method == "import_open":
+            migrations.open_import(self.source, session_id, *payload["blocks"], batch=payload["batch"],
+                                   max_length=payload["max_length"], position=payload["position"],
+                                   client=payload["client"], merge=payload.get("merge", False))
+        elif method == "import_kv":
+            for piece in payload["pieces"]:
+                migrations.write_kv(self.source, session_id, piece["block"], piece["row"], piece["start"],
+                                    piece["keys"], piece["values"])
+        elif method == "import_commit":
+            migrations.commit(self.source, session_id, payload["position"], payload.get("last_step_id"),
+                              payload.get("last_output"))
+        elif method == "import_abort":
+            migrations.abort(self.source, session_id)
+        return {}
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(scenario())  # sessions create asyncio futures
+
+
+def test_a_split_moves_the_dropped_blocks_kv_and_the_old_chain_learns_the_new_hops() -> None:
+    async def scenario() -> None:
+        a, b = Server("A"), Server("B")
+        session = a.session("s", 0, 4, seed=1)
+        before = {block: a.kv_of(session, block) for block in range(4)}
+        hops = [Hop("A", 0, 2, "s"), Hop("B", 2, 4, "s")]
+        await a.migrations.send(session, Stream(a, b), [], timeout_s=5.0, part=Part(2, 4, hops))  # type: ignore[arg-type]
+
+        assert (session.start, session.end, session.position) == (0, 2, TOKENS)
+        assert a.pool.pages_of(KVOwner("s", 2)) == () and a.pool.pages_of(KVOwner("s", 3)) == ()
+        moved = b.sessions.get("s")
+        assert (moved.start, moved.end, moved.position) == (2, 4, TOKENS)
+        for block in (2, 3):
+            assert all(torch.equal(x, y) for x, y in zip(b.kv_of(moved, block), before[block], strict=True))
+        for block in (0, 1):
+            assert all(torch.equal(x, y) for x, y in zip(a.kv_of(session, block), before[block], strict=True))
+        with pytest.raises(ChainChanged) as changed:
+            a.migrations.check_step("s", (0, 4))  # a step that still expects the whole session here
+        assert (changed.value.hops, changed.value.position) == (hops, TOKENS)
+        round_trip = SwarmError.from_wire(changed.value.to_wire())
+        assert isinstance(round_trip, ChainChanged) and round_trip.hops == hops
+        a.migrations.check_step("s", (0, 2))  # the new chain's step runs
+        for server in (a, b):
+            server.pool.check_invariants()
+
+    run(scenario)
+
+
+def test_a_merge_takes_a_buddys_part_back_into_the_session_and_frees_it_there() -> None:
+    async def scenario() -> None:
+        a, b = Server("A"), Server("B")
+        head = a.session("s", 0, 2, seed=2)
+        tail = b.session("t", 2, 4, seed=3)
+        tail_kv = {block: b.kv_of(tail, block) for block in (2, 3)}
+        merged = [Hop("A", 0, 4, "s")]
+        await b.migrations.send(tail, Stream(b, a), [], timeout_s=5.0,  # type: ignore[arg-type]
+                                part=Part(2, 4, merged, into="s", position=TOKENS))
+
+        assert (head.start, head.end, head.position) == (0, 4, TOKENS)
+        for block in (2, 3):
+            assert all(torch.equal(x, y) for x, y in zip(a.kv_of(head, block), tail_kv[block], strict=True))
+        assert b.pool.stats().pages_kv == 0
+        with pytest.raises(ChainChanged) as changed:
+            b.migrations.check_step("t", (2, 4))
+        assert changed.value.hops == merged
+        with pytest.raises(ChainChanged):
+            a.migrations.check_step("s", (0, 2))  # the head's old expectation
+        a.migrations.check_step("s", (0, 4))
+        for server in (a, b):
+            server.pool.check_invariants()
+
+    run(scenario)
+
+
+def test_merges_that_cannot_hold_leave_both_sessions_as_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        a, b = Server("A"), Server("B")
+        head = a.session("s", 0, 2, seed=4)
+        free = a.pool.pages_free
+        with pytest.raises(InvalidTensor):  # not next to the session
+            a.migrations.open_import("B", "s", 3, 4, batch=1, max_length=64, position=TOKENS, client="", merge=True)
+        with pytest.raises(SessionNotFound):  # at another position
+            a.migrations.open_import("B", "s", 2, 4, batch=1, max_length=64, position=TOKENS - 1, client="",
+                                     merge=True)
+        assert a.pool.pages_free == free
+
+        a.migrations.open_import("B", "s", 2, 4, batch=1, max_length=64, position=TOKENS, client="", merge=True)
+        with pytest.raises(SessionNotFound):  # only the server that opened the merge writes into it
+            a.migrations.write_kv("C", "s", 2, 0, 0, None, None)
+        a.migrations.abort("B", "s")
+        assert (head.start, head.end, a.pool.pages_free) == (0, 2, free)
+
+        tail = b.session("t", 2, 4, seed=5)
+        monkeypatch.setattr(migration, "STEP_WAIT_S", 0.2)
+        with pytest.raises(SessionNotFound):  # the tail never reaches the position the head is at
+            await b.migrations.send(tail, Stream(b, a), [], timeout_s=5.0,  # type: ignore[arg-type]
+                                    part=Part(2, 4, [Hop("A", 0, 4, "s")], into="s", position=TOKENS + 1))
+        assert (tail.start, tail.end) == (2, 4) and b.sessions.is_open(tail)
+        assert (head.start, head.end, a.pool.pages_free) == (0, 2, free)
+        for server in (a, b):
+            server.pool.check_invariants()
+
+    run(scenario)
