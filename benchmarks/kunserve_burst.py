@@ -159,7 +159,7 @@ def server_flags(arm: str, host: str, kv_pages: int) -> tuple[str, list[str]]:
 def run_arm(arm: str, rtt_ms: float, requests: list[dict], args: argparse.Namespace, workdir: Path) -> ArmRun:
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with EmulatedNetwork(topology(rtt_ms), run_id=f"kb{os.getpid()}{arm[:2]}") as network, \
+    with EmulatedNetwork(topology(rtt_ms), run_id=f"kb{os.getpid()}{ARMS.index(arm)}") as network, \
             SwarmProcesses(workdir, announce_period_s=5.0, record_ttl_s=30.0, torch_threads=1) as swarm:
         swarm.start_dht(host=network.address("dht"), launcher=network.command("dht", []))
         procs = {}
@@ -175,16 +175,20 @@ def run_arm(arm: str, rtt_ms: float, requests: list[dict], args: argparse.Namesp
             requests_path = workdir / "requests.json"
             requests_path.write_text(json.dumps(requests))
             print(f"  {arm} at {rtt_ms:g} ms: swarm up in {time.monotonic() - started:.0f} s", flush=True)
-            out = workdir / "results.jsonl"
-            run_replay(network, swarm.initial_peers, DEFAULT_MODEL, requests_path, out, workdir, args.timeout,
-                       "--orchestrator", "none", "--busy-wait", str(BUSY_WAIT_S))
+            run_replay(network, swarm.initial_peers, DEFAULT_MODEL, requests_path, workdir / "results.jsonl",
+                       workdir, args.timeout, "--orchestrator", "none", "--busy-wait", str(BUSY_WAIT_S))
             time.sleep(2 * POLL_S)
         finally:
             monitor.send_line("quit")
             monitor.stop()
-    results = _read_jsonl(out)
+    return load_arm(arm, workdir)
+
+
+def load_arm(arm: str, workdir: Path) -> ArmRun:
+    """Gives the run of `arm` whose client results and monitor polls are in `workdir`."""
+    results = _read_jsonl(workdir / "results.jsonl")
     offsets = [r["arrival_wall"] - r["arrival_s"] for r in results]
-    return ArmRun(arm, results, _read_jsonl(polls_path), statistics.median(offsets) if offsets else 0.0)
+    return ArmRun(arm, results, _read_jsonl(workdir / "polls.jsonl"), statistics.median(offsets) if offsets else 0.0)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -193,30 +197,31 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def sim_config(run: ArmRun, rtt_ms: float, dropping: bool) -> KunServeSimConfig:
-    """Gives the simulator the live swarm's geometry and its servers' measured speeds: an iteration is a decode step
-    through 30 blocks (batch 1 and its growth with the batch, from the records) plus one client round trip; a group's
-    extra member adds a half round trip (the pushed hop)."""
-    first = min(run.polls, key=lambda row: row["t"])
+def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping: bool) -> KunServeSimConfig:
+    """Gives the simulator the live swarm's geometry (from the servers' records) and speeds measured in the no-drop
+    arm (`base`): a prompt token costs the median of (first token - session open) / prompt tokens, an iteration the
+    10th percentile of the requests' TBT (the least loaded: one client round trip and 30 blocks' decode), and each
+    more decoding request the records' measured growth of a decode step with the batch; a group's extra member
+    adds a half round trip (the pushed hop)."""
+    first = min(base.polls, key=lambda row: row["t"])
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
-    one = decode.get(1, first["block_compute_ms"])
     widest = max(decode, default=1)
-    per_row = (decode[widest] - one) / (widest - 1) if widest > 1 else 0.0
     blocks = first["block_end"] - first["block_start"]
-    params_per_block = first["pages_params"] // blocks
+    per_row = blocks * (decode[widest] - decode.get(1, first["block_compute_ms"])) / (widest - 1) if widest > 1 else 0
+    prefill = [(r["first_token_s"] - r["started_s"]) * 1000 / requests[r["id"]]["prompt_tokens"] for r in base.served]
+    step = float(np.percentile(base.tbt(requests), 10)) * 1000 - per_row
     return KunServeSimConfig(
         replicas=len(SERVERS), blocks=blocks, pages_total=first["pages_total"],
-        params_pages=params_per_block * blocks, tokens_per_page=first["kv_tokens_per_page"],
-        step_ms=blocks * one + rtt_ms, prefill_token_ms=blocks * (first["prefill_ms_per_token"] or one),
-        decode_token_ms=blocks * per_row, hop_ms=rtt_ms / 2, link_bytes_per_s=MBIT * 1e6 / 8,
-        kv_bytes_per_token_block=first["kv_bytes_per_token"], prefill_chunk_tokens=MAX_PROMPT, dropping=dropping,
-        retry_backoff_s=BACKOFF_S,
+        params_pages=first["pages_params"] // blocks * blocks, tokens_per_page=first["kv_tokens_per_page"],
+        step_ms=max(1.0, step), prefill_token_ms=statistics.median(prefill), decode_token_ms=max(0.0, per_row),
+        hop_ms=rtt_ms / 2, link_bytes_per_s=MBIT * 1e6 / 8, kv_bytes_per_token_block=first["kv_bytes_per_token"],
+        prefill_chunk_tokens=MAX_PROMPT, dropping=dropping, retry_backoff_s=BACKOFF_S,
     )
 
 
-def sim_p99_ttft(run: ArmRun, rtt_ms: float, requests: list[dict], dropping: bool) -> float:
+def sim_p99_ttft(base: ArmRun, rtt_ms: float, requests: list[dict], dropping: bool) -> float:
     sim_requests = [SimRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"]) for r in requests]
-    result = simulate(sim_config(run, rtt_ms, dropping), sim_requests)
+    result = simulate(sim_config(base, {r["id"]: r for r in requests}, rtt_ms, dropping), sim_requests)
     return result.percentile(result.ttft_s, 99)
 
 
@@ -236,7 +241,8 @@ def report(rtt_ms: float, runs: dict[str, ArmRun], requests: list[dict]) -> None
     for arm in ARMS:
         run = runs.get(arm)
         if run is None:
-            print(f"{arm:<27} not built (remote attention: the `attend` RPC is issue 13's open part)")
+            why = "not built (the `attend` RPC is issue 13's open part)" if arm == ARMS[3] else "not run (--arms)"
+            print(f"{arm:<27} {why}")
             continue
         ttft, tbt = run.ttft(), run.tbt(by_id)
         stall_max, stall_mean, drops, restores = run.exchange()
@@ -262,11 +268,14 @@ def report(rtt_ms: float, runs: dict[str, ArmRun], requests: list[dict]) -> None
                     window = int(t // WINDOW_S)
                     windows[window] = (max(windows.get(window, (0, 0))[0], held), capacity)
             print(f"  {name:<9} " + " ".join(f"{held}/{capacity}" for _, (held, capacity) in sorted(windows.items())))
-        print("simulator (same requests, the live swarm's geometry and speeds) against live, P99 TTFT:")
+        fitted = sim_config(base, by_id, rtt_ms, True)
+        print(f"simulator (same requests, the live swarm's geometry and speeds: iteration {fitted.step_ms:.0f} ms + "
+              f"{fitted.decode_token_ms:.1f} ms per decoding request + {fitted.prefill_token_ms:.2f} ms per prompt "
+              f"token, hop {fitted.hop_ms:g} ms) against live, P99 TTFT:")
         for arm, dropping in (("no drop", False), ("KunServe blocking", True)):
             run = runs[arm]
             live = pct(run.ttft(), 99)
-            sim = sim_p99_ttft(run, rtt_ms, requests, dropping)
+            sim = sim_p99_ttft(base, rtt_ms, requests, dropping)
             off = abs(sim - live) / live if live else math.nan
             print(f"  {arm:<20} live {live:7.2f} s  sim {sim:7.2f} s  off by {off:.0%}: "
                   f"{'within' if off <= TARGET_SIM else 'NOT within'} {TARGET_SIM:.0%}")
@@ -283,17 +292,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-scale", type=float, default=8.0)
     parser.add_argument("--kv-pages", type=int, default=120, help="KV pages of each server's pool beside 30 blocks")
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--workdir", type=Path, help="keep every arm's logs, polls and results here")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: report the runs kept in --workdir again (e.g. with a changed simulator)")
     args = parser.parse_args(argv)
+    args.arms = ["no drop", *(arm for arm in args.arms if arm != "no drop")]  # the reference of every ratio
+    requests = burst_requests(args)
+    if args.report_only:
+        if args.workdir is None:
+            parser.error("--report-only needs --workdir")
+        for rtt_ms in args.rtt:
+            runs = {arm: load_arm(arm, args.workdir / f"{rtt_ms:g}-{arm.replace(' ', '-')}") for arm in args.arms}
+            report(rtt_ms, runs, requests)
+        return 0
     if os.geteuid() != 0:
         print("needs root: network namespaces", file=sys.stderr)
         return 2
-    requests = burst_requests(args)
     print(f"KunServe live: {len(requests)} requests (every {args.thin}th of the code trace's {args.start:g}-"
           f"{args.end:g} s), mean {args.rate:g}/s; {args.kv_pages} KV pages per server "
           f"({args.kv_pages // 30} sessions of 30 blocks); {datetime.date.today()} on {platform.node()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kunserve-burst-") as tmp:
+        root = args.workdir or Path(tmp)
         for rtt_ms in args.rtt:
-            runs = {arm: run_arm(arm, rtt_ms, requests, args, Path(tmp) / f"{rtt_ms:g}-{arm.replace(' ', '-')}")
+            runs = {arm: run_arm(arm, rtt_ms, requests, args, root / f"{rtt_ms:g}-{arm.replace(' ', '-')}")
                     for arm in args.arms}
             report(rtt_ms, runs, requests)
     return 0

@@ -264,7 +264,12 @@ class RemoteInferenceSession:
                 moves_this_step += 1
                 if moves_this_step > MAX_MOVES_PER_STEP:
                     raise
-                if recovering or not await self._reshape(index, changed):
+                try:
+                    followed = not recovering and await self._reshape(index, changed)
+                except SwarmError as error:  # an exception here would leave the step loop: replay instead
+                    log.warning("Following a changed chain failed (%s)", error.message)
+                    followed = False
+                if not followed:
                     log.warning("Session on %s changed its chain in a way this client cannot follow; replaying it",
                                 span_session.peer_id)
                     replace = changed
@@ -571,7 +576,11 @@ class RemoteInferenceSession:
                 record = servers.get(hop.peer_id) or (kept.span.record if kept is not None else None)
                 if record is None:
                     return False
-                connection = kept.connection if kept is not None else await self.client.connect(record)
+                try:
+                    connection = kept.connection if kept is not None else await self.client.connect(record)
+                except SwarmError as error:  # the server the KV went to is gone: the caller replays instead
+                    log.warning("Chain changed to %s, which cannot be reached (%s)", hop.peer_id, error.message)
+                    return False
                 head = not reshaped
                 reshaped.append(_SpanSession(
                     Span(hop.peer_id, hop.start, hop.end, record), connection, hop.session_id,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,26 @@ class Generation:
         return [self.results.get(index, []) for index in range(len(self.threads))]
 
 
+def generate_watching(remote: DistributedModelForCausalLM, prompts: list[torch.Tensor], *, new_tokens: int,
+                      look: Callable[[], None]) -> Generation:
+    """Runs the greedy generations of `prompts` at once, calling `look()` every 0.1 s until they all ended."""
+    running = threading.Event()
+    running.set()
+
+    def watch() -> None:
+        while running.is_set():
+            look()
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    generation = Generation(remote, prompts, new_tokens=new_tokens)
+    generation.join()
+    running.clear()
+    watcher.join(10)
+    return generation
+
+
 def test_a_burst_makes_the_segment_drop_admit_more_sessions_with_exact_tokens_and_restore_after(
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:
@@ -216,21 +237,12 @@ def test_a_burst_makes_the_segment_drop_admit_more_sessions_with_exact_tokens_an
         prompts = [prompt(seed, 20) for seed in range(8)]
         expected = [local.generate(ids, max_new_tokens=24, do_sample=False).tolist() for ids in prompts]
         most_sessions = {server.peer_id: 0 for server in servers}
-        running = threading.Event()
-        running.set()
 
-        def watch() -> None:
-            while running.is_set():
-                for peer, info in infos(client).items():
-                    most_sessions[peer] = max(most_sessions[peer], info["record"]["session_count"])
-                time.sleep(0.1)
+        def look() -> None:
+            for peer, info in infos(client).items():
+                most_sessions[peer] = max(most_sessions[peer], info["record"]["session_count"])
 
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        generation = Generation(remote, prompts, new_tokens=24)
-        generation.join()
-        running.clear()
-        watcher.join(10)
+        generation = generate_watching(remote, prompts, new_tokens=24, look=look)
         assert generation.errors == [] and generation.outputs == expected
         assert max(most_sessions.values()) > 2, f"no server held more sessions than it could undropped: {most_sessions}"
 
@@ -280,5 +292,42 @@ def test_a_member_that_dies_while_its_group_is_dropped_leaves_no_block_without_a
         info = infos(client)[survivor.peer_id]
         assert (info["record"]["block_start"], info["record"]["block_end"]) == (0, 8)
         assert info["dropping"]["restores"] == 1 and info["dropping"]["restorable"] is None
+    finally:
+        remote.shutdown()
+
+
+def test_a_burst_that_arrives_as_the_group_restores_ends_exact_with_every_block_hosted(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    """A first burst makes the group drop (blocking exchange); once the demand fits, the leader restores, and a
+    second burst arrives the moment a server reports its restore, while the merges back may still run and before
+    the other member restored: every session of both bursts ends with the local model's tokens, no block is ever
+    without a host, and the group may drop again for the second burst."""
+    servers = start_dropping_replicas(swarm_factory, tiny_llama, restore_after_s=2, exchange="blocking")
+    local, remote = local_and_remote(swarm_factory, tiny_llama, busy_wait_s=120.0)
+    client = remote.swarm
+    try:
+        wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
+        first = [prompt(seed, 20) for seed in range(8)]
+        second = [prompt(seed, 20) for seed in range(8, 16)]
+        expected = [local.generate(ids, max_new_tokens=24, do_sample=False).tolist() for ids in first + second]
+        uncovered: list[float] = []
+
+        def look() -> None:  # every block has an online host at every poll
+            records = client.run(client.servers())
+            hosted = {block for record in records.values() for block in range(record.block_start, record.block_end)}
+            if hosted != set(range(8)):
+                uncovered.append(time.monotonic())
+
+        burst = generate_watching(remote, first, new_tokens=24, look=look)
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline and not any(info["dropping"]["restores"] for info in infos(client).values()):
+            time.sleep(0.05)
+        assert any(info["dropping"]["restores"] for info in infos(client).values()), "the group never restored"
+        during = generate_watching(remote, second, new_tokens=24, look=look)
+        assert burst.errors == [] and during.errors == []
+        assert burst.outputs + during.outputs == expected
+        assert not uncovered, f"blocks without an online host at {len(uncovered)} poll(s)"
+        assert all(info["dropping"]["drops"] >= 1 for info in infos(client).values())
     finally:
         remote.shutdown()

@@ -25,18 +25,26 @@ ORCHESTRATOR_ARGS = ("--variant", "jffc-only", "--cache-tokens", "100", "--kv-pa
                      "--refresh-period", "0.5", "--lease-ttl", "10")
 
 
+def orchestrated_pair(swarm_factory: SwarmProcesses, model: Path, orchestrator_args: tuple[str, ...],
+                      server_args: tuple[str, ...]) -> tuple[AutoModelForCausalLM, DistributedModelForCausalLM]:
+    """Starts the DHT, an orchestrator and two servers that follow it; gives the local model and a client that asks
+    the orchestrator for chains."""
+    swarm_factory.start_dht()
+    orchestrator = swarm_factory.start_orchestrator(model, *orchestrator_args)
+    for _ in range(2):
+        swarm_factory.start_server(model, None, "--orchestrator", orchestrator.peer_id, *server_args)
+    local = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    remote = DistributedModelForCausalLM.from_pretrained(
+        str(model), initial_peers=swarm_factory.initial_peers,
+        client_config=ClientConfig(orchestrator="auto", request_timeout_s=TIMEOUT_S),
+    )
+    return local, remote
+
+
 def test_the_orchestrator_packs_its_followers_sessions_and_their_leases_follow_the_moves(
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:
-    swarm_factory.start_dht()
-    orchestrator = swarm_factory.start_orchestrator(tiny_llama, *ORCHESTRATOR_ARGS)
-    for _ in range(2):
-        swarm_factory.start_server(tiny_llama, None, "--orchestrator", orchestrator.peer_id, *SERVER_ARGS)
-    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    remote = DistributedModelForCausalLM.from_pretrained(
-        str(tiny_llama), initial_peers=swarm_factory.initial_peers,
-        client_config=ClientConfig(orchestrator="auto", request_timeout_s=TIMEOUT_S),
-    )
+    local, remote = orchestrated_pair(swarm_factory, tiny_llama, ORCHESTRATOR_ARGS, SERVER_ARGS)
     try:
         wait_for(lambda: [c["capacity"] for c in orchestrator_state(remote)["chains"]] == [2, 2], "two chains of 2")
         client = remote.swarm

@@ -86,6 +86,9 @@ class DropLoop:
     period_s: float = DROP_PERIOD_S
     restore_after_s: float = RESTORE_MIN_DROPPED_S
     balanced: bool = True
+    leads: bool = False  # an orchestrator leads every segment of its followers; servers elect the smallest peer id
+    # pages asked beyond the records' (an orchestrator's queue of waiting sessions), from the members' records
+    extra_demand: Callable[[list[ServerRecord]], int] | None = None
     demand: list[tuple[float, int]] = field(default_factory=list)
     available: list[tuple[float, int]] = field(default_factory=list)
     dropped_since_s: float | None = None
@@ -107,7 +110,7 @@ class DropLoop:
     async def tick(self, now_s: float) -> None:
         """One look at the segment: samples its demand, then drops, restores or does nothing."""
         records = await self.group()
-        if leader_of(records) != self.peer_id:
+        if not self.leads and leader_of(records) != self.peer_id:
             self._forget()
             return
         self._sample(now_s, records)
@@ -128,8 +131,9 @@ class DropLoop:
         if required > 0:
             await self._drop(records, required, now_s)
 
-    def _sample(self, now_s: float, records: Sequence[ServerRecord]) -> None:
-        self.demand.append((now_s, sum(record.pages_kv + record.kv_demand_pages for record in records)))
+    def _sample(self, now_s: float, records: list[ServerRecord]) -> None:
+        extra = self.extra_demand(records) if self.extra_demand is not None else 0
+        self.demand.append((now_s, extra + sum(record.pages_kv + record.kv_demand_pages for record in records)))
         self.available.append((now_s, sum(record.pages_total - record.pages_params for record in records)))
         del self.demand[:-SAMPLES_KEPT], self.available[:-SAMPLES_KEPT]
 

@@ -58,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pack the sessions of followers that host the same blocks onto as few of them as the "
                              "policy keeps, moving them live (JFFC's leases follow)")
     parser.add_argument("--packing-epoch", type=float, default=1.0, help="seconds between two packings")
+    parser.add_argument("--kv-dropping", action="store_true",
+                        help="when the KV demand of followers that host the same blocks (their sessions and the "
+                        "queue's) outgrows their pages, merge them into buddy groups that drop parameters to hold "
+                        "more KV, and restore once it fits (KunServe); JFFC's chains follow the ranges")
+    parser.add_argument("--drop-period", type=float, default=0.5, help="seconds between two looks at the demand")
+    parser.add_argument("--restore-after", type=float, default=10.0,
+                        help="seconds a drop lasts at least before its blocks may be restored")
     parser.add_argument("--batch-aware", action=argparse.BooleanOptionalAction, default=True,
                         help="JFFC ranks chains by their service time at the batches their servers run now, from "
                         "the decode times by batch size the servers announce (--no-batch-aware: the paper's ranking "
@@ -88,7 +95,8 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         prior_output_tokens=args.prior_output_tokens, rate_window_s=args.rate_window, cache_tokens=args.cache_tokens,
         refresh_period_s=args.refresh_period, announce_period_s=args.announce_period, record_ttl_s=args.record_ttl,
         lease_ttl_s=args.lease_ttl, kv_packing=args.kv_packing, packing_epoch_s=args.packing_epoch,
-        batch_aware=args.batch_aware,
+        batch_aware=args.batch_aware, kv_dropping=args.kv_dropping, drop_period_s=args.drop_period,
+        restore_after_s=args.restore_after,
     )
 
 

@@ -18,6 +18,7 @@ active; the others answer `NotActiveOrchestrator` and take over when its record 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -31,12 +32,14 @@ from hivemind.utils import get_dht_time
 
 from orchestrator.allocation import gca
 from orchestrator.baselines.jffc import whole_model_chains
+from orchestrator.buddy.segment_loop import segment_of
 from orchestrator.dispatch_policy import NoFeasiblePlan, batch_slopes
 from orchestrator.live_model import JobSizes, server_spec, swarm_model
 from orchestrator.observed_load import ObservedLoad
 from orchestrator.packing import Migration
 from orchestrator.packing.segment_loop import Report, SegmentPackingLoop
 from orchestrator.replan import Range, match_roles, move_order, placement_ranges
+from orchestrator.service.dropping import FollowerDropping
 from orchestrator.service.leases import LeaseTable, LiveChain
 from orchestrator.swarm_model import Chain, Placement, SwarmModel, per_ms
 from orchestrator.tuning import (
@@ -97,6 +100,9 @@ class OrchestratorConfig:
     kv_packing: str | None = None  # mell, bf, wf or lb: pack the sessions of the followers that host one segment
     batch_aware: bool = True  # JFFC ranks chains by their service time at the batches their servers run now
     packing_epoch_s: float = 1.0
+    kv_dropping: bool = False  # KunServe: the followers of one segment drop blocks under a KV burst, by its word
+    drop_period_s: float = 0.5
+    restore_after_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,7 @@ class Orchestrator:
         self.packings: dict[Range, SegmentPackingLoop] = {}  # per segment two or more followers host exactly
         self._packing_connections: dict[str, RpcConnection] = {}
         self._lease_of: dict[str, str] = {}  # server session id -> the lease its client runs it under
+        self.dropping: FollowerDropping | None = None  # with --kv-dropping, once started
 
     @property
     def peer_id(self) -> str:
@@ -195,6 +202,12 @@ class Orchestrator:
                  (self._expire_loop, "expire-leases")]
         if self.config.kv_packing:
             loops.append((self._packing_loop, "kv-packing"))
+        if self.config.kv_dropping:
+            self.dropping = FollowerDropping(
+                self.peer_id, fresh=self._fresh, call=self._call, queued_tokens=self._queued_tokens,
+                period_s=self.config.drop_period_s, restore_after_s=self.config.restore_after_s,
+            )
+            loops.append((self._dropping_loop, "kv-dropping"))
         for loop, name in loops:
             self._tasks.append(asyncio.create_task(loop(), name=name))
 
@@ -318,9 +331,9 @@ class Orchestrator:
             return False
         if self.plan is None or became_active or set(followers) != self.plan.servers:
             return True
-        if any((record.block_start, record.block_end) != self.plan.ranges[peer]
-               for peer, record in followers.items() if peer in self.plan.ranges):
-            return True  # a server lost its range (it restarted)
+        if any(segment_of(record) != self.plan.ranges[peer] for peer, record in followers.items()
+               if peer in self.plan.ranges):
+            return True  # a server lost its range (it restarted); a drop keeps its segment (it can restore it)
         moved = abs(rate_per_s - self.plan.rate_per_s) > self.config.rate_hysteresis * self.plan.rate_per_s
         if not moved:
             return False
@@ -364,19 +377,23 @@ class Orchestrator:
         if tuned is None:
             log.warning("no plan: no follower holds one block and one job's cache")
             return
-        current = {peer: (record.block_start, record.block_end) for peer, record in followers.items()
+        # A server that dropped blocks (KunServe) is placed as the segment it can restore; chains run over what
+        # servers serve now.
+        current = {peer: segment_of(record) for peer, record in followers.items()
                    if record.block_end > record.block_start}
+        hosted = {peer: (record.block_start, record.block_end) for peer, record in followers.items()
+                  if record.block_end > record.block_start}
         target = match_roles(placement_ranges(tuned.placement), current, _similar(model))
         order = move_order(current, target, self.num_blocks)
         if order:
             log.info("re-plan (c=%d, %.3f jobs/s): moving %s", tuned.c, rate_per_s,
                      ", ".join(f"{peer}: {current.get(peer)} -> {target[peer]}" for peer in order))
             self.leases.pause()
-        actual = dict(current)
+        actual, planned = dict(hosted), dict(current)
         try:
             for peer in order:
                 try:
-                    actual[peer] = await self._assign(followers[peer], target[peer])
+                    actual[peer] = planned[peer] = await self._assign(followers[peer], target[peer])
                 except (SwarmError, OSError) as error:
                     log.warning("server %s did not take blocks %s: %s", peer, target[peer], error)
         finally:
@@ -387,7 +404,9 @@ class Orchestrator:
             method = self.config.variant
             if method in TUNING:
                 method += f", c by {TUNING[method]}"
-            self.plan = LivePlan(tuned.c, method, ranges, chains, lower_ms, upper_ms, rate_per_s, frozenset(followers))
+            planned = {peer: planned[peer] for peer in followers if peer in planned}
+            self.plan = LivePlan(tuned.c, method, planned, chains, lower_ms, upper_ms, rate_per_s,
+                                 frozenset(followers))
             self.leases.install(list(chains), time.monotonic(), batch_slopes(model))
         log.info("plan installed: c=%d, %d chain(s), capacities %s", tuned.c, len(chains),
                  [chain.capacity for chain in chains])
@@ -401,6 +420,55 @@ class Orchestrator:
             await connection.close()
         start, end = reply["blocks"]
         return int(start), int(end)
+
+    # ---- KunServe's drops over the segments followers share ----
+
+    async def _dropping_loop(self) -> None:
+        assert self.dropping is not None
+        while True:
+            started = time.monotonic()
+            if self.active and self.followers:
+                try:
+                    if await self.dropping.tick(self.followers, started):
+                        await self._install_current_chains()
+                except Exception:  # a failed round must not end the loop: the next one retries
+                    log.exception("dropping round failed")
+            await asyncio.sleep(max(0.0, self.config.drop_period_s - (time.monotonic() - started)))
+
+    async def _install_current_chains(self) -> None:
+        """Re-runs GCA on the ranges the followers serve now (after a drop or a restore) and dispatches over them."""
+        if self.plan is None:
+            return
+        for peer, record in list(self.followers.items()):
+            try:
+                self.followers[peer] = await self._fresh(record)
+            except (SwarmError, OSError) as error:
+                log.info("server %s did not answer after a drop or restore: %s", peer, error)
+        now_s = time.monotonic()
+        model = self._model(self.followers, now_s)
+        ranges = {peer: (record.block_start, record.block_end) for peer, record in self.followers.items()
+                  if record.block_end > record.block_start}
+        policy_chains = _chains_over(model, ranges)
+        chains = tuple(LiveChain.of(chain) for chain in policy_chains)
+        lower_ms, upper_ms = response_bounds_ms(per_ms(self.plan.rate_per_s), policy_chains)
+        self.plan = dataclasses.replace(self.plan, chains=chains, lower_ms=lower_ms, upper_ms=upper_ms)
+        self.leases.install(list(chains), now_s, batch_slopes(model))
+        log.info("chains over the ranges served now %s: capacities %s", sorted(ranges.items()),
+                 [chain.capacity for chain in chains])
+
+    async def _fresh(self, record: ServerRecord) -> ServerRecord:
+        return (await self._info(record))[1]
+
+    async def _call(self, record: ServerRecord, method: str, payload: dict[str, object]) -> object:
+        connection = await self._dial(record)
+        try:
+            return await connection.call(method, payload, timeout=self.config.block_change_timeout_s)
+        finally:
+            await connection.close()
+
+    def _queued_tokens(self) -> int:
+        """Gives the KV tokens per block the sessions waiting in JFFC's queue will take (the mean job's each)."""
+        return self.leases.queued * self.load.jobs(time.monotonic()).total_tokens
 
     # ---- KV packing (MELL) over the segments followers share ----
 
@@ -565,5 +633,6 @@ class Orchestrator:
                        "upper_ms": None if plan is None else finite(plan.upper_ms)},
             "jobs": {"prompt_tokens": jobs.prompt_tokens, "output_tokens": jobs.output_tokens},
             "packing": {f"{start}:{end}": loop.to_wire() for (start, end), loop in sorted(self.packings.items())},
+            "dropping": self.dropping.to_wire() if self.dropping is not None else None,
             "servers": {peer: self._server_view(record, jobs) for peer, record in sorted(self.followers.items())},
         }

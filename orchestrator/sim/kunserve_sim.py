@@ -352,6 +352,8 @@ class _Sim:
         self._restart(old)
         self.dropped_at = self.now
         self.drops += 1
+        self.demand.clear()  # the pages moved: rates across the drop mean nothing (as the live loop forgets them)
+        self.available.clear()
         self.largest_group = max(self.largest_group, max(group.size for group in plan.groups))
 
     def _stall_victim(self, running: _Running, member: int, group_size: int) -> None:
@@ -384,6 +386,8 @@ class _Sim:
         self._restart(old)
         self.dropped_at = None
         self.restores += 1
+        self.demand.clear()
+        self.available.clear()
 
     def _restart(self, old: list[_Unit]) -> None:
         """Starts the new units; a step still computing on an old one credits its requests when it ends."""
