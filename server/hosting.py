@@ -15,7 +15,9 @@ Dropping (KunServe) is a shrink that cannot wait for the running sessions: the s
 evicted with `BlocksDropped` (their clients replay them through the servers that keep those blocks), and the dropped
 blocks unload as soon as no batch computes with them, so that their pages hold KV at once. The range served before
 the first drop stays `restorable` until `restore` loads it back (from the local checkpoint) or a `change` moves the
-server elsewhere.
+server elsewhere. A block's parameters need one run of contiguous pages: when enough pages are free but scattered
+among KV pages (sessions took the dropped blocks' pages), loading first moves the KV pages in the way of the cheapest
+run to free pages elsewhere (`SessionTable.make_run`), page tables and all.
 """
 
 from __future__ import annotations
@@ -187,6 +189,9 @@ class Hosting:
                 f"cannot load block {index}: {stats.pages_free} pages are free and the running sessions are expected "
                 f"to take {self.sessions.growth_reserve()} of them as they grow"
             )
+        pages = self._pages_per_block()
+        if pages and self.pool.largest_free_run() < pages and self.sessions.make_run(pages):
+            log.info("Moved KV pages to free a run of %d pages for block %d", pages, index)
         try:
             await asyncio.to_thread(self.blocks.load_block, index)
         except OutOfPages as error:
@@ -196,11 +201,14 @@ class Hosting:
     def _fits_one_more_block(self) -> bool:
         """Gives whether one more block's parameters leave the pages the running sessions are expected to grow
         into (a block's size is known from the blocks loaded so far; with none loaded, loading just tries)."""
-        loaded = self.blocks.loaded
-        if not loaded:
+        pages_per_block = self._pages_per_block()
+        if not pages_per_block:
             return True
-        pages_per_block = max(len(self.pool.pages_of(ParamsOwner(index))) for index in loaded)
         return self.pool.pages_free - pages_per_block >= self.sessions.growth_reserve()
+
+    def _pages_per_block(self) -> int:
+        """Gives the pages one block's parameters take, from the blocks loaded (0 when none is)."""
+        return max((len(self.pool.pages_of(ParamsOwner(index))) for index in self.blocks.loaded), default=0)
 
     def _set_range(self, start: int, end: int) -> None:
         old = (self.start, self.end)

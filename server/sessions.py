@@ -306,6 +306,34 @@ class SessionTable:
             session.end = start
         return freed
 
+    def make_run(self, n_pages: int) -> bool:
+        """Clears a run of `n_pages` contiguous free pages (a block's parameters coming back) when enough pages are
+        free but scattered, by moving the KV pages in the way to free pages elsewhere; gives whether a run that long
+        is free now. Only sessions no batch computes with move: their page tables change here, on the event loop,
+        which is the only writer of page tables (compute threads read those of the sessions in their batch)."""
+        if self.pool.largest_free_run() >= n_pages:
+            return True
+        if self.pool.pages_free < n_pages:
+            return False
+        sessions = {**self._closing, **self._sessions}
+
+        def movable(owner: object) -> bool:
+            session = sessions.get(owner.session_id) if isinstance(owner, KVOwner) else None
+            return session is not None and session.in_batches == 0
+
+        window = self.pool.clearable_window(n_pages, movable)
+        if window is None:
+            return False
+        for page in range(*window):
+            owner = self.pool.owner_of(page)
+            if not isinstance(owner, KVOwner):
+                continue
+            moved_to = self.pool.move_page(page, outside=window)
+            for pages in sessions[owner.session_id].page_tables.get(owner.block, []):
+                if page in pages:
+                    pages[pages.index(page)] = moved_to
+        return self.pool.largest_free_run() >= n_pages
+
     def get(self, session_id: str) -> Session:
         """Gives the open session `session_id`; raises the error it was evicted with (for `EVICTED_TTL_S`), else
         SessionNotFound."""

@@ -7,6 +7,7 @@ import math
 import mmap
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
@@ -265,6 +266,64 @@ class PagePool:
             view.copy_(tensor.detach())
             tensor.data = view
         return pages
+
+    def largest_free_run(self) -> int:
+        """Gives the length of the longest run of free pages (0 if none is free)."""
+        with self._lock:
+            return max((length for _, length in self._free_runs), default=0)
+
+    def clearable_window(self, n_pages: int, movable: Callable[[Owner], bool]) -> tuple[int, int] | None:
+        """Gives the window [start, start + n_pages) of pages, each free or held by a `movable` owner, that holds
+        the fewest held pages while the free pages outside it can take them all (None if no window can be cleared);
+        a run for parameters once its pages moved out (`move_page`)."""
+        with self._lock:
+            pages = self._owner_by_page
+            if n_pages <= 0 or n_pages > self.pages_total or self._pages_free < n_pages:
+                return None
+            best: tuple[int, int] | None = None
+            held = blocked = 0
+            for page in range(self.pages_total):
+                owner = pages[page]
+                held += owner is not None
+                blocked += owner is not None and not movable(owner)
+                if page >= n_pages:
+                    leaving = pages[page - n_pages]
+                    held -= leaving is not None
+                    blocked -= leaving is not None and not movable(leaving)
+                if page >= n_pages - 1 and not blocked and (best is None or held < best[1]):
+                    best = (page - n_pages + 1, held)
+            return None if best is None else (best[0], best[0] + n_pages)
+
+    def move_page(self, page: int, *, outside: tuple[int, int]) -> int:
+        """Moves the KV page `page` to a free page outside [outside[0], outside[1]) (the highest one): copies its
+        bytes and hands it over in its owner's order; gives the new page. The caller points the page tables that
+        named `page` at the new one, while no batch reads them."""
+        with self._lock:
+            owner = self._owner_by_page[page]
+            if not isinstance(owner, KVOwner):
+                raise ValueError(f"page {page} holds no KV (its owner is {owner})")
+            found = None
+            for index in range(len(self._free_runs) - 1, -1, -1):
+                start, length = self._free_runs[index]
+                top = start + length - 1
+                candidate = outside[0] - 1 if outside[0] <= top < outside[1] else top
+                if candidate >= start:
+                    found = index, start, top, candidate
+                    break
+            if found is None:
+                raise OutOfPages(f"no free page outside pages {outside[0]}:{outside[1]} to move page {page} to")
+            index, start, top, target = found
+            del self._free_runs[index]
+            for first, count in ((start, target - start), (target + 1, top - target)):
+                if count > 0:
+                    self._insert_free_run_locked(first, count)
+            self.storage[target * self.page_bytes : (target + 1) * self.page_bytes].copy_(
+                self.storage[page * self.page_bytes : (page + 1) * self.page_bytes])
+            held = self._pages_by_owner[owner]
+            held[held.index(page)] = target
+            self._owner_by_page[target], self._owner_by_page[page] = owner, None
+            self._insert_free_run_locked(page, 1)
+            return target
 
     def owner_of(self, page: int) -> Owner | None:
         """Gives the owner of one page, or None if it is free."""

@@ -217,3 +217,33 @@ def test_a_victim_computing_while_its_blocks_drop_returns_its_pages_after_its_ba
         core.pool.check_invariants()
 
     run(body)
+
+
+def test_a_restore_into_scattered_free_pages_moves_kv_pages_aside_and_the_sessions_compute_on_exactly(
+    tiny_llama: Path
+) -> None:
+    """After a drop, sessions fill every page, and every other one ends: enough pages are free for the dropped
+    blocks, but in holes of one session each. The restore moves KV pages out of the way to clear a run for each
+    block, and the sessions whose pages moved compute on exactly (their KV came along)."""
+
+    async def body() -> None:
+        core = Core(tiny_llama, 0, 8, pool_blocks=8, kv_pages=200)
+        core.scheduler.start()
+        await core.hosting.drop(0, 4)
+        block_pages = core.params_pages()[0]
+        sessions = []
+        while core.pool.pages_free >= 4:
+            sessions.append(core.open(f"s{len(sessions)}", 0, 4))
+            await core.step_exactly(sessions[-1], 5)
+        for session in sessions[::2]:
+            core.sessions.close(session.session_id)
+        staying = sessions[1::2]
+        assert core.pool.pages_free >= 4 * block_pages > core.pool.largest_free_run()
+
+        await core.hosting.restore()
+        assert core.hosting.serving == (0, 8) and sorted(core.params_pages()) == list(range(8))
+        for session in staying:
+            await core.step_exactly(session, 1)  # its KV, wherever its pages went, is what it computed
+        core.pool.check_invariants()
+
+    run(body)

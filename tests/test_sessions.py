@@ -8,6 +8,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from orchestrator.admission import KVPolicy, SessionKV
 from server.sessions import SessionTable
@@ -174,5 +176,71 @@ def test_a_prompt_counts_in_admission_and_a_migration_is_admitted_on_what_it_hol
             sessions.close(session_id)
         assert sessions.pool.stats().pages_kv == 0
         sessions.pool.check_invariants()
+
+    run(scenario)
+
+
+def test_a_run_is_cleared_by_moving_kv_pages_that_keep_their_bytes_and_page_tables() -> None:
+    async def scenario() -> None:
+        sessions = table(32)  # KV pages are taken from the top: a..g hold pages 31..4 in fours, 0..3 are free
+        for name in "abcdefg":
+            sessions.open(name, 0, 4, batch=1, max_length=128)
+        for name in "aceg":
+            sessions.close(name)
+        pool = sessions.pool
+        assert (pool.pages_free, pool.largest_free_run()) == (20, 8)
+        contents = {}
+        for name in "bdf":
+            for block, rows in sessions.get(name).page_tables.items():
+                for page in rows[0]:
+                    pool.storage[page * 1024:(page + 1) * 1024].fill_(page % 251)
+                    contents[name, block] = page % 251
+        sessions.get("b").in_batches = 1  # a batch computes with b: its pages stay where they are
+
+        assert sessions.make_run(12)
+        assert pool.largest_free_run() >= 12 and pool.pages_free == 20
+        for (name, block), value in contents.items():
+            (page,) = sessions.get(name).page_tables[block][0]
+            assert pool.owner_of(page) == KVOwner(name, block)
+            assert bool((pool.storage[page * 1024:(page + 1) * 1024] == value).all())
+        assert sorted(sessions.get("b").page_tables[block][0][0] for block in range(4)) == [24, 25, 26, 27]
+        assert not sessions.make_run(21)  # more than is free
+        pool.check_invariants()
+
+    run(scenario)
+
+
+@given(closed=st.lists(st.booleans(), min_size=1, max_size=7), busy=st.integers(0, 6), length=st.integers(1, 32))
+def test_clearing_a_run_either_refuses_or_keeps_every_kv_byte_where_its_page_table_says(
+    closed: list[bool], busy: int, length: int
+) -> None:
+    async def scenario() -> None:
+        sessions = table(32)
+        names = [f"s{index}" for index in range(len(closed))]
+        for name in names:
+            sessions.open(name, 0, 4, batch=1, max_length=128)
+        for name, close in zip(names, closed, strict=True):
+            if close:
+                sessions.close(name)
+        pool = sessions.pool
+        open_names = [name for name, close in zip(names, closed, strict=True) if not close]
+        if open_names:
+            sessions.get(open_names[busy % len(open_names)]).in_batches = 1
+        expected = {}
+        for name in open_names:
+            for block, rows in sessions.get(name).page_tables.items():
+                (page,) = rows[0]
+                pool.storage[page * 1024:(page + 1) * 1024].fill_(1 + page % 250)
+                expected[name, block] = 1 + page % 250
+        free_before = pool.pages_free
+
+        cleared = sessions.make_run(length)
+        assert cleared == (pool.largest_free_run() >= length)
+        assert pool.pages_free == free_before
+        for (name, block), value in expected.items():
+            (page,) = sessions.get(name).page_tables[block][0]
+            assert pool.owner_of(page) == KVOwner(name, block)
+            assert bool((pool.storage[page * 1024:(page + 1) * 1024] == value).all())
+        pool.check_invariants()
 
     run(scenario)
