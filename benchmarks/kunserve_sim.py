@@ -44,16 +44,21 @@ PAPER = KunServeSimConfig(
 WINDOW_S = (0.0, 3600.0)  # the whole trace (its busiest 10 s: 860-870 s)
 
 
-def requests_of(trace_path: Path, lengths_path: Path, compress: float) -> list[SimRequest]:
+def requests_of(trace_path: Path, lengths_path: Path, compress: float,
+                means: tuple[float, float] | None = None) -> list[SimRequest]:
     """Gives the trace's arrivals in `WINDOW_S`, time compressed, the i-th with the i-th request's lengths of the
-    lengths trace."""
+    lengths trace (scaled to mean prompt and output tokens `means`, if given)."""
     trace, lengths = load_azure_trace(trace_path), load_azure_trace(lengths_path)
+    prompt_scale = output_scale = 1.0
+    if means is not None:
+        prompt_scale = means[0] / float(np.mean(lengths.context_tokens))
+        output_scale = means[1] / float(np.mean(lengths.generated_tokens))
     first, last = WINDOW_S
     seconds = trace.seconds[(trace.seconds >= first) & (trace.seconds < last)]
     if seconds.size > len(lengths):
         raise ValueError(f"{lengths_path} has fewer requests ({len(lengths)}) than the window ({seconds.size})")
-    return [SimRequest(float((arrival - first) / compress), int(lengths.context_tokens[i]),
-                       max(1, int(lengths.generated_tokens[i]))) for i, arrival in enumerate(seconds)]
+    return [SimRequest(float((arrival - first) / compress), max(1, round(lengths.context_tokens[i] * prompt_scale)),
+                       max(1, round(lengths.generated_tokens[i] * output_scale))) for i, arrival in enumerate(seconds)]
 
 
 def mean_demand(result: KunServeSimResult) -> float:
@@ -61,7 +66,8 @@ def mean_demand(result: KunServeSimResult) -> float:
     return float(np.mean(demand)) if demand else 0.0
 
 
-def calibrate(trace_path: Path, lengths_path: Path, config: KunServeSimConfig, provisioning: float) -> float:
+def calibrate(trace_path: Path, lengths_path: Path, config: KunServeSimConfig, provisioning: float,
+              means: tuple[float, float] | None = None) -> float:
     """Gives the time compression at which the mean demand of a run without throttling (replicas with room for
     all) is 1/`provisioning` of the replicas' KV pages: bisection on a log scale (the demand grows with the rate,
     faster once the replicas' compute saturates)."""
@@ -70,7 +76,7 @@ def calibrate(trace_path: Path, lengths_path: Path, config: KunServeSimConfig, p
     low, high = 0.1, 1000.0
     for _ in range(14):
         middle = math.sqrt(low * high)
-        if mean_demand(simulate(roomy, requests_of(trace_path, lengths_path, middle))) < target:
+        if mean_demand(simulate(roomy, requests_of(trace_path, lengths_path, middle, means))) < target:
             low = middle
         else:
             high = middle
@@ -96,18 +102,22 @@ def main() -> None:
     parser.add_argument("--provisioning", type=float, nargs="+", default=[2.1, 1.6, 1.3],
                         help="KV pages over the mean demand, one run of every arm each (the paper sweeps the rate up "
                         "from where the mean need matches provisioning)")
+    parser.add_argument("--means", type=float, nargs=2, metavar=("PROMPT", "OUTPUT"),
+                        help="scale the lengths to these mean prompt and output tokens (the paper's BurstGPT: 603 289)")
     args = parser.parse_args()
+    means = (args.means[0], args.means[1]) if args.means else None
     started = time.perf_counter()
     print(f"8 replicas x {PAPER.pages_total} pages ({PAPER.params_pages} parameters, "
           f"{PAPER.params_pages / PAPER.pages_total:.0%}); arrivals of {args.trace.name} {WINDOW_S[0]:.0f}-"
-          f"{WINDOW_S[1]:.0f} s, lengths of {args.lengths.name}")
+          f"{WINDOW_S[1]:.0f} s, lengths of {args.lengths.name}"
+          + (f" scaled to means of {means[0]:g} and {means[1]:g} tokens" if means else ""))
     print(f"{'provisioning / arm':<26} {'TTFT p50':>9} {'TTFT p99':>9} {'p99 gain':>10} {'TBT p50':>8} {'TBT p99':>8} "
           f"{'TBT ratio':>10} {'stall mx':>8} {'stall mn':>8} {'drops':>5} {'rest.':>5} {'group':>5} {'served':>6}")
     print(f"{'':<26} {'s':>9} {'s':>9} {'':>10} {'ms':>8} {'ms':>8} {'':>10} {'s':>8} {'s':>8}")
     gains = {}
     for provisioning in args.provisioning:
-        compress = calibrate(args.trace, args.lengths, PAPER, provisioning)
-        requests = requests_of(args.trace, args.lengths, compress)
+        compress = calibrate(args.trace, args.lengths, PAPER, provisioning, means)
+        requests = requests_of(args.trace, args.lengths, compress, means)
         kunserve = simulate(PAPER, requests)
         no_drop = simulate(dataclasses.replace(PAPER, dropping=False), requests)
         group = max(2, kunserve.largest_group)
