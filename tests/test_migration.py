@@ -27,11 +27,12 @@ TIMEOUT_S = 30.0
 
 
 def local_and_remote(swarm: SwarmProcesses, model: Path, **config: Any) -> tuple[Any, DistributedModelForCausalLM]:
-    """Gives the local reference model and a swarm client (ClientConfig `config`, a 30 s request timeout)."""
+    """Gives the local reference model and a swarm client (ClientConfig `config`, by default a 30 s request
+    timeout)."""
     local = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     remote = DistributedModelForCausalLM.from_pretrained(
         str(model), initial_peers=swarm.initial_peers,
-        client_config=ClientConfig(request_timeout_s=TIMEOUT_S, **config),
+        client_config=ClientConfig(**{"request_timeout_s": TIMEOUT_S, **config}),
     )
     return local, remote
 
@@ -365,7 +366,9 @@ def test_steps_that_arrive_during_a_move_wait_and_follow_it_without_a_replay(
 ) -> None:
     servers = start_servers(swarm_factory, tiny_llama, "0:4", ("4:8", *SLOW_MOVES), ("4:8", *SLOW_MOVES))
     by_peer = {server.peer_id: server for server in servers}
-    local, remote = local_and_remote(swarm_factory, tiny_llama, server_push=push)
+    # The held step waits for the whole move (600 frames, one round trip each): on a loaded machine that can take
+    # longer than 30 s, and a timeout would turn the move into a failover.
+    local, remote = local_and_remote(swarm_factory, tiny_llama, server_push=push, request_timeout_s=120.0)
     try:
         client = remote.swarm
         baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
