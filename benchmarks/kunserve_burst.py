@@ -3,8 +3,8 @@ KV before their cores do, under the burst of the Azure code trace, in four arms 
 simulator (`orchestrator.sim.kunserve_sim`) replaying the same requests on the live swarm's measured geometry.
 
 The swarm: servers `a` and `b`, the DHT, a client and a monitor, each in a network namespace, every pair at `--rtt`
-ms (20, and 40) and every access link at 100 Mbit/s each way. Pools of `--kv-pages` 1-MiB pages beside the 30
-blocks' parameters: sessions of at most 288 tokens take one page per block, so a replica holds `--kv-pages` / 30
+ms (20, and 40) and every access link at 100 Mbit/s each way. Pools of 30 x `--kv-pages-per-block` 1-MiB pages beside
+the 30 blocks' parameters: sessions of at most 288 tokens take one page per block, so a replica holds that many
 sessions and a drop to half the blocks frees 15 blocks' parameters (210 pages) for KV.
 Arms:
 1. no drop (Llumnix (replication) analog): both host 0:30; a client that finds both full backs off (0.5 s doubling
@@ -47,6 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from benchmarks.mell_live import replica_memory
 from benchmarks.mell_live_monitor import spawn_monitor
 from benchmarks.table1_client import run_replay
 from netem.network import EmulatedNetwork
@@ -54,7 +55,7 @@ from netem.topology import Topology
 from orchestrator.sim.kunserve_sim import KunServeSimConfig, SimRequest, simulate
 from orchestrator.sim.workload import load_azure_trace
 from swarm.local_swarm import SwarmProcesses
-from swarm.model import DEFAULT_MODEL, resolve_model
+from swarm.model import DEFAULT_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "data" / "azure_llm_inference_2023_code.csv"
@@ -87,15 +88,6 @@ def burst_requests(args: argparse.Namespace) -> list[dict]:
              "prompt_tokens": max(1, min(MAX_PROMPT, round(trace.context_tokens[i] / args.prompt_scale))),
              "output_tokens": max(2, min(MAX_OUTPUT, int(trace.generated_tokens[i])))}
             for n, i in enumerate(chosen)]
-
-
-def server_memory(kv_pages: int) -> int:
-    """Gives a `--memory` holding the 30 blocks' parameters and `kv_pages` pages besides."""
-    from swarm.model.blocks import BlockRange
-
-    source = resolve_model(DEFAULT_MODEL)
-    block_pages = -(-BlockRange(source, 0, 1).block_bytes(0) // PAGE_BYTES) + 1  # +1: the pool aligns each tensor
-    return (source.num_blocks * block_pages + kv_pages) * PAGE_BYTES
 
 
 @dataclass
@@ -146,8 +138,9 @@ class ArmRun:
         return series
 
 
-def server_flags(arm: str, host: str, kv_pages: int) -> tuple[str, list[str]]:
-    common = ["--page-size", str(PAGE_BYTES), "--memory", str(server_memory(kv_pages)), "--max-length",
+def server_flags(arm: str, host: str, kv_pages_per_block: int) -> tuple[str, list[str]]:
+    common = ["--page-size", str(PAGE_BYTES), "--memory", str(replica_memory(kv_pages_per_block, PAGE_BYTES)),
+              "--max-length",
               str(MAX_PROMPT + MAX_OUTPUT), "--kv-headroom-tokens", str(HEADROOM_TOKENS), "--session-timeout", "900"]
     if arm == "static pipeline":
         return ("0:15" if host == "a" else "15:30"), common
@@ -164,7 +157,7 @@ def run_arm(arm: str, rtt_ms: float, requests: list[dict], args: argparse.Namesp
         swarm.start_dht(host=network.address("dht"), launcher=network.command("dht", []))
         procs = {}
         for host in SERVERS:
-            blocks, flags = server_flags(arm, host, args.kv_pages)
+            blocks, flags = server_flags(arm, host, args.kv_pages_per_block)
             procs[host] = swarm.start_server(DEFAULT_MODEL, blocks, *flags, wait=False, name=host,
                                              host=network.address(host), launcher=network.command(host, []))
         for proc in procs.values():
@@ -290,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--thin", type=int, default=8, help="replay every n-th request of the window")
     parser.add_argument("--rate", type=float, default=0.6, help="mean arrivals per second")
     parser.add_argument("--prompt-scale", type=float, default=8.0)
-    parser.add_argument("--kv-pages", type=int, default=120, help="KV pages of each server's pool beside 30 blocks")
+    parser.add_argument("--kv-pages-per-block", type=int, default=4,
+                        help="KV pages of each server's pool per block beside its parameters (a session's each)")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--workdir", type=Path, help="keep every arm's logs, polls and results here")
     parser.add_argument("--report-only", action="store_true",
@@ -309,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         print("needs root: network namespaces", file=sys.stderr)
         return 2
     print(f"KunServe live: {len(requests)} requests (every {args.thin}th of the code trace's {args.start:g}-"
-          f"{args.end:g} s), mean {args.rate:g}/s; {args.kv_pages} KV pages per server "
-          f"({args.kv_pages // 30} sessions of 30 blocks); {datetime.date.today()} on {platform.node()}", flush=True)
+          f"{args.end:g} s), mean {args.rate:g}/s; {30 * args.kv_pages_per_block} KV pages per server "
+          f"({args.kv_pages_per_block} sessions of 30 blocks); {datetime.date.today()} on {platform.node()}",
+          flush=True)
     with tempfile.TemporaryDirectory(prefix="kunserve-burst-") as tmp:
         root = args.workdir or Path(tmp)
         for rtt_ms in args.rtt:

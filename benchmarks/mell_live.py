@@ -76,15 +76,15 @@ def topology() -> Topology:
     return Topology(HOSTS, rtt, {host: MBIT for host in HOSTS}, source=f"every pair {RTT_MS:g} ms, {MBIT:g} Mbit/s")
 
 
-def replica_memory(token_pages: int) -> int:
+def replica_memory(token_pages: int, page_bytes: int = PAGE_BYTES) -> int:
     """Gives a `--memory` that holds all 30 blocks and about `token_pages` pages of KV per block (the servers
     report the capacity they really have; that is what the simulator gets)."""
     from swarm.model.blocks import BlockRange
 
     source = resolve_model(DEFAULT_MODEL)
     probe = BlockRange(source, 0, 1)
-    block_pages = -(-probe.block_bytes(0) // PAGE_BYTES) + 1  # +1: the pool aligns each tensor's start
-    return (source.num_blocks * (block_pages + token_pages)) * PAGE_BYTES
+    block_pages = -(-probe.block_bytes(0) // page_bytes) + 1  # +1: the pool aligns each tensor's start
+    return (source.num_blocks * (block_pages + token_pages)) * page_bytes
 
 
 @dataclass

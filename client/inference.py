@@ -560,10 +560,11 @@ class RemoteInferenceSession:
         hops = changed.hops
         if not hops:
             return False
-        first = next((i for i, s in enumerate(self.spans) if s.span.start == hops[0].start), None)
+        # the span that answered must be where the hops begin (a span before it already ran this step)
         last = next((i for i, s in enumerate(self.spans) if s.span.end == hops[-1].end), None)
-        if first is None or last is None or not first <= index <= last or first < index:
+        if self.spans[index].span.start != hops[0].start or last is None or last < index:
             return False
+        first = index
         covered = self.spans[first : last + 1]
         if any(s.position != changed.position for s in covered) or len({hop.peer_id for hop in hops}) < len(hops):
             return False

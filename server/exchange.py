@@ -29,8 +29,7 @@ from hivemind import DHT
 from hivemind.p2p import P2P
 
 from orchestrator.buddy.exchange import exchange_mode
-from orchestrator.live_model import replay_prefill_ms_per_token
-from orchestrator.packing.migration_split import move_costs
+from orchestrator.packing.migration_split import MigrationCosts
 from server.config import ServerConfig
 from server.hosting import Hosting
 from server.migration import Migrations, Part
@@ -75,6 +74,9 @@ class ExchangeHost(Protocol):
     async def announce_now(self) -> None: ...
 
     async def announced_addrs(self, peer_id: str, block: int) -> list[str] | None: ...
+
+    def move_costs_of(self, session: Session, peer_id: str, rtt_s: float, destination: ServerRecord | None, *,
+                      kv_blocks: int | None = None) -> MigrationCosts: ...
 
 
 @dataclass
@@ -224,19 +226,10 @@ class BlockExchange:
     async def _mode(self, session: Session, keeper: ServerRecord, start: int, end: int) -> str:
         if self.setting != "auto":
             return self.setting
-        server = self.server
-        blocks = end - start
-        token_bytes = server.migrations.token_bytes(session) * blocks // max(1, session.end - session.start)
-        bandwidth = server.migrations.links.bytes_per_s(keeper.peer_id, server.record().network_mbps,
-                                                        keeper.network_mbps)
-        prefill_ms = replay_prefill_ms_per_token(keeper, session.position)
-        costs = move_costs(
-            kv_bytes_per_token=token_bytes, bandwidth_bytes_per_s=bandwidth, rtt_s=0.0,
-            prefill_s_per_token=prefill_ms * (session.end - session.start) / 1000,
-            replay_bytes_per_token=session.batch * server.blocks.hidden_size * torch.finfo(server.dtype).bits // 8,
-            chunk_bytes=server.migrations.chunk_bytes,
-        )
-        return exchange_mode(costs, session.position, rtt_ms=0.0, pending_blocks=blocks, tbt_slack_ms=TBT_SLACK_MS)
+        # the KV of the part, against a replay of the whole session through the keepers' chain
+        costs = self.server.move_costs_of(session, keeper.peer_id, 0.0, keeper, kv_blocks=end - start)
+        return exchange_mode(costs, session.position, rtt_ms=0.0, pending_blocks=end - start,
+                             tbt_slack_ms=TBT_SLACK_MS)
 
     def _evict(self, session: Session, kept: tuple[int, int], why: str) -> None:
         if self.server.sessions.evict(session.session_id, BlocksDropped(
@@ -284,17 +277,18 @@ class BlockExchange:
         addrs = await server.announced_addrs(peer_id, session.end)
         if addrs is None:
             raise PeerUnreachable(f"server {peer_id} announces no block {session.end}")
-        if session.moving is not None:
-            raise MigrationRefused(f"session {session.session_id!r} is moving already")
-        moving = session.moving = asyncio.get_running_loop().create_future()  # its steps wait for the merge
         connection = await dial(server.p2p, peer_id, addrs, timeout=server.config.push_timeout_s,
                                 max_frame_bytes=server.config.max_frame_bytes)
+        if session.moving is not None:
+            await connection.close()
+            raise MigrationRefused(f"session {session.session_id!r} is moving already")
+        moving = session.moving = asyncio.get_running_loop().create_future()  # its steps wait for the merge
         try:
             await server.migrations.quiesce(session)
             first = session.end
             await connection.call("export", {
                 "session_id": remote_id, "into": session.session_id, "position": session.position,
-                "blocks": [session.end, remote_end], "to": [session.start, remote_end],
+                "to": [session.start, remote_end],
             }, timeout=server.config.block_change_timeout_s)
         finally:
             session.moving = None

@@ -17,7 +17,7 @@ from hivemind.p2p import P2P
 from orchestrator.block_selection import HostedSpan, better_start, blocks_that_fit, choose_start
 from orchestrator.live_model import replay_prefill_ms_per_token
 from orchestrator.packing import choose_mode
-from orchestrator.packing.migration_split import move_costs
+from orchestrator.packing.migration_split import MigrationCosts, move_costs
 from server.compute import DECODE_BATCHES, PREFILL_CHUNK_TOKENS, BlockSpeed, cached_block_speed
 from server.config import ServerConfig
 from server.drop_member import DropMember
@@ -701,23 +701,30 @@ class SwarmServer:
                      destination: ServerRecord | None) -> MoveChoice:
         """Picks the mode of a move of `session` to `peer_id` from the measured link and the destination's measured
         prefill speed (this server's own if the destination announces none)."""
-        blocks = session.end - session.start
-        prefill_ms = replay_prefill_ms_per_token(destination or self.record(), session.position)
-        bandwidth = self.migrations.links.bytes_per_s(
-            peer_id, self.network_mbps, destination.network_mbps if destination is not None else None)
-        costs = move_costs(
-            kv_bytes_per_token=self.migrations.token_bytes(session), bandwidth_bytes_per_s=bandwidth, rtt_s=rtt_s,
-            prefill_s_per_token=prefill_ms * blocks / 1000,
-            replay_bytes_per_token=session.batch * self.blocks.hidden_size * torch.finfo(self.dtype).bits // 8,
-            chunk_bytes=self.migrations.chunk_bytes,
-        )
+        costs = self.move_costs_of(session, peer_id, rtt_s, destination)
         mode = choose_mode(costs, session.position, self.peer_id, peer_id)
         self.migrations.stats.chosen[mode] += 1
         log.info("Moving session %s (%d tokens) to %s by %s: expected %.3f s by KV transfer, %.3f s by replay "
                  "(RTT %.1f ms, %.1f Mbit/s)", session.session_id, session.position, peer_id, mode,
                  costs.kv_seconds(session.position), costs.replay_seconds(session.position), rtt_s * 1000,
-                 bandwidth * 8 / 1e6)
+                 costs.bandwidth_bytes_per_s * 8 / 1e6)
         return MoveChoice(mode, costs.kv_seconds(session.position), costs.replay_seconds(session.position))
+
+    def move_costs_of(self, session: Session, peer_id: str, rtt_s: float, destination: ServerRecord | None, *,
+                      kv_blocks: int | None = None) -> MigrationCosts:
+        """Prices moving `session` (its KV of `kv_blocks` of its blocks, default all) to `peer_id` against a replay
+        of the whole session there, from the measured link and the destination's measured prefill speed (this
+        server's own if the destination announces none)."""
+        blocks = session.end - session.start
+        prefill_ms = replay_prefill_ms_per_token(destination or self.record(), session.position)
+        bandwidth = self.migrations.links.bytes_per_s(
+            peer_id, self.network_mbps, destination.network_mbps if destination is not None else None)
+        return move_costs(
+            kv_bytes_per_token=self.migrations.token_bytes(session) * (kv_blocks or blocks) // blocks,
+            bandwidth_bytes_per_s=bandwidth, rtt_s=rtt_s, prefill_s_per_token=prefill_ms * blocks / 1000,
+            replay_bytes_per_token=session.batch * self.blocks.hidden_size * torch.finfo(self.dtype).bits // 8,
+            chunk_bytes=self.migrations.chunk_bytes,
+        )
 
     async def _move_sessions_away(self) -> None:
         """Moves every open session with its KV to a peer that hosts its blocks and has room (the most room

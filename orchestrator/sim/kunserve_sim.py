@@ -338,7 +338,6 @@ class _Sim:
         if not plan.changes_anything:
             return
         home = {member: unit for unit in self.units.values() for member in unit.members}
-        old = list(self.units.values())
         self.units = {}
         for group in plan.groups:
             members = tuple(sorted(int(peer[1:]) for peer in group.members))
@@ -349,7 +348,7 @@ class _Sim:
                     if len(members) > 1:
                         self._stall_victim(running, member, len(members))
                     merged.running.append(running)
-        self._restart(old)
+        self._restart()
         self.dropped_at = self.now
         self.drops += 1
         self.demand.clear()  # the pages moved: rates across the drop mean nothing (as the live loop forgets them)
@@ -379,19 +378,17 @@ class _Sim:
                 return  # the groups' requests do not fit on whole replicas yet: stay dropped
             room[target] -= running.pages
             placed[target].append(running)
-        old = list(self.units.values())
         self.units = {}
         for member in sorted(members):
             self._add_unit((member,)).running.extend(placed[member])
-        self._restart(old)
+        self._restart()
         self.dropped_at = None
         self.restores += 1
         self.demand.clear()
         self.available.clear()
 
-    def _restart(self, old: list[_Unit]) -> None:
+    def _restart(self) -> None:
         """Starts the new units; a step still computing on an old one credits its requests when it ends."""
-        del old
         self._dispatch()
         for unit in list(self.units.values()):
             self._start(unit)
