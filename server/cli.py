@@ -153,9 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a drop lasts at least before its blocks may be restored")
     parser.add_argument("--kv-exchange", choices=EXCHANGE_SETTINGS, default="auto",
                         help="how the sessions running over blocks a drop frees go on: 'blocking' moves their KV of "
-                        "those blocks to the servers that keep them (each waits for its own), 'replay' evicts them "
-                        "for their clients to replay, 'auto' (default) picks per session whichever is expected to "
-                        "end sooner")
+                        "those blocks to the servers that keep them (each waits for its own), 'live' goes on at once "
+                        "through those servers, which have this one attend over the KV until it has followed "
+                        "(KunServe's remote attention: one round trip per such block and token), 'replay' evicts "
+                        "them for their clients to replay, 'auto' (default) picks per session between blocking and "
+                        "replay, whichever is expected to end sooner")
     parser.add_argument("--log-level", default="INFO")
     return parser
 

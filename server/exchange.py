@@ -8,7 +8,9 @@ without a replay. Blocking exchange: victims go one by one, smallest first (`exc
 while its own KV moves, the others compute meanwhile over the dropped blocks, which stay loaded until the last
 victim has left them. A victim goes by replay instead (it is evicted with `BlocksDropped` and its client replays
 it through the keepers) where `exchange_mode` expects that to end sooner, where no keeper has room for it
-within `EXCHANGE_DEADLINE_S`, or with `--kv-exchange replay`.
+within `EXCHANGE_DEADLINE_S`, or with `--kv-exchange replay`. With `--kv-exchange live`, no victim waits: each goes
+on at once through the keepers, which have this server attend over the KV until it has followed
+(`server.remote_attention`).
 
 After a restore, the sessions that run here and on into a buddy (as the client's last step named the next server)
 take the buddy's part back (a merge): this server holds the session's steps, asks the buddy to `export` its part
@@ -33,6 +35,7 @@ from orchestrator.packing.migration_split import MigrationCosts
 from server.config import ServerConfig
 from server.hosting import Hosting
 from server.migration import Migrations, Part
+from server.remote_attention import RemoteAttention
 from server.sessions import Session, SessionTable
 from swarm.dht import lookup_servers_async
 from swarm.errors import BlocksDropped, Hop, MigrationRefused, PeerUnreachable, SwarmError
@@ -44,11 +47,12 @@ from swarm.wire import field
 
 log = logging.getLogger(__name__)
 
-ExchangeSetting = Literal["auto", "blocking", "replay"]
-EXCHANGE_SETTINGS: tuple[ExchangeSetting, ...] = ("auto", "blocking", "replay")
+ExchangeSetting = Literal["auto", "blocking", "live", "replay"]
+EXCHANGE_SETTINGS: tuple[ExchangeSetting, ...] = ("auto", "blocking", "live", "replay")
 EXCHANGE_DEADLINE_S = 30.0  # a victim no keeper takes within this is evicted: its client replays it
 RETRY_S = 0.25  # between two rounds over the victims that no keeper had room for
-TBT_SLACK_MS = 0.0  # remote attention (`live`) is not built: no victim goes live
+TBT_SLACK_MS = 0.0  # `auto` never picks remote attention (spec 5.4: one round trip per block and token it has not
+# moved, where a WAN's RTT dwarfs a block's compute); `--kv-exchange live` takes it for every victim
 
 
 class ExchangeHost(Protocol):
@@ -59,6 +63,7 @@ class ExchangeHost(Protocol):
     hosting: Hosting
     sessions: SessionTable
     migrations: Migrations
+    remote: RemoteAttention
     blocks: BlockRange
     dht: DHT | None
     p2p: P2P | None
@@ -191,27 +196,36 @@ class BlockExchange:
             keeper = _keeper(records, start, end, self.server.peer_id, pages)
             if keeper is None:
                 return False
-            if await self._mode(session, keeper, start, end) == "replay":
+            mode = await self._mode(session, keeper, start, end)
+            if mode == "replay":
                 self._evict(session, kept, "its client replays it sooner than its KV would move")
                 return True
             stalled = time.perf_counter()
-            await self._send_part(session, keeper, start, end)
+            if mode == "live":
+                await self.server.remote.lend(session, keeper.peer_id, keeper.addrs, start, end,
+                                              self._hops_after(session, keeper, start, end))
+            else:
+                await self._send_part(session, keeper, start, end)
             stall_ms = (time.perf_counter() - stalled) * 1000
             self.stats.stall_ms_max = max(self.stats.stall_ms_max, stall_ms)
             self.stats.stall_ms_total += stall_ms
         self.stats.moved += 1
         return True
 
+    def _hops_after(self, session: Session, keeper: ServerRecord, start: int, end: int) -> list[Hop]:
+        """Gives the chain `session` runs on once its blocks [start, end) went from here to `keeper`."""
+        me = Hop(self.server.peer_id, session.start, session.end, session.session_id)
+        around = session.hops or [me]
+        staying = [Hop(me.peer_id, session.start, start, session.session_id)] if session.start < start else []
+        staying += [Hop(me.peer_id, end, session.end, session.session_id)] if end < session.end else []
+        leaving = Hop(keeper.peer_id, start, end, session.session_id)
+        return sorted([hop for hop in around if hop.peer_id != me.peer_id] + staying + [leaving],
+                      key=lambda hop: hop.start)
+
     async def _send_part(self, session: Session, keeper: ServerRecord, start: int, end: int) -> None:
         server = self.server
         assert server.p2p is not None
-        me = Hop(server.peer_id, session.start, session.end, session.session_id)
-        around = session.hops or [me]
-        staying = [Hop(server.peer_id, session.start, start, session.session_id)] if session.start < start else []
-        staying += [Hop(server.peer_id, end, session.end, session.session_id)] if end < session.end else []
-        leaving = Hop(keeper.peer_id, start, end, session.session_id)
-        hops = sorted([hop for hop in around if hop.peer_id != server.peer_id] + staying + [leaving],
-                      key=lambda hop: hop.start)
+        hops = self._hops_after(session, keeper, start, end)
         try:
             connection = await dial(server.p2p, keeper.peer_id, keeper.addrs, timeout=server.config.push_timeout_s,
                                     max_frame_bytes=server.config.max_frame_bytes)
@@ -225,7 +239,7 @@ class BlockExchange:
 
     async def _mode(self, session: Session, keeper: ServerRecord, start: int, end: int) -> str:
         if self.setting != "auto":
-            return self.setting
+            return self.setting  # blocking, live or replay for every victim
         # the KV of the part, against a replay of the whole session through the keepers' chain
         costs = self.server.move_costs_of(session, keeper.peer_id, 0.0, keeper, kv_blocks=end - start)
         return exchange_mode(costs, session.position, rtt_ms=0.0, pending_blocks=end - start,

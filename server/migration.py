@@ -33,7 +33,15 @@ import torch
 
 from orchestrator.packing.migration_split import KV_CHUNK_BYTES, Mode, announced_bytes_per_s
 from server.sessions import Session, SessionTable, StepResult
-from swarm.errors import ChainChanged, Hop, InvalidTensor, SessionMoved, SessionNotFound, SwarmError
+from swarm.errors import (
+    ChainChanged,
+    Hop,
+    InvalidTensor,
+    MigrationRefused,
+    SessionMoved,
+    SessionNotFound,
+    SwarmError,
+)
 from swarm.model.paged_kv import PagedKV
 from swarm.rpc import RpcConnection
 from swarm.wire import decode_tensor, encode_tensor
@@ -192,6 +200,9 @@ class Migrations:
         still whole here."""
         if session.moving is not None or session.importing_from is not None:
             raise SessionNotFound(f"session {session.session_id!r} is already moving")
+        if session.remote is not None:
+            raise MigrationRefused(f"session {session.session_id!r} still attends on {session.remote.lender}, which "
+                                   f"holds some of its KV")
         start, end = (part.start, part.end) if part is not None else (session.start, session.end)
         if not (session.start <= start < end <= session.end and (start == session.start or end == session.end)):
             raise InvalidTensor(f"blocks {start}:{end} are not a prefix or suffix of the session's "

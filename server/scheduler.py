@@ -17,7 +17,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -73,11 +73,14 @@ class StepScheduler:
         block_compute_ms: float,
         on_steps_done: Callable[[list[Step]], None],
         hold_ms: Callable[[PagedBatch, int], float] | None = None,
+        remote_forward: Callable[[Step], Awaitable[torch.Tensor]] | None = None,
     ) -> None:
         """`on_steps_done(steps)` runs once the steps a batch completed are committed, before their results are set
         (the server pushes them on, those bound for one next server together). `hold_ms(batch, block)`, if given, is
         how long a batch must take through one block: an emulated GPU server's profile (`server.emulated_gpu`); after
-        each block the compute thread waits out what the real computation left of the blocks done so far."""
+        each block the compute thread waits out what the real computation left of the blocks done so far.
+        `remote_forward(step)` computes a step of a session whose KV is partly on a peer (`Session.remote`, KunServe's
+        live exchange: `server.remote_attention`); such steps compute on their own, outside batches."""
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
         self.blocks, self.kv, self.sessions = blocks, kv, sessions
@@ -86,6 +89,8 @@ class StepScheduler:
         self.block_compute_ms = block_compute_ms  # one token through one block; refined by lone decode steps
         self.on_steps_done = on_steps_done
         self.hold_ms = hold_ms
+        self.remote_forward = remote_forward
+        self._remote: set[asyncio.Task[None]] = set()  # steps computing with a peer's attention
         self.stats = BatchStats()
         self.computing = False
         self._queue: list[Step] = []
@@ -102,11 +107,17 @@ class StepScheduler:
     @property
     def pending(self) -> int:
         """Gives the steps queued or computing."""
-        return len(self._queue)
+        return len(self._queue) + len(self._remote)
 
     def submit(self, step: Step) -> None:
         """Queues `step`: it joins the batch computing now, between two of its blocks, if that batch has room and
-        has not gone far, and otherwise the next batch that has room for it."""
+        has not gone far, and otherwise the next batch that has room for it. A step of a session whose KV is partly
+        on a peer computes at once, on its own."""
+        if step.session.remote is not None and self.remote_forward is not None:
+            task = asyncio.create_task(self._compute_remote(step), name="remote-step")
+            self._remote.add(task)
+            task.add_done_callback(self._remote.discard)
+            return
         self._queue.append(step)
         self._idle.clear()
         if self._pass is not None:
@@ -160,6 +171,28 @@ class StepScheduler:
             return True
         return (steps + 1) * done * self.block_compute_ms <= running.blocks * pace_ms
 
+    async def _compute_remote(self, step: Step) -> None:
+        """Computes a step whose attention runs partly on a peer, then commits and finishes it as a batch's."""
+        assert self.remote_forward is not None
+        started = time.perf_counter()
+        self.sessions.enter_batch(step.session)  # its pages stay its own until the step ends, even if it closes
+        try:
+            output = await self.remote_forward(step)
+        except asyncio.CancelledError:
+            self._fail(step, ServerDraining("the server shut down before computing this step"))
+            raise
+        except Exception as error:
+            self._fail(step, _typed(error, step))
+            return
+        finally:
+            self.sessions.leave_batch(step.session)
+        step.compute_ms = (time.perf_counter() - started) * 1000
+        step.outputs.append(output.view(step.rows, step.tokens, -1))
+        step.done = step.tokens
+        self.stats.note(1, step.rows * step.tokens, compute_ms=step.compute_ms, mixed=False, place="remote")
+        self._commit(step)
+        self._finish([step])
+
     async def wait_idle(self, timeout_s: float) -> bool:
         """Gives whether every queued step finished within `timeout_s`."""
         try:
@@ -173,6 +206,9 @@ class StepScheduler:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        for task in list(self._remote):
+            task.cancel()
+        await asyncio.gather(*self._remote, return_exceptions=True)
         for step in self._queue:
             self._fail(step, ServerDraining("the server shut down before computing this step"))
         self._queue.clear()

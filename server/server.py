@@ -27,6 +27,7 @@ from server.hosting import Hosting
 from server.migration import AUTO, MAX_PIECES_PER_FRAME, MODES, Migrations, MoveChoice
 from server.packing_member import PackingMember
 from server.push import Pusher
+from server.remote_attention import RemoteAttention
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS, StepScheduler
 from server.sessions import Session, SessionTable, Step, StepResult
 from swarm.dht import Announcer, lookup_block_async, lookup_servers_async
@@ -135,11 +136,13 @@ class SwarmServer:
         self.block_prefill_ms_per_token_long = speed.prefill_ms_per_token_long
         del probe
         self.max_batch_tokens = config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(self.device.type, 128)
+        self.remote = RemoteAttention(self)  # the live exchange's lent KV and steps over it (KunServe)
         self.scheduler = StepScheduler(
             self.blocks, self.kv, self.sessions, max_batch_tokens=self.max_batch_tokens,
             # an emulated server holds each batch on the compute thread: never on the event loop
             inline_step_ms=0 if self.gpu_profile else config.inline_step_ms, block_compute_ms=self.block_decode_ms[1],
             on_steps_done=self._push_on, hold_ms=self.gpu_profile.block_ms if self.gpu_profile else None,
+            remote_forward=self.remote.forward,
         )
         self.state = ServerState.joining
         self.ready = asyncio.Event()  # set once the server serves its first blocks
@@ -218,7 +221,8 @@ class SwarmServer:
                    "migrate": self._migrate,
                    "import_open": self._import_open, "import_kv": self._import_kv, "import_commit": self._import_commit,
                    "import_abort": self._import_abort, "kv_report": self.packing.kv_report,
-                   "export": self.exchange.export}
+                   "export": self.exchange.export, "attend_open": self.remote.open, "attend": self.remote.attend,
+                   "attend_read": self.remote.read, "attend_release": self.remote.release}
         for name, method in methods.items():
             self.rpc.add_method(name, method)
         self.pusher = Pusher(
@@ -408,6 +412,7 @@ class SwarmServer:
         if not await self.scheduler.wait_idle(self.config.drain_timeout_s):
             log.warning("%d step(s) still running after %.0f s", self.scheduler.pending, self.config.drain_timeout_s)
         await self.scheduler.stop()
+        await self.remote.stop()
         await self.hosting.stop()
         for task in self._tasks:
             task.cancel()
@@ -435,6 +440,9 @@ class SwarmServer:
             dropped = self.migrations.expire_imports()
             if dropped:
                 log.info("Dropped %d import(s) whose source went silent", len(dropped))
+            forgotten = self.remote.expire()
+            if forgotten:
+                log.info("Freed the lent KV of %d block(s) whose keeper went silent", forgotten)
 
     def _check_serving(self) -> None:
         # A server that moves its range keeps running the sessions of the blocks it leaves, even while it serves
@@ -449,14 +457,15 @@ class SwarmServer:
     async def _info(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         stats = self.scheduler.stats
         return {"record": self.record().to_wire(), "num_blocks": self.source.num_blocks,
-                "steps_computed": {"loop": stats.steps_by_place["loop"], "pool": stats.steps_by_place["pool"]},
+                "steps_computed": {place: stats.steps_by_place[place] for place in ("loop", "pool", "remote")},
                 "batches": stats.to_wire(), "kv_tokens_per_page": self.kv.tokens_per_page,
                 "migrations": self.migrations.stats.to_wire(),
                 "packing": self.packing.loop.to_wire() if self.packing.loop is not None else None,
                 "dropping": {"drops": self.hosting.drops, "restores": self.hosting.restores,
                              "restorable": list(self.hosting.restorable) if self.hosting.restorable else None,
                              "loop": self.dropping.loop.to_wire() if self.dropping.loop is not None else None,
-                             "reshaping": self.exchange.reshaping, "exchange": self.exchange.stats.to_wire()}}
+                             "reshaping": self.exchange.reshaping, "exchange": self.exchange.stats.to_wire(),
+                             "live": self.remote.stats.to_wire()}}
 
     async def _open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         self._check_accepting()

@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from swarm.errors import (
 from swarm.memory import KVOwner, PagePool, kv_pages_for
 from swarm.model.paged_kv import SequenceChunk
 from swarm.records import NextHop
+
+if TYPE_CHECKING:
+    from server.remote_attention import RemoteKV
 
 MAX_BATCH_ROWS = 64
 EVICTED_TTL_S = 900.0  # how long an evicted session's steps still learn why it went
@@ -76,6 +80,9 @@ class Session:
     # last saw it over, which steps that still expect it there are told of.
     hops: list[Hop] | None = None
     next_hop: NextHop | None = None  # the server after this one in its client's chain, as its last step named it
+    # While some of its blocks' KV is still on the server that dropped them (KunServe's live exchange): where, and
+    # how far each block's copy got (`server.remote_attention.RemoteKV`); its steps compute outside batches then.
+    remote: RemoteKV | None = None
 
     @property
     def blocks(self) -> int:
@@ -318,7 +325,7 @@ class SessionTable:
         sessions = {**self._closing, **self._sessions}
 
         def movable(owner: object) -> bool:
-            session = sessions.get(owner.session_id) if isinstance(owner, KVOwner) else None
+            session = sessions.get(owner.session_id) if isinstance(owner, KVOwner) and not owner.lent else None
             return session is not None and session.in_batches == 0
 
         window = self.pool.clearable_window(n_pages, movable)

@@ -90,10 +90,12 @@ class ParamsOwner:
 
 @dataclass(frozen=True)
 class KVOwner:
-    """One session's KV cache for one block."""
+    """One session's KV cache for one block; `lent`: what a server lends a peer of it after its own part of the
+    session left the block (KunServe's live exchange, `server.remote_attention`), no longer the session's."""
 
     session_id: str
     block: int
+    lent: bool = False
 
 
 Owner = ParamsOwner | KVOwner
@@ -206,18 +208,33 @@ class PagePool:
         with self._lock:
             return self._free_locked(owner)
 
+    def reown(self, owner: KVOwner, new_owner: KVOwner) -> int:
+        """Hands every page `owner` holds to `new_owner` (which holds none), in the same order, no bytes copied; gives
+        how many (KV lent to a peer outlives its session's part here: `server.remote_attention`)."""
+        with self._lock:
+            if new_owner in self._pages_by_owner:
+                raise ValueError(f"{new_owner} already holds pages")
+            pages = self._pages_by_owner.pop(owner, [])
+            if pages:
+                self._pages_by_owner[new_owner] = pages
+            for page in pages:
+                self._owner_by_page[page] = new_owner
+            return len(pages)
+
     def free_session(self, session_id: str) -> int:
         """Gives the number of pages freed across every block's KV cache of one session."""
         with self._lock:
             session_owners = [
-                owner for owner in self._pages_by_owner if isinstance(owner, KVOwner) and owner.session_id == session_id
+                owner for owner in self._pages_by_owner
+                if isinstance(owner, KVOwner) and owner.session_id == session_id and not owner.lent
             ]
             return sum(self._free_locked(owner) for owner in session_owners)
 
     def has_session(self, session_id: str) -> bool:
         """Gives whether any page holds KV of session `session_id`."""
         with self._lock:
-            return any(isinstance(owner, KVOwner) and owner.session_id == session_id for owner in self._pages_by_owner)
+            return any(isinstance(owner, KVOwner) and owner.session_id == session_id and not owner.lent
+                       for owner in self._pages_by_owner)
 
     def _free_locked(self, owner: Owner) -> int:
         pages = self._pages_by_owner.pop(owner, None)

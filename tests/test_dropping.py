@@ -138,6 +138,65 @@ def test_replicas_drop_half_each_a_running_session_moves_its_kv_through_both_and
         remote.shutdown()
 
 
+def test_live_exchange_victims_go_on_at_once_through_the_keeper_which_attends_over_the_lent_kv_until_it_followed(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    """`--kv-exchange live` (KunServe's remote attention): right after the drop, the victim's next step runs on the
+    keeper, which sends each block's queries, keys and values to the victim's server while that block's KV is still
+    there, copies the KV meanwhile (small chunks: several rounds) and takes the last tokens with a step's attention;
+    the tokens equal the local model's, and the lent pages return to the victim's pool."""
+    swarm_factory.start_dht()
+    local, remote = local_and_remote(swarm_factory, tiny_llama)
+    client = remote.swarm
+    try:
+        orchestrator = client.p2p.peer_id.to_base58()
+        servers = [swarm_factory.start_server(tiny_llama, "0:8", "--orchestrator", orchestrator, "--kv-exchange",
+                                              "live", "--migration-chunk-size", "1KiB", wait=False) for _ in range(2)]
+        for server in servers:
+            swarm_factory.wait_ready(server)
+        peers = [server.peer_id for server in servers]
+        wait_for_ranges(client, {peer: (0, 8) for peer in peers})
+        baseline = {peer: info["record"] for peer, info in infos(client).items()}
+        input_ids = prompt(6, 150)  # past TAIL_TOKENS (64): the keeper copies before a step takes the rest
+        expected = local.generate(input_ids, max_new_tokens=12, do_sample=False)
+        halves: dict[str, tuple[int, int]] = {}
+
+        with remote.inference_session(max_length=200) as session:
+
+            def drop_halves() -> None:
+                first = session.route[0].peer_id
+                (second,) = set(peers) - {first}
+                halves.update({first: (0, 4), second: (4, 8)})
+                for peer, blocks in halves.items():
+                    call(client, peer, "drop", {"blocks": list(blocks)})
+                wait_for_ranges(client, halves)
+                lender = wait_until_reshaped(client, peers)[first]["dropping"]
+                assert (lender["exchange"]["moved"], lender["live"]["lent_sessions"]) == (1, 1)
+                assert lender["live"]["lent_blocks_open"] == 4  # nothing copied before the next steps
+
+            actual = remote.generate(input_ids, session=session, max_new_tokens=12, do_sample=False,
+                                     streamer=ActAfterTokens({4: drop_halves}))
+            assert (session.failovers, session.moves) == (0, 1)
+        assert actual.tolist() == expected.tolist()
+
+        first, second = sorted(halves, key=lambda peer: halves[peer])
+        deadline = time.monotonic() + TIMEOUT_S
+        while (found := infos(client))[first]["dropping"]["live"]["lent_blocks_open"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        lender, keeper = found[first], found[second]
+        assert lender["dropping"]["live"]["lent_blocks_open"] == 0
+        assert keeper["dropping"]["live"]["kept_sessions"] == 1
+        # every block switched by one step's attention, after copies of 1 KiB (four tokens each: many per block)
+        assert keeper["dropping"]["live"]["switched_blocks"] == 4
+        assert lender["dropping"]["live"]["attends_served"] == keeper["dropping"]["live"]["attends_sent"] >= 4
+        assert keeper["dropping"]["live"]["copied_bytes"] > 4 * 4096
+        assert keeper["steps_computed"]["remote"] >= 1
+        assert lender["migrations"]["out"]["kv"] == 0  # no blocking move
+        assert lender["record"]["pages_free"] == baseline[first]["pages_free"] + baseline[first]["pages_params"] // 2
+    finally:
+        remote.shutdown()
+
+
 def test_only_the_servers_orchestrator_may_make_it_drop(swarm_factory: SwarmProcesses, tiny_llama: Path) -> None:
     swarm_factory.start_dht()
     server = swarm_factory.start_server(tiny_llama, "0:8")

@@ -11,7 +11,7 @@ from torch import nn
 from swarm.errors import InvalidBlockRange
 from swarm.memory import kv_bytes_per_token
 from swarm.model.checkpoint import load_tensors
-from swarm.model.decoder import DecoderBlock
+from swarm.model.decoder import AttentionShape, DecoderBlock
 from swarm.model.device import dtype_name
 from swarm.model.family import get_family
 from swarm.model.paged_kv import PagedBatch, PagedKV
@@ -150,6 +150,11 @@ class BlockRange(nn.Module):
     def kv_bytes_per_token(self) -> int:
         """Gives the KV bytes one token of one sequence takes in one block."""
         return kv_bytes_per_token(kv_heads=self.kv_heads, head_dim=self.head_dim, dtype=self.dtype)
+
+    def attention_shape(self, index: int) -> AttentionShape:
+        """Gives what attention in block `index` needs besides its KV, whether the block is loaded or not."""
+        heads = int(self.config.num_attention_heads)
+        return AttentionShape(heads, self.kv_heads, self.head_dim, self.family.sliding_window(self.config, index))
 
     def block_bytes(self, index: int) -> int:
         """Gives the bytes of block `index`'s parameters and buffers as they sit in memory (after quantization)."""

@@ -3,11 +3,17 @@
 One forward pass serves a batch of sequences at different positions. The linear layers run once over all of the
 batch's rows (QKV fused into one matrix multiply, gate and up into another); attention runs per sequence over its
 own history, read from its KV pages. transformers' decoder layers are the reference it is tested against.
+
+Attention needs the block's keys and values but none of its weights, and every other part of the block needs its
+weights but no KV: `project` and `finish` are the block without attention, and `attend_chunk` is attention alone, so
+a server whose block's KV is still on a peer can have the peer attend (KunServe's remote attention,
+`server.remote_attention`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +55,43 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """What attention in one block needs besides the KV: its heads and its sliding window (no weights)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    window: int | None = None
+
+
+def attend_chunk(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chunk: SequenceChunk, kv: PagedKV, block: int,
+    shape: AttentionShape,
+) -> torch.Tensor:
+    """Writes one sequence's new keys and values ([tokens, kv_heads, head_dim]) into its pages for `block` and gives
+    its attention output ([tokens, heads * head_dim]) for `queries` ([tokens, heads, head_dim], rotated) over its
+    history, read page by page."""
+    position, tokens, window = chunk.position, chunk.tokens, shape.window
+    pages = chunk.pages[block]
+    kv.write(pages, position, keys, values)
+    end = position + tokens
+    if tokens == 1:
+        start = max(0, end - window) if window is not None else 0
+        past_keys, past_values = kv.read(pages, start, end)
+        # One query per head: the heads sharing a KV head become that head's queries, so no KV is repeated.
+        query = queries.view(shape.kv_heads, shape.heads // shape.kv_heads, shape.head_dim)
+        output = F.scaled_dot_product_attention(query[None], past_keys[None], past_values[None])
+        return output.view(1, -1)
+    past_keys, past_values = kv.read(pages, 0, end)
+    mask = chunk_mask(tokens, position, window, device=queries.device)
+    output = F.scaled_dot_product_attention(
+        queries.transpose(0, 1)[None], past_keys[None], past_values[None], attn_mask=mask,
+        is_causal=mask is None, enable_gqa=True,
+    )
+    return output[0].transpose(0, 1).reshape(tokens, -1)
+
+
 class DecoderBlock(nn.Module):
     """A pre-norm decoder block: fused QKV attention over paged KV, then a gated MLP with fused gate and up."""
 
@@ -79,6 +122,7 @@ class DecoderBlock(nn.Module):
         attn, mlp = "self_attn.", "mlp."
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.sliding_window = sliding_window
+        self.shape = AttentionShape(heads, kv_heads, head_dim, sliding_window)
         self.input_norm = RMSNorm(take("input_layernorm.weight"), rms_eps)
         q_bias, k_bias, v_bias = (take_bias(f"{attn}{name}_proj.bias") for name in "qkv")
         qkv_bias = None
@@ -118,12 +162,23 @@ class DecoderBlock(nn.Module):
     ) -> torch.Tensor:
         """Gives the block's output for `hidden` ([rows, hidden]) of `batch`, writing the rows' keys and values
         into the sequences' pages for `block`; cos/sin are the rows' rotary tables ([rows, 1, head_dim])."""
+        queries, keys, values = self.project(hidden, cos, sin)
+        return self.finish(hidden, self._attend(queries, keys, values, batch, kv, block))
+
+    def project(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gives the rows' rotated queries ([rows, heads, head_dim]), rotated keys and values ([rows, kv_heads,
+        head_dim]): the block up to attention."""
         rows = hidden.shape[0]
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv(self.input_norm(hidden))
         qk = rotate(qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim), cos, sin)
         values = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
-        attended = self._attend(qk[:, :heads], qk[:, heads:], values, batch, kv, block)
+        return qk[:, :heads], qk[:, heads:], values
+
+    def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Gives the block's output from its input rows and their attention output ([rows, heads * head_dim])."""
         hidden = hidden + self.o_proj(attended)
         gate, up = self.gate_up(self.post_norm(hidden)).chunk(2, dim=-1)
         return hidden + self.down(self.act(gate) * up)
@@ -140,33 +195,9 @@ class DecoderBlock(nn.Module):
         for chunk in batch.chunks:
             if group is not None and chunk.tokens == 1 and chunk.position < kv.tokens_per_page:
                 continue  # in the group
-            output[chunk.rows] = self._attend_one(queries[chunk.rows], keys[chunk.rows], values[chunk.rows], chunk,
-                                                  kv, block)
+            output[chunk.rows] = attend_chunk(queries[chunk.rows], keys[chunk.rows], values[chunk.rows], chunk, kv,
+                                              block, self.shape)
         return output
-
-    def _attend_one(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, chunk: SequenceChunk, kv: PagedKV,
-        block: int,
-    ) -> torch.Tensor:
-        """Gives one sequence's attention output for its chunk's tokens, reading its history page by page."""
-        position, tokens, window = chunk.position, chunk.tokens, self.sliding_window
-        pages = chunk.pages[block]
-        kv.write(pages, position, keys, values)
-        end = position + tokens
-        if tokens == 1:
-            start = max(0, end - window) if window is not None else 0
-            past_keys, past_values = kv.read(pages, start, end)
-            # One query per head: the heads sharing a KV head become that head's queries, so no KV is repeated.
-            query = queries.view(self.kv_heads, self.heads // self.kv_heads, self.head_dim)
-            output = F.scaled_dot_product_attention(query[None], past_keys[None], past_values[None])
-            return output.view(1, -1)
-        past_keys, past_values = kv.read(pages, 0, end)
-        mask = chunk_mask(tokens, position, window, device=queries.device)
-        output = F.scaled_dot_product_attention(
-            queries.transpose(0, 1)[None], past_keys[None], past_values[None], attn_mask=mask,
-            is_causal=mask is None, enable_gqa=True,
-        )
-        return output[0].transpose(0, 1).reshape(tokens, -1)
 
     def _attend_decodes(
         self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: DecodeGroup, kv: PagedKV,
