@@ -11,7 +11,8 @@ Arms:
    to 4 s, `ClientConfig.busy_wait_s`) and asks again;
 2. static pipeline (Llumnix (pipeline)): `a` hosts 0:15 and `b` 15:30 all the time;
 3. KunServe, blocking exchange: both host 0:30 with `--kv-dropping --kv-exchange blocking`;
-4. KunServe with remote attention: not built (the `attend` RPC); printed as such.
+4. KunServe with remote attention (live exchange): as 3 with `--kv-exchange live`: a victim goes on at once through
+   the keeper, which has the victim's server attend over the lent KV until it has followed (`server.remote_attention`).
 Requests: every `--thin`-th request of the code trace from `--start` to `--end` s (its busiest 10 s, 12.7x its mean
 rate, are 858-868 s), prompts divided by `--prompt-scale` and cut to 256 tokens, outputs cut to 32, arrivals
 stretched to a mean of `--rate` per second (the burst's shape kept). Each request's greedy tokens are compared with
@@ -127,6 +128,18 @@ class ArmRun:
             restores += dropping.get("restores", 0)
         return stalls_max, (statistics.mean(stalls_mean) if stalls_mean else 0.0), drops, restores
 
+    def live(self) -> dict[str, float]:
+        """Gives the remote-attention statistics summed over the servers (the attend mean: weighted by attends)."""
+        total: dict[str, float] = {}
+        for row in self.last_polls().values():
+            stats = (row.get("dropping") or {}).get("live") or {}
+            for name, value in stats.items():
+                total[name] = total.get(name, 0.0) + (value * stats["attends_sent"] if name == "attend_ms_mean"
+                                                      else value)
+        names = ("lent_sessions", "attends_sent", "switched_blocks", "copied_bytes", "lost")
+        summed = {name: int(total.get(name, 0)) for name in names}
+        return {**summed, "attend_ms_mean": total.get("attend_ms_mean", 0.0) / max(1, summed["attends_sent"])}
+
     def pages_series(self) -> list[tuple[float, int, int]]:
         """Gives (t, KV pages held, pages that can hold KV) over both servers at every poll."""
         latest: dict[str, dict] = {}
@@ -146,6 +159,8 @@ def server_flags(arm: str, host: str, kv_pages_per_block: int) -> tuple[str, lis
         return ("0:15" if host == "a" else "15:30"), common
     if arm == "KunServe blocking":
         return "0:30", [*common, "--kv-dropping", "--kv-exchange", "blocking"]
+    if arm == "KunServe remote attention":
+        return "0:30", [*common, "--kv-dropping", "--kv-exchange", "live"]
     return "0:30", common
 
 
@@ -234,8 +249,7 @@ def report(rtt_ms: float, runs: dict[str, ArmRun], requests: list[dict]) -> None
     for arm in ARMS:
         run = runs.get(arm)
         if run is None:
-            why = "not built (the `attend` RPC is issue 13's open part)" if arm == ARMS[3] else "not run (--arms)"
-            print(f"{arm:<27} {why}")
+            print(f"{arm:<27} not run (--arms)")
             continue
         ttft, tbt = run.ttft(), run.tbt(by_id)
         stall_max, stall_mean, drops, restores = run.exchange()
@@ -246,13 +260,24 @@ def report(rtt_ms: float, runs: dict[str, ArmRun], requests: list[dict]) -> None
         print(f"{arm:<27} {pct(ttft, 50):8.2f} {pct(ttft, 99):8.2f} {gain:5.1f}x {pct(tbt, 50) * 1000:8.0f} "
               f"{pct(tbt, 99) * 1000:8.0f} {ratio:5.2f}x {stall_max:8.2f} {stall_mean:8.2f} {drops:5d} {restores:5d} "
               f"{differ:6d} {errors:6d}")
-    kunserve = runs.get("KunServe blocking")
-    if kunserve is not None and kunserve.served:
-        gain = base_ttft99 / pct(kunserve.ttft(), 99)
-        ratio = pct(kunserve.tbt(by_id), 50) / base_tbt50
-        print(f"targets: P99 TTFT >= {TARGET_TTFT_GAIN:g}x lower than no drop: {gain:.1f}x "
+    for name in ("KunServe blocking", "KunServe remote attention"):
+        run = runs.get(name)
+        if run is None or not run.served:
+            continue
+        gain = base_ttft99 / pct(run.ttft(), 99)
+        ratio = pct(run.tbt(by_id), 50) / base_tbt50
+        print(f"targets, {name}: P99 TTFT >= {TARGET_TTFT_GAIN:g}x lower than no drop: {gain:.1f}x "
               f"{'MET' if gain >= TARGET_TTFT_GAIN else 'NOT MET'}; TBT P50 within {TARGET_TBT_RATIO:g}x: "
               f"{ratio:.2f}x {'MET' if ratio <= TARGET_TBT_RATIO else 'NOT MET'}")
+    live = runs.get("KunServe remote attention")
+    if live is not None:
+        stats = live.live()
+        print(f"remote attention, both servers: {stats['lent_sessions']} victims lent their KV, "
+              f"{stats['attends_sent']} attends (mean {stats['attend_ms_mean']:.1f} ms a round trip), "
+              f"{stats['switched_blocks']} blocks switched to their keeper, {stats['copied_bytes'] / 1e6:.1f} MB "
+              f"copied, {stats['lost']} sessions lost their lender")
+    kunserve = runs.get("KunServe blocking")
+    if kunserve is not None and kunserve.served:
         print("KV pages held / pages that can hold KV, both servers, 5-s windows (KunServe | no drop):")
         for name, run in (("KunServe", kunserve), ("no drop", base)):
             windows: dict[int, tuple[int, int]] = {}
@@ -277,7 +302,7 @@ def report(rtt_ms: float, runs: dict[str, ArmRun], requests: list[dict]) -> None
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rtt", type=float, nargs="+", default=[20.0, 40.0])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS[:3]), choices=ARMS[:3])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     parser.add_argument("--start", type=float, default=700.0, help="trace seconds")
     parser.add_argument("--end", type=float, default=900.0)
     parser.add_argument("--thin", type=int, default=8, help="replay every n-th request of the window")
