@@ -8,7 +8,6 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
-import hivemind
 from hivemind.p2p import P2P
 
 from client.chain_lease import ChainLease
@@ -19,6 +18,7 @@ from swarm.dht import lookup_async, lookup_orchestrators_async
 from swarm.errors import SwarmError
 from swarm.records import OrchestratorRecord, ServerRecord, active_orchestrator
 from swarm.rpc import RpcConnection, dial
+from swarm.signing import open_dht
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,9 @@ class ClientConfig:
     orchestrator_timeout_s: float = 5.0  # to find and reach the orchestrator; past it, the client routes by itself
     orchestrator_queue_timeout_s: float = 600.0  # how long a session may wait in the orchestrator's queue
     orchestrator_lookup_s: float = 10.0  # how long the orchestrator found in the DHT is asked before looking again
+    verify_fraction: float = 0.0  # share of steps whose every span a second server recomputes (`client.verification`)
+    verify_seed: int | None = None  # seeds which steps are checked and by whom (None: unpredictable to servers)
+    cheat_ban_s: float = 3600.0  # how long a server caught returning wrong outputs is avoided
 
 
 class SwarmClient:
@@ -53,7 +56,8 @@ class SwarmClient:
         self.model_id, self.num_blocks = model_id, num_blocks
         self.config = config or ClientConfig()
         self.background = BackgroundLoop()
-        self.dht = hivemind.DHT(initial_peers=initial_peers, client_mode=True, start=True)
+        # it stores nothing, and keeps only the records their servers signed (`swarm.signing`)
+        self.dht = open_dht(sign=False, initial_peers=initial_peers, client_mode=True)
         self.p2p: P2P = self.background.run(self.dht.replicate_p2p(), timeout=30)
         self._rtt_ms: dict[str, tuple[float, float]] = {}  # peer -> (rtt, measured at)
         self._banned_until: dict[str, float] = {}
@@ -69,9 +73,10 @@ class SwarmClient:
         records = await lookup_async(self.dht, self.model_id, self.num_blocks, timeout_s=self.config.lookup_timeout_s)
         return servers_of(records)
 
-    def ban(self, peer_id: str) -> None:
-        """Avoids `peer_id` in routes for a while (it failed us)."""
-        self._banned_until[peer_id] = time.monotonic() + self.config.ban_s
+    def ban(self, peer_id: str, seconds: float | None = None) -> None:
+        """Avoids `peer_id` in routes for `seconds` (default `ban_s`: it failed us), or longer if already banned."""
+        until = time.monotonic() + (self.config.ban_s if seconds is None else seconds)
+        self._banned_until[peer_id] = max(until, self._banned_until.get(peer_id, 0.0))
         self._rtt_ms.pop(peer_id, None)
 
     def banned(self) -> set[str]:

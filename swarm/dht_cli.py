@@ -8,9 +8,10 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
-import hivemind
+from swarm.signing import open_dht
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +58,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"--port must be in 0..65535, got {args.port}")
 
     dht_kwargs: dict[str, object] = {}
-    if args.identity:
-        dht_kwargs["identity_path"] = args.identity
     announce_maddrs = _split_maddrs(args.announce_maddrs)
     if announce_maddrs:
         dht_kwargs["announce_maddrs"] = announce_maddrs
-    dht = hivemind.DHT(
+    dht = open_dht(  # it stores only records their peers signed (`swarm.signing`)
+        identity=Path(args.identity) if args.identity else None,
         initial_peers=_split_maddrs(args.initial_peers),
-        start=True,
         host_maddrs=[_host_maddr(args.host, args.port)],
         **dht_kwargs,
     )

@@ -101,6 +101,11 @@ class ServerBusy(SwarmError):
     """The server has no free pages for the requested session right now."""
 
 
+class QuotaExceeded(ServerBusy):
+    """The client already holds as many sessions or KV pages on this server as one client may: its routing treats
+    it like a full server (go elsewhere, or wait)."""
+
+
 class BlocksNotHosted(SwarmError):
     """The requested block range is not (entirely) hosted by this server."""
 
@@ -124,6 +129,15 @@ class InvalidBlockRange(SwarmError, ValueError):
 
 class OutOfPages(SwarmError):
     """The memory pool cannot satisfy an allocation."""
+
+
+class IdentityError(SwarmError):
+    """An identity file that holds no RSA private key in libp2p's protobuf format (records are signed with it)."""
+
+
+class WrongOutput(SwarmError):
+    """A server's outputs differed from other servers' for the same blocks and inputs beyond the tolerance of their
+    dtypes (a client's spot-check); without a third server to tell which one is right, the step cannot be trusted."""
 
 
 class RpcTimeout(SwarmError):

@@ -17,14 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import hivemind
-
 from orchestrator.service.orchestrator import VARIANTS, Orchestrator, OrchestratorConfig
 from swarm.dht import lookup_orchestrators_async
 from swarm.errors import SwarmError
 from swarm.model import DEFAULT_MODEL, ModelNotFound, resolve_model
 from swarm.records import active_orchestrator
 from swarm.rpc import dial
+from swarm.signing import open_dht
 
 log = logging.getLogger("swarm-orchestrator")
 
@@ -118,7 +117,7 @@ async def serve(config: OrchestratorConfig) -> None:
 async def fetch_state(model: str, initial_peers: list[str], timeout_s: float) -> dict[str, Any]:
     """Gives the live state of the model's active orchestrator."""
     model_id = resolve_model(model).model_id
-    dht = hivemind.DHT(initial_peers=initial_peers, client_mode=True, start=True)
+    dht = open_dht(sign=False, initial_peers=initial_peers, client_mode=True)
     try:
         p2p = await dht.replicate_p2p()
         records = await lookup_orchestrators_async(dht, model_id, timeout_s=timeout_s)

@@ -55,6 +55,7 @@ from swarm.errors import MalformedFrame, NoRouteFound, PeerUnreachable, ServerBu
 from swarm.model import resolve_model
 from swarm.records import SOFTWARE_VERSION, OrchestratorRecord, ServerRecord, ServerState, active_orchestrator
 from swarm.rpc import CallContext, RpcConnection, RpcServer, dial
+from swarm.signing import open_dht
 
 log = logging.getLogger(__name__)
 
@@ -184,10 +185,9 @@ class Orchestrator:
 
     async def start(self) -> None:
         """Joins the DHT, serves its RPC methods, announces itself and starts its loops."""
-        self.dht = hivemind.DHT(
-            initial_peers=self.config.initial_peers, host_maddrs=self.config.host_maddrs,
-            announce_maddrs=self.config.announce_maddrs or None,
-            identity_path=str(self.config.identity) if self.config.identity else None, start=True,
+        self.dht = open_dht(  # its record is signed with its identity (`swarm.signing`)
+            identity=self.config.identity, initial_peers=self.config.initial_peers,
+            host_maddrs=self.config.host_maddrs, announce_maddrs=self.config.announce_maddrs or None,
         )
         self._started_at = get_dht_time()
         self._addrs = [str(addr) for addr in self.dht.get_visible_maddrs()][:16]
