@@ -59,3 +59,29 @@ class KVPolicy:
     def sessions_fit(self, *, pages_free: int, reserve: int, pages_per_session: int) -> int:
         """Gives how many more sessions of `pages_per_session` expected pages the rule would admit now."""
         return max(0, pages_free - reserve) // max(1, pages_per_session)
+
+
+DEFAULT_CLIENT_MAX_SESSIONS = 32
+DEFAULT_CLIENT_KV_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class ClientQuota:
+    """What one client peer may hold on one server, so that no client takes a whole server: open sessions (0: no
+    cap), and a share of the pages that can hold KV (1.0: no cap). Sessions that reach a server by migration or a
+    drop's exchange count against the client that opened them, wherever that was."""
+
+    max_sessions: int = DEFAULT_CLIENT_MAX_SESSIONS
+    kv_share: float = DEFAULT_CLIENT_KV_SHARE
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 0 or not 0.0 < self.kv_share <= 1.0:
+            raise ValueError(f"a quota needs max_sessions >= 0 and 0 < kv_share <= 1, got {self}")
+
+    def refuses_session(self, open_sessions: int) -> bool:
+        """Gives whether a client with `open_sessions` here may open no more."""
+        return self.max_sessions > 0 and open_sessions >= self.max_sessions
+
+    def page_cap(self, pages_for_kv: int) -> int | None:
+        """Gives the KV pages one client may hold of a server's `pages_for_kv` (None: no cap)."""
+        return None if self.kv_share >= 1.0 else max(1, int(self.kv_share * pages_for_kv))

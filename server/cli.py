@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from orchestrator.admission import DEFAULT_HEADROOM_TOKENS
+from orchestrator.admission import DEFAULT_CLIENT_KV_SHARE, DEFAULT_CLIENT_MAX_SESSIONS, DEFAULT_HEADROOM_TOKENS
 from server.config import ServerConfig
 from server.exchange import EXCHANGE_SETTINGS
 from server.migration import IMPORT_IDLE_S, KV_CHUNK_BYTES
@@ -114,6 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
         "pages cover that growth and its own",
     )
     parser.add_argument(
+        "--client-max-sessions", type=_non_negative, default=DEFAULT_CLIENT_MAX_SESSIONS,
+        help="open sessions one client peer may hold on this server (0: no cap); sessions that arrive by migration "
+        "count against the client that opened them",
+    )
+    parser.add_argument(
+        "--client-kv-share", type=float, default=DEFAULT_CLIENT_KV_SHARE,
+        help="share of the pages that can hold KV that one client peer's sessions may hold on this server (1: no "
+        "cap); a client over either quota is refused with QuotaExceeded and routes elsewhere, as from a full server",
+    )
+    parser.add_argument(
         "--inline-step-ms", type=float, default=50.0,
         help="a step expected to compute within this many ms, while no other step computes, runs on the event loop "
         "instead of the compute pool, saving two thread hand-offs (0 = never)",
@@ -194,6 +204,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         drain_timeout_s=args.drain_timeout,
         max_batch_tokens=args.max_batch_tokens,
         kv_headroom_tokens=args.kv_headroom_tokens,
+        client_max_sessions=args.client_max_sessions,
+        client_kv_share=args.client_kv_share,
         inline_step_ms=args.inline_step_ms,
         torch_threads=args.torch_threads,
         migration_chunk_bytes=args.migration_chunk_size,

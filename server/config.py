@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.admission import DEFAULT_HEADROOM_TOKENS
+from orchestrator.admission import DEFAULT_CLIENT_KV_SHARE, DEFAULT_CLIENT_MAX_SESSIONS, DEFAULT_HEADROOM_TOKENS
 from server.migration import IMPORT_IDLE_S, KV_CHUNK_BYTES
 from swarm.memory import DEFAULT_PAGE_BYTES
 from swarm.model import DEFAULT_MODEL
@@ -52,6 +52,8 @@ class ServerConfig:
     max_batch_tokens: int | None = None  # tokens one batch computes at most (decode steps, then prefill chunks);
     # None: the device's default (server.scheduler.DEFAULT_MAX_BATCH_TOKENS)
     kv_headroom_tokens: int = DEFAULT_HEADROOM_TOKENS  # growth expected of each running session, for admission
+    client_max_sessions: int = DEFAULT_CLIENT_MAX_SESSIONS  # open sessions one client may hold here (0: no cap)
+    client_kv_share: float = DEFAULT_CLIENT_KV_SHARE  # share of the KV pages one client may hold here (1: no cap)
     inline_step_ms: float = 50.0  # a step expected within this computes on the event loop when it is the only one
     torch_threads: int = 0  # intra-op threads of a step; 0 keeps torch's default
     max_frame_bytes: int = 64 << 20

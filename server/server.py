@@ -14,6 +14,7 @@ import hivemind
 import torch
 from hivemind.p2p import P2P
 
+from orchestrator.admission import ClientQuota
 from orchestrator.block_selection import HostedSpan, better_start, blocks_that_fit, choose_start
 from orchestrator.live_model import replay_prefill_ms_per_token
 from orchestrator.packing import choose_mode
@@ -50,6 +51,7 @@ from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, parse_size
 from swarm.model import BlockRange, ModelSource, parse_block_range, pick_device, pick_dtype, resolve_model
 from swarm.records import SOFTWARE_VERSION, BatchTiming, NextHop, ServerRecord, ServerState
 from swarm.rpc import CallContext, RpcConnection, RpcServer, dial
+from swarm.signing import open_dht
 from swarm.wire import MAX_STEPS_PER_FRAME, decode_tensor, encode_tensor, field, validate_compression
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,7 @@ class SwarmServer:
         self.sessions = SessionTable(
             block_start=start, block_end=end, pool=self.pool, tokens_per_page=self.kv.tokens_per_page,
             max_length=config.max_length, headroom_tokens=config.kv_headroom_tokens,
+            quota=ClientQuota(max_sessions=config.client_max_sessions, kv_share=config.client_kv_share),
         )
         self.migrations = Migrations(self.sessions, self.kv, self.dtype, self.blocks.hidden_size,
                                      chunk_bytes=config.migration_chunk_bytes,
@@ -205,12 +208,11 @@ class SwarmServer:
 
     async def start(self) -> None:
         """Joins the DHT, starts serving RPCs and announces the blocks as online."""
-        self.dht = hivemind.DHT(
+        self.dht = open_dht(  # its records are signed with its identity (`swarm.signing`)
+            identity=self.config.identity,
             initial_peers=self.config.initial_peers,
             host_maddrs=self.config.host_maddrs,
             announce_maddrs=self.config.announce_maddrs or None,
-            identity_path=str(self.config.identity) if self.config.identity else None,
-            start=True,
         )
         self._addrs = [str(addr) for addr in self.dht.get_visible_maddrs()][:16]
         self.migrations.peer_id = self.peer_id

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from orchestrator.admission import KVPolicy, SessionKV
+from orchestrator.admission import ClientQuota, KVPolicy, SessionKV
 from swarm.errors import (
     BlocksNotHosted,
     Hop,
     MaxLengthExceeded,
     OutOfPages,
+    QuotaExceeded,
     ServerBusy,
     SessionNotFound,
     SwarmError,
@@ -143,13 +144,15 @@ class SessionTable:
 
     def __init__(
         self, *, block_start: int, block_end: int, pool: PagePool, tokens_per_page: int, max_length: int,
-        headroom_tokens: int,
+        headroom_tokens: int, quota: ClientQuota | None = None,
     ) -> None:
+        """`quota`: what one client may hold here (`orchestrator.admission.ClientQuota`; None: no cap)."""
         self.block_start, self.block_end = block_start, block_end
         self.pool = pool
         self.tokens_per_page = tokens_per_page
         self.max_length = max_length
         self.policy = KVPolicy(tokens_per_page, headroom_tokens)
+        self.quota = quota or ClientQuota(max_sessions=0, kv_share=1.0)
         self._sessions: dict[str, Session] = {}
         self._closing: dict[str, Session] = {}  # closed while a batch computes with them; freed when it ends
         self._evicted: OrderedDict[str, tuple[float, SwarmError]] = OrderedDict()  # id -> (when, what its steps get)
@@ -231,6 +234,10 @@ class SessionTable:
             raise MaxLengthExceeded(f"a session of {tokens} tokens does not fit its max_length {max_length}")
         prompt_tokens = min(max(0, prompt_tokens), max_length)
         sequences = (end - start) * batch
+        if opener and self.quota.refuses_session(sum(1 for s in self._sessions.values() if s.opener == opener)):
+            raise QuotaExceeded(f"client {opener} already holds {self.quota.max_sessions} sessions on this server, "
+                                f"as many as one client may")
+        self._check_pages_quota(opener, sequences * kv_pages_for(tokens, self.tokens_per_page))
         if moved_in:
             expected, reserve = sequences * kv_pages_for(tokens, self.tokens_per_page), self.prompt_reserve()
         else:
@@ -270,6 +277,7 @@ class SessionTable:
         total = sum(missing.values())
         if total == 0:
             return
+        self._check_pages_quota(session.opener, total)
         if total > self.pool.pages_free:
             raise ServerBusy(
                 f"out of KV pages: session {session.session_id!r} needs {total} more page(s) to reach {tokens} tokens "
@@ -287,11 +295,23 @@ class SessionTable:
                 while len(pages) < needed:
                     pages.append(taken.pop())
 
+    def _check_pages_quota(self, client: str, more: int) -> None:
+        """Raises QuotaExceeded if `client`'s sessions here would hold more KV pages than one client may."""
+        capacity = self.pool.pages_for_kv
+        cap = self.quota.page_cap(capacity) if client else None
+        if cap is None or capacity - self.pool.pages_free + more <= cap:  # all KV here would fit: no count needed
+            return
+        held = sum(s.pages_held for s in self._sessions.values() if s.opener == client)
+        if held + more > cap:
+            raise QuotaExceeded(f"client {client}'s sessions would hold {held + more} KV pages on this server, more "
+                                f"than the {cap} one client may ({self.quota.kv_share:.0%} of {capacity})")
+
     def take_blocks(self, session: Session, start: int, end: int, tokens: int) -> None:
         """Gives `session` pages for `tokens` tokens per row in blocks [start, end) outside its range (a peer's part
         of it arriving), all or none; raises ServerBusy when the pool has too few free pages."""
         per_row = kv_pages_for(tokens, self.tokens_per_page)
         total = (end - start) * session.batch * per_row
+        self._check_pages_quota(session.opener, total)
         if total > self.pool.pages_free:
             raise ServerBusy(f"out of KV pages: blocks {start}:{end} of session {session.session_id!r} need {total} "
                              f"pages at {tokens} tokens, {self.pool.pages_free} are free")

@@ -99,11 +99,14 @@ class SwarmProcesses:
     def start_server(self, model: str | Path, blocks: str | None, *extra: str, name: str | None = None,
                      wait: bool = True, host: str = "127.0.0.1", launcher: Sequence[str] = ()) -> Proc:
         """Starts a swarm-server for `blocks` of `model` (None: the blocks its orchestrator assigns, or that it
-        chooses); with `wait`, returns once it is serving, or, when it follows an orchestrator, once it started."""
+        chooses); with `wait`, returns once it is serving, or, when it follows an orchestrator, once it started.
+        One client here plays many users (tests, benchmarks), so servers take no per-client quota unless `extra`
+        sets one (`--client-max-sessions`, `--client-kv-share`)."""
         block_args = ["--blocks", blocks] if blocks else []
         args = ["-m", "server.cli", "--model", str(model), *block_args, "--host", host,
                 "--initial-peers", *self.initial_peers, "--announce-period", str(self.announce_period_s),
-                "--record-ttl", str(self.record_ttl_s), *extra]
+                "--record-ttl", str(self.record_ttl_s), "--client-max-sessions", "0", "--client-kv-share", "1",
+                *extra]
         if self.torch_threads > 0 and "--torch-threads" not in extra:
             args += ["--torch-threads", str(self.torch_threads)]
         label = blocks.replace(":", "-") if blocks else "auto"

@@ -140,10 +140,16 @@ class PagePool:
         # Free runs as sorted (start, length), coalesced: first fit gives the lowest run, a deterministic layout.
         self._free_runs: list[tuple[int, int]] = [(0, self.pages_total)] if self.pages_total else []
         self._pages_free = self.pages_total
+        self._pages_params = 0
 
     @property
     def pages_free(self) -> int:
         return self._pages_free
+
+    @property
+    def pages_for_kv(self) -> int:
+        """Gives the pages not held by parameters: what KV can hold at most now."""
+        return self.pages_total - self._pages_params
 
     def pages_needed(self, nbytes: int) -> int:
         """Gives how many pages hold `nbytes` bytes (rounded up)."""
@@ -202,6 +208,8 @@ class PagePool:
             self._owner_by_page[page] = owner
         self._pages_by_owner.setdefault(owner, []).extend(pages)
         self._pages_free -= len(pages)
+        if isinstance(owner, ParamsOwner):
+            self._pages_params += len(pages)
 
     def free(self, owner: Owner) -> int:
         """Gives the number of pages `owner` held, now returned to the free list (0 if it held none)."""
@@ -243,6 +251,8 @@ class PagePool:
         for page in pages:
             self._owner_by_page[page] = None
         self._pages_free += len(pages)
+        if isinstance(owner, ParamsOwner):
+            self._pages_params -= len(pages)
         for start, length in _runs_of(sorted(pages)):
             self._insert_free_run_locked(start, length)
         return len(pages)
@@ -399,6 +409,8 @@ class PagePool:
             for page, owner in enumerate(self._owner_by_page):
                 assert (owner is None) == (page in free_set), f"page {page} is neither free nor owned (or both)"
             assert len(holders) + len(free_set) == self.pages_total, "owned + free pages do not add up to the total"
+            params = sum(len(pages) for owner, pages in self._pages_by_owner.items() if isinstance(owner, ParamsOwner))
+            assert params == self._pages_params, "the parameter page count disagrees with the owners"
 
 
 def _runs_of(sorted_pages: list[int]) -> list[tuple[int, int]]:

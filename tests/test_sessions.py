@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orchestrator.admission import KVPolicy, SessionKV
+from orchestrator.admission import ClientQuota, KVPolicy, SessionKV
 from server.sessions import SessionTable
-from swarm.errors import BlocksNotHosted, MaxLengthExceeded, ServerBusy, SessionNotFound
+from swarm.errors import BlocksNotHosted, MaxLengthExceeded, QuotaExceeded, ServerBusy, SessionNotFound
 from swarm.memory import KVOwner, PagePool
 
 TOKENS_PER_PAGE = 16
@@ -244,3 +244,37 @@ def test_clearing_a_run_either_refuses_or_keeps_every_kv_byte_where_its_page_tab
         pool.check_invariants()
 
     run(scenario)
+
+
+def test_a_client_over_its_quota_is_refused_with_a_typed_busy_error_and_other_clients_are_not() -> None:
+    async def scenario() -> None:
+        sessions = SessionTable(
+            block_start=0, block_end=4, pool=PagePool(64 * 1024, 1024), tokens_per_page=TOKENS_PER_PAGE,
+            max_length=128, headroom_tokens=0, quota=ClientQuota(max_sessions=2, kv_share=0.25),
+        )
+        first = sessions.open("a1", 0, 4, batch=1, max_length=128, opener="alice")
+        sessions.open("a2", 0, 4, batch=1, max_length=128, opener="alice")
+        with pytest.raises(QuotaExceeded, match="2 sessions") as refused:
+            sessions.open("a3", 0, 4, batch=1, max_length=128, opener="alice")
+        assert isinstance(refused.value, ServerBusy)  # routed around as a full server is
+        # alice holds 8 of the 16 pages she may (a quarter of 64); growing by 9 more would pass the cap
+        sessions.grow(first, 2 * TOKENS_PER_PAGE)  # 4 more pages: 12
+        with pytest.raises(QuotaExceeded, match="16 one client may"):
+            sessions.grow(first, 4 * TOKENS_PER_PAGE)  # 8 more: 20 > 16
+        assert first.pages_held == 8 and sessions.is_open(first)  # nothing taken, the session is whole
+        bob = sessions.open("b1", 0, 4, batch=1, max_length=128, opener="bob")  # another client: unaffected
+        sessions.grow(bob, 4 * TOKENS_PER_PAGE)
+        assert bob.pages_held == 16
+        sessions.close("a2")
+        sessions.open("a3", 0, 4, batch=1, max_length=128, opener="alice")  # room again
+        sessions.pool.check_invariants()
+
+    run(scenario)
+
+
+def test_a_quota_needs_a_share_in_0_to_1_and_no_negative_session_cap() -> None:
+    for bad in ({"max_sessions": -1}, {"kv_share": 0.0}, {"kv_share": 1.5}):
+        with pytest.raises(ValueError):
+            ClientQuota(**bad)
+    assert ClientQuota(max_sessions=0, kv_share=1.0).page_cap(100) is None
+    assert not ClientQuota(max_sessions=0).refuses_session(10_000)

@@ -1,0 +1,49 @@
+"""Per-client quotas on a live server: a client that holds as many sessions as one client may is refused with the
+typed `QuotaExceeded` (a kind of `ServerBusy`: routed around like a full server), and another client generates as
+before, with the local model's tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from client import ClientConfig, DistributedModelForCausalLM
+from swarm.errors import QuotaExceeded, ServerBusy, SwarmError
+from swarm.local_swarm import SwarmProcesses
+from tests.test_migration import local_and_remote
+from tests.test_swarm_generate import prompt
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_client_over_its_session_quota_gets_the_typed_refusal_and_another_client_is_unaffected(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    swarm_factory.start_dht()
+    server = swarm_factory.start_server(tiny_llama, "0:8", "--client-max-sessions", "2")
+    local, greedy = local_and_remote(swarm_factory, tiny_llama)
+    other = DistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama), initial_peers=swarm_factory.initial_peers,
+        client_config=ClientConfig(request_timeout_s=30.0, busy_wait_s=1.0))
+    try:
+        client = greedy.swarm
+        connection = client.run(client.connect(client.run(client.servers())[server.peer_id]))
+        request = {"blocks": [0, 8], "max_length": 64}
+        try:  # sessions live as long as the stream that opened them
+            for _ in range(2):
+                client.run(connection.call("open", request, timeout=30.0))
+            with pytest.raises(SwarmError) as refused:
+                client.run(connection.call("open", request, timeout=30.0))
+            assert isinstance(refused.value, QuotaExceeded) and isinstance(refused.value, ServerBusy)
+            assert "2 sessions" in refused.value.message
+
+            input_ids = prompt(7, 12)
+            expected = local.generate(input_ids, max_new_tokens=8, do_sample=False)
+            assert other.generate(input_ids, max_new_tokens=8, do_sample=False).tolist() == expected.tolist()
+        finally:
+            client.run(connection.close())  # its sessions close: room for the first client again
+        assert greedy.generate(input_ids, max_new_tokens=8, do_sample=False).tolist() == expected.tolist()
+    finally:
+        other.shutdown()
+        greedy.shutdown()
