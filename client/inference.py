@@ -20,6 +20,7 @@ import torch
 from client.chain_lease import ChainLease
 from client.routing import Span
 from client.swarm_client import SwarmClient
+from client.verification import CheckStats, SpotChecker
 from swarm.errors import (
     BlocksDropped,
     BlocksNotHosted,
@@ -112,6 +113,8 @@ class RemoteInferenceSession:
         self.failovers = 0
         self.moves = 0  # spans that moved to another server with their KV (no replay)
         self.closed = False
+        config = client.config
+        self.checker = SpotChecker(config.verify_fraction, config.verify_seed) if config.verify_fraction else None
 
     async def open(self) -> None:
         """Opens a session on every server of a chain over blocks [0, L): the chain the orchestrator leases, if the
@@ -141,7 +144,7 @@ class RemoteInferenceSession:
                 record = leased.record or servers.get(leased.peer_id)
                 if record is None:
                     raise BlocksNotHosted(f"leased server {leased.peer_id} is not online in the DHT")
-                opened.append(await self._open_span(Span(leased.peer_id, leased.start, leased.end, record)))
+                opened.append(await self.open_span(Span(leased.peer_id, leased.start, leased.end, record)))
             return opened
         except BaseException:
             for span_session in opened:
@@ -177,7 +180,7 @@ class RemoteInferenceSession:
             opened: list[_SpanSession] = []
             try:
                 for span in route:
-                    opened.append(await self._open_span(span))
+                    opened.append(await self.open_span(span))
                 return opened
             except RECOVERABLE_AT_OPEN as error:
                 log.warning("Server %s refused a session (%s: %s); rerouting", span.peer_id,
@@ -209,8 +212,8 @@ class RemoteInferenceSession:
         missing = set(range(start, end)) - hosted
         return missing <= restorable
 
-    async def _open_span(self, span: Span, *, moved_from: str | None = None,
-                         session_id: str | None = None) -> _SpanSession:
+    async def open_span(self, span: Span, *, moved_from: str | None = None,
+                        session_id: str | None = None) -> _SpanSession:
         connection = await self.client.connect(span.record)
         payload: dict[str, object] = {"session_id": session_id or uuid.uuid4().hex, "blocks": [span.start, span.end],
                                       "max_length": self.max_length, "batch": self.batch}
@@ -239,7 +242,8 @@ class RemoteInferenceSession:
         new_tokens = hidden.shape[1]
         index = 0
         self._step_started_s = time.perf_counter()
-        if self.client.config.server_push and len(self.spans) > 1 and new_tokens == 1:
+        checked = self.checker is not None and self.checker.draw()  # every span of it, so: no push
+        if self.client.config.server_push and len(self.spans) > 1 and new_tokens == 1 and not checked:
             hidden, index = await self._pushed_step(hidden)
         failovers_this_step = moves_this_step = 0
         follow: SessionMoved | None = None  # the span at `index` moved: follow it, then retry the step there
@@ -258,8 +262,13 @@ class RemoteInferenceSession:
                     continue  # retry the step from the first replacement server
                 # No push here: a prefill would cross each link twice (push and client), and a pushed step that
                 # stopped midway goes on from the client anyway.
-                output = await self._call_step(span_session, hidden, step_id=f"{self.position}",
-                                               last_only=last_only and index == len(self.spans) - 1)
+                output = await self.call_step(span_session, hidden, step_id=f"{self.position}",
+                                              last_only=last_only and index == len(self.spans) - 1 and not checked)
+                if checked and await self._caught(span_session, hidden, output):
+                    index, hidden = await self._replace(index, hidden, through=len(self.spans) - 1)
+                    continue  # the step again, from the replacement
+                if checked and last_only and index == len(self.spans) - 1:
+                    output = output[:, -1:]
             except ChainChanged as changed:
                 moves_this_step += 1
                 if moves_this_step > MAX_MOVES_PER_STEP:
@@ -299,6 +308,16 @@ class RemoteInferenceSession:
         self.position += new_tokens
         return hidden
 
+    async def _caught(self, span_session: _SpanSession, hidden: torch.Tensor, output: torch.Tensor) -> bool:
+        """Spot-checks the span's `output` for `hidden` on another server; gives whether its server was caught
+        returning wrong outputs (it is banned then: see `client.verification`)."""
+        assert self.checker is not None
+        if not span_session.complete:  # a part split off by a drop has no inputs from before: nothing to recompute
+            return False
+        inputs = torch.cat([*span_session.history, hidden], dim=1) if span_session.history else hidden
+        cheat = await self.checker.check(self, span_session.span, inputs, output)
+        return cheat == span_session.peer_id
+
     async def _pushed_step(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Sends the step to the first server and, at the same time, asks every later server for its output.
 
@@ -311,13 +330,13 @@ class RemoteInferenceSession:
         step_id = f"{self.position}"
         earlier = [
             asyncio.ensure_future(
-                self._call_step(self.spans[0], hidden, step_id=step_id, next_hops=self._next_hops(0), framed=True)
+                self.call_step(self.spans[0], hidden, step_id=step_id, next_hops=self._next_hops(0), framed=True)
             )
         ]
         earlier += [
             asyncio.ensure_future(
-                self._call_step(later, None, step_id=step_id, wait_ms=self._push_wait_ms(index), dtype=hidden.dtype,
-                                framed=True)
+                self.call_step(later, None, step_id=step_id, wait_ms=self._push_wait_ms(index), dtype=hidden.dtype,
+                               framed=True)
             )
             for index, later in enumerate(self.spans[1:-1], start=1)
         ]
@@ -327,7 +346,7 @@ class RemoteInferenceSession:
         last_index = len(self.spans) - 1
         try:
             await asyncio.sleep(0)
-            last: torch.Tensor | BaseException = await self._call_step(
+            last: torch.Tensor | BaseException = await self.call_step(
                 self.spans[-1], None, step_id=step_id, wait_ms=self._push_wait_ms(last_index), dtype=hidden.dtype,
                 framed=True,
             )
@@ -381,7 +400,7 @@ class RemoteInferenceSession:
                                start=later.span.start, end=later.span.end)
         return None
 
-    async def _call_step(
+    async def call_step(
         self,
         span_session: _SpanSession,
         hidden: torch.Tensor | None,
@@ -495,8 +514,8 @@ class RemoteInferenceSession:
             await span_session.connection.close()
             try:
                 # under the same id: to its segment's packing, the session arrived where it sent it
-                replacement = await self._open_span(destination, moved_from=span.peer_id,
-                                                    session_id=span_session.session_id)
+                replacement = await self.open_span(destination, moved_from=span.peer_id,
+                                                   session_id=span_session.session_id)
             except SwarmError as error:  # it has no room after all: the session is gone from its source, fail over
                 log.warning("Session moved from %s to %s for a replay, which refused it (%s); failing over",
                             span.peer_id, record.peer_id, error.message)
@@ -515,22 +534,23 @@ class RemoteInferenceSession:
         log.info("Session moved from %s to %s (blocks %d:%d) %s", span.peer_id, record.peer_id, span.start,
                  span.end, "by a replay" if moved.replay else "with its KV")
 
-    async def _replace(self, index: int, hidden: torch.Tensor | None = None, *,
-                       busy: bool = False) -> tuple[int, torch.Tensor | None]:
+    async def _replace(self, index: int, hidden: torch.Tensor | None = None, *, busy: bool = False,
+                       through: int | None = None) -> tuple[int, torch.Tensor | None]:
         """Replaces span `index` by a new chain over the same blocks and replays its saved inputs through it; a
         server that failed as `busy` (out of room) is only avoided while the others have room, others are banned.
 
         A span without its complete history (split off by a drop) is replaced together with the spans before it
         back to one that has it, whose saved inputs the replay sends; those spans already ran the current step
         (`hidden` is the failed span's input), so the step goes on from the first replacement with the first
-        span's input for it. Gives the index and input to go on with."""
-        first = index
+        span's input for it. With `through`, the spans after `index` up to that one are replaced too (a span caught
+        returning wrong outputs: their KV was built from its outputs). Gives the index and input to go on with."""
+        first, last = index, index if through is None else through
         while first > 0 and not self.spans[first].complete:
             first -= 1
         failed, head = self.spans[index], self.spans[first]
         if not busy:
             self.client.ban(failed.peer_id)
-        for span_session in self.spans[first : index + 1]:
+        for span_session in self.spans[first : last + 1]:
             if span_session is not failed:  # a healthy server: its part of the session goes back to its pool now
                 await self._close_remote(span_session)
             await span_session.connection.close()
@@ -538,12 +558,12 @@ class RemoteInferenceSession:
         if first < index:  # the step's input to the first span goes again, after the replay of what came before
             hidden = head.history.pop()
             head.position -= hidden.shape[1]
-        replacements = await self._open_chain(head.span.start, failed.span.end,
-                                              busy={failed.peer_id} if busy else None)
+        end = self.spans[last].span.end
+        replacements = await self._open_chain(head.span.start, end, busy={failed.peer_id} if busy else None)
         await self._replay_onto(head, replacements)
-        log.info("Replaced %s (blocks %d:%d) by %s", failed.peer_id, head.span.start, failed.span.end,
+        log.info("Replaced %s (blocks %d:%d) by %s", failed.peer_id, head.span.start, end,
                  " -> ".join(f"{r.peer_id}[{r.span.start}:{r.span.end}]" for r in replacements))
-        self.spans[first : index + 1] = replacements
+        self.spans[first : last + 1] = replacements
         return first, hidden
 
     async def _close_remote(self, span_session: _SpanSession) -> None:
@@ -552,6 +572,11 @@ class RemoteInferenceSession:
                                                timeout=self.client.config.connect_timeout_s)
         except SwarmError as error:
             log.debug("closing a session on %s failed: %s", span_session.peer_id, error)
+
+    async def close_span(self, span_session: _SpanSession) -> None:
+        """Closes a session this session opened outside its chain (a spot-check's) and its stream."""
+        await self._close_remote(span_session)
+        await span_session.connection.close()
 
     async def _reshape(self, index: int, changed: ChainChanged) -> bool:
         """Points the spans over the blocks a server split or merged (KunServe's exchange and restore) at the hops
@@ -613,8 +638,8 @@ class RemoteInferenceSession:
                 if replay is None:
                     break
                 # the last one's output is of no use: its history's KV is what the replay is for
-                output = await self._call_step(replacement, replay, step_id="replay",
-                                               last_only=index == len(replacements) - 1)
+                output = await self.call_step(replacement, replay, step_id="replay",
+                                              last_only=index == len(replacements) - 1)
                 replacement.history.append(replay)
                 replacement.position = replay.shape[1]
                 replay = output
@@ -672,6 +697,11 @@ class InferenceSession:
     def moves(self) -> int:
         """Gives how many times a span moved to another server with its KV cache (no replay)."""
         return self.remote.moves
+
+    @property
+    def checks(self) -> CheckStats | None:
+        """Gives what the spot-checks of servers' outputs found (None without `verify_fraction`)."""
+        return self.remote.checker.stats if self.remote.checker is not None else None
 
     def migrate(self, index: int, peer_id: str, *, mode: str = "auto") -> dict[str, Any]:
         """Moves span `index` of the chain to server `peer_id`, which hosts its blocks: with its KV cache (mode
