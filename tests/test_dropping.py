@@ -57,23 +57,29 @@ def wait_until_reshaped(client: SwarmClient, peers: list[str]) -> dict[str, dict
     raise AssertionError(f"servers {peers} kept reshaping")
 
 
+def start_replicas(swarm_factory: SwarmProcesses, model: Path, client: SwarmClient,
+                   *flags: str) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Starts two servers of blocks 0:8 that follow `client` as their orchestrator (it may make them drop); gives
+    their peer ids and their records once the DHT shows both."""
+    orchestrator = client.p2p.peer_id.to_base58()
+    servers = [swarm_factory.start_server(model, "0:8", "--orchestrator", orchestrator, *flags, wait=False)
+               for _ in range(2)]
+    for server in servers:
+        swarm_factory.wait_ready(server)
+    peers = [server.peer_id for server in servers]
+    wait_for_ranges(client, {peer: (0, 8) for peer in peers})
+    return peers, {peer: info["record"] for peer, info in infos(client).items()}
+
+
 def test_replicas_drop_half_each_a_running_session_moves_its_kv_through_both_and_merges_back_after_a_restore(
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:
     swarm_factory.start_dht()
-    # The test's client is the servers' orchestrator: its peer id is theirs to follow.
     local, remote = local_and_remote(swarm_factory, tiny_llama)
     client = remote.swarm
     try:
-        orchestrator = client.p2p.peer_id.to_base58()
         # blocking: on this tiny model a replay is cheaper, and `auto` would pick it
-        servers = [swarm_factory.start_server(tiny_llama, "0:8", "--orchestrator", orchestrator, "--kv-exchange",
-                                              "blocking", wait=False) for _ in range(2)]
-        for server in servers:
-            swarm_factory.wait_ready(server)
-        peers = [server.peer_id for server in servers]
-        wait_for_ranges(client, {peer: (0, 8) for peer in peers})
-        baseline = {peer: info["record"] for peer, info in infos(client).items()}
+        peers, baseline = start_replicas(swarm_factory, tiny_llama, client, "--kv-exchange", "blocking")
         input_ids = prompt(5, 24)
         expected = local.generate(input_ids, max_new_tokens=12, do_sample=False)
         halves: dict[str, tuple[int, int]] = {}
@@ -149,14 +155,8 @@ def test_live_exchange_victims_go_on_at_once_through_the_keeper_which_attends_ov
     local, remote = local_and_remote(swarm_factory, tiny_llama)
     client = remote.swarm
     try:
-        orchestrator = client.p2p.peer_id.to_base58()
-        servers = [swarm_factory.start_server(tiny_llama, "0:8", "--orchestrator", orchestrator, "--kv-exchange",
-                                              "live", "--migration-chunk-size", "1KiB", wait=False) for _ in range(2)]
-        for server in servers:
-            swarm_factory.wait_ready(server)
-        peers = [server.peer_id for server in servers]
-        wait_for_ranges(client, {peer: (0, 8) for peer in peers})
-        baseline = {peer: info["record"] for peer, info in infos(client).items()}
+        peers, baseline = start_replicas(swarm_factory, tiny_llama, client, "--kv-exchange", "live",
+                                         "--migration-chunk-size", "1KiB")
         input_ids = prompt(6, 150)  # past TAIL_TOKENS (64): the keeper copies before a step takes the rest
         expected = local.generate(input_ids, max_new_tokens=12, do_sample=False)
         halves: dict[str, tuple[int, int]] = {}
