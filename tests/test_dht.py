@@ -19,6 +19,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.dht import Announcer, announce, block_key, lookup, lookup_async
 from swarm.records import ServerRecord, ServerState
+from swarm.signing import open_dht
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -212,11 +213,12 @@ def test_swarm_dht_process_bootstraps_a_swarm_and_exits_cleanly_on_sigterm(tmp_p
         assert initial_peers and all("/p2p/" in maddr for maddr in initial_peers)
         assert identity_path.is_file()
 
-        for _ in range(2):
-            joiners.append(hivemind.DHT(start=True, host_maddrs=LOOPBACK, initial_peers=initial_peers))
-        assert joiners[0].store("cli-test-key", "across", get_dht_time() + 60)
+        for _ in range(2):  # the swarm's nodes keep only what a value's peer signed under its own subkey
+            joiners.append(open_dht(host_maddrs=LOOPBACK, initial_peers=initial_peers))
+        writer = joiners[0].peer_id.to_base58()
+        assert joiners[0].store("cli-test-key", "across", get_dht_time() + 60, subkey=writer)
         found = joiners[1].get("cli-test-key", latest=True)
-        assert found is not None and found.value == "across"
+        assert found is not None and found.value[writer].value == "across"
     finally:
         for joiner in joiners:
             joiner.shutdown()

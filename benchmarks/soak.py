@@ -1,0 +1,240 @@
+"""A soak under faults: a 3-stage swarm of SmolLM2-135M with 2 servers per stage on loopback, `--sessions`
+concurrent sessions of mixed lengths from `--clients` client processes for `--duration` seconds, while every
+`--chaos-period` seconds a random server is killed with SIGKILL and restarted, and every other period a random
+client process is killed mid-generation and restarted.
+
+Each client process (`--worker`) runs its share of the sessions in threads, one after the other in each thread:
+a random prompt (16-256 tokens), 8-48 new greedy tokens, its token times stamped. After the run, the local Hugging
+Face model generates every finished session's prompt alone, greedy, and its tokens are compared.
+
+Printed: sessions started, finished and exact (of clients that were not killed: every one must be), the failures
+by error, failovers, the servers' KV pages in use at the end (every session closed: must be 0) against their
+baseline, RSS of the servers that lived through the run from the first minute to the end (target: under 5% growth),
+and P50/P99 time per token after the first.
+
+    .venv/bin/python benchmarks/soak.py [--duration 600] [--sessions 64] [--clients 4] [--chaos-period 30]
+
+Loopback only. Never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from client import ClientConfig, DistributedModelForCausalLM, SwarmClient
+from client.timing import StepClock
+from swarm.local_swarm import Proc, SwarmProcesses
+from swarm.model import DEFAULT_MODEL, resolve_model
+
+STAGES = ("0:10", "10:20", "20:30")
+SERVERS_PER_STAGE = 2
+PROMPT_TOKENS = (16, 256)
+NEW_TOKENS = (8, 48)
+RSS_GROWTH_TARGET = 0.05
+WARMUP_S = 60.0  # a server's RSS is compared from this age on: its first minute loads the model and fills the pool
+
+
+def worker(args: argparse.Namespace) -> int:
+    """Runs `args.sessions` threads of sessions until `args.duration` passes; writes one JSON line per session."""
+    model = DistributedModelForCausalLM.from_pretrained(
+        DEFAULT_MODEL, initial_peers=args.initial_peers,
+        client_config=ClientConfig(request_timeout_s=60.0, busy_wait_s=120.0))
+    deadline = time.monotonic() + args.duration
+    lock = threading.Lock()
+    out = args.out.open("a", buffering=1)  # one line per event, visible at once; closed below
+
+    def run(thread: int) -> None:
+        rng = random.Random(args.seed * 1000 + thread)
+        while time.monotonic() < deadline:
+            prompt = [rng.randrange(100, 40_000) for _ in range(rng.randint(*PROMPT_TOKENS))]
+            new_tokens = rng.randint(*NEW_TOKENS)
+            clock = StepClock()
+            row: dict[str, object] = {"worker": args.seed, "prompt": prompt, "new_tokens": new_tokens,
+                                      "started_s": time.time()}
+            with lock:
+                out.write(json.dumps({"event": "started", **row}) + "\n")
+            try:
+                with model.inference_session(max_length=len(prompt) + new_tokens) as session:
+                    output = model.generate(torch.tensor([prompt]), session=session, max_new_tokens=new_tokens,
+                                            do_sample=False, streamer=clock)
+                    row["failovers"] = session.failovers
+                row["tokens"] = output[0, len(prompt):].tolist()
+                row["gaps_s"] = [b - a for a, b in zip(clock.stamps_s[1:], clock.stamps_s[2:], strict=False)]
+            except Exception as error:  # counted by kind; the thread goes on with its next session
+                row["error"] = f"{type(error).__name__}: {error}"[:300]
+            with lock:
+                out.write(json.dumps({"event": "ended", **row}) + "\n")
+
+    threads = [threading.Thread(target=run, args=(index,), daemon=True) for index in range(args.sessions)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    out.close()
+    model.shutdown()
+    return 0
+
+
+def rss_kb(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=600.0)
+    parser.add_argument("--sessions", type=int, default=64, help="concurrent sessions over all clients")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--chaos-period", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    print(f"soak: {args.sessions} sessions from {args.clients} clients for {args.duration:g} s, a server killed every "
+          f"{args.chaos_period:g} s and a client every {2 * args.chaos_period:g} s; "
+          f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {platform.node()} ({os.cpu_count()} cores)",
+          flush=True)
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="soak-") as tmp, SwarmProcesses(Path(tmp), torch_threads=1) as swarm:
+        workdir = Path(tmp)
+        swarm.start_dht()
+        servers: dict[str, Proc] = {}  # slot ("0:10/1") -> its process now
+        for stage in STAGES:
+            for copy in range(SERVERS_PER_STAGE):
+                servers[f"{stage}/{copy}"] = swarm.start_server(DEFAULT_MODEL, stage, wait=False,
+                                                                name=f"server-{stage}-{copy}")
+        for proc in servers.values():
+            swarm.wait_ready(proc)
+        per_client = [args.sessions // args.clients + (index < args.sessions % args.clients)
+                      for index in range(args.clients)]
+        clients: dict[int, tuple[Proc, int]] = {}  # slot -> its process now and that worker's seed
+        killed_clients: set[int] = set()  # worker seeds whose process was killed: their sessions do not count
+        generation = 0
+
+        def start_client(slot: int, remaining_s: float) -> None:
+            nonlocal generation
+            generation += 1
+            seed = slot * 100 + generation
+            command = ["benchmarks/soak.py", "--worker", "--seed", str(seed), "--sessions", str(per_client[slot]),
+                       "--duration", str(max(1.0, remaining_s)), "--out", str(workdir / "sessions.jsonl"),
+                       "--initial-peers", *swarm.initial_peers]
+            clients[slot] = (swarm._spawn(f"client-{slot}-{generation}", command), seed)
+
+        started = time.monotonic()
+        for slot in range(args.clients):
+            start_client(slot, args.duration)
+        born = {slot: started for slot in servers}  # when each slot's process started
+        rss: dict[str, list[tuple[float, int]]] = {}  # process name -> (age s, RSS KiB) samples
+        chaos: Counter[str] = Counter()
+        tick = 0
+
+        def sample() -> None:
+            now = time.monotonic()
+            for slot, proc in servers.items():
+                kb = rss_kb(proc.popen.pid)
+                if kb is not None:
+                    rss.setdefault(proc.name, []).append((now - born[slot], kb))
+
+        while time.monotonic() - started < args.duration:
+            time.sleep(min(args.chaos_period, args.duration - (time.monotonic() - started)))
+            elapsed = time.monotonic() - started
+            sample()
+            if elapsed >= args.duration:
+                break
+            tick += 1
+            slot = rng.choice(sorted(servers))
+            swarm.kill(servers[slot])
+            servers[slot].popen.wait(timeout=30)
+            servers[slot] = swarm.start_server(DEFAULT_MODEL, slot.split("/")[0], wait=False,
+                                               name=f"server-{slot.replace('/', '-')}-{tick}")
+            born[slot] = time.monotonic()
+            chaos["servers killed"] += 1
+            if tick % 2 == 0:
+                victim = rng.randrange(args.clients)
+                swarm.kill(clients[victim][0])
+                clients[victim][0].popen.wait(timeout=30)
+                killed_clients.add(clients[victim][1])
+                start_client(victim, args.duration - elapsed)
+                chaos["clients killed"] += 1
+        for proc, _ in clients.values():  # they stop starting sessions at the deadline and finish the ones they run
+            proc.popen.wait(timeout=900)
+        sample()
+        time.sleep(5.0)
+        client = SwarmClient(resolve_model(DEFAULT_MODEL).model_id, 30, swarm.initial_peers)
+        try:
+            pages = {peer: record.pages_kv for peer, record in client.run(client.servers()).items()}
+        finally:
+            client.shutdown()
+        report(workdir / "sessions.jsonl", killed_clients, chaos, pages, rss)
+    return 0
+
+
+def report(path: Path, killed: set[int], chaos: Counter[str], pages: dict[str, int],
+           rss: dict[str, list[tuple[float, int]]]) -> None:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    started = [row for row in rows if row["event"] == "started"]
+    ended = [row for row in rows if row["event"] == "ended"]
+    live = [row for row in ended if row["worker"] not in killed]
+    finished = [row for row in live if "tokens" in row]
+    errors = Counter(row["error"].split(":")[0] for row in live if "error" in row)
+    local = AutoModelForCausalLM.from_pretrained(resolve_model(DEFAULT_MODEL).path, dtype=torch.float32).eval()
+    exact = 0
+    for row in finished:
+        prompt = torch.tensor([row["prompt"]])
+        expected = local.generate(prompt, max_new_tokens=row["new_tokens"], do_sample=False)
+        exact += expected[0, prompt.shape[1]:].tolist() == row["tokens"]
+    gaps = sorted(gap for row in finished for gap in row["gaps_s"])
+    killed_sessions = sum(1 for row in started if row["worker"] in killed) - sum(
+        1 for row in ended if row["worker"] in killed)
+    print(f"\nchaos: {dict(chaos)}")
+    print("| sessions started | ended (live clients) | finished | exact | failed | in killed clients, cut off | "
+          "failovers |\n|---|---|---|---|---|---|---|")
+    print(f"| {len(started)} | {len(live)} | {len(finished)} | {exact} | {len(live) - len(finished)} "
+          f"| {killed_sessions} | {sum(row.get('failovers', 0) for row in finished)} |")
+    print(f"failures by error: {dict(errors)}")
+    print(f"per-token latency after the first: P50 {statistics.median(gaps) * 1000:.0f} ms, "
+          f"P99 {gaps[int(0.99 * (len(gaps) - 1))] * 1000:.0f} ms over {len(gaps)} tokens" if gaps else "no tokens")
+    held = sum(pages.values())
+    print(f"KV pages held at the end, every session closed: {held} over {len(pages)} servers (baseline 0)")
+    growths = {name: samples[-1][1] / warm[0][1] - 1 for name, samples in rss.items()
+               if len(warm := [sample for sample in samples if sample[0] >= WARMUP_S]) >= 2}
+    for name, growth in sorted(growths.items()):
+        ages = [age for age, _ in rss[name]]
+        print(f"{name}: RSS {growth:+.1%} from {WARMUP_S:g} s of age to {max(ages):.0f} s "
+              f"({'within' if growth < RSS_GROWTH_TARGET else 'NOT within'} {RSS_GROWTH_TARGET:.0%})")
+    if not growths:
+        print(f"no server lived {WARMUP_S:g} s past its start between two samples: no RSS growth to report")
+    verdict = exact == len(finished) == len(live) and held == 0
+    print(f"verdict: {'PASS' if verdict else 'FAIL'}: every session of a live client finished with exact tokens "
+          f"({exact}/{len(live)}), no KV page held at the end ({held})")
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    sys.exit(main())
