@@ -1,6 +1,7 @@
 """A long fuzz of every RPC method of a live server (the suite's `tests/test_fuzz_rpc.py` runs a few hundred calls):
-`--frames` random payloads per method, built from the fields the methods read and filled with values of every wire
-type, tensors of random shapes and dtypes among them; then raw frames of random bytes on fresh streams.
+`--frames` random payloads per method: half of them a well-formed payload of the method with one or two fields changed
+or dropped, half built from the fields the methods read and filled with values of every wire type, tensors of random
+shapes and dtypes among them; then raw frames of random bytes on fresh streams.
 
 Printed: per method, how many calls it took, how many answered a result, and the typed errors that came back by
 code; the untyped ones (`InternalServerError`, or a code the client does not know), which must be none; the
@@ -85,8 +86,46 @@ class Payloads:
             return [self.value(depth + 1) for _ in range(rng.randrange(4))]
         return {rng.choice(FIELDS): self.value(depth + 1) for _ in range(rng.randrange(4))}
 
-    def payload(self) -> dict[str, Any]:
-        return {self.rng.choice(FIELDS): self.value() for _ in range(self.rng.randrange(9))}
+    def payload(self, method: str) -> dict[str, Any]:
+        """Half the time: the method's valid payload (`valid_payload`) with one or two fields changed or dropped;
+        else a few random fields."""
+        rng = self.rng
+        if rng.random() < 0.5:
+            return {rng.choice(FIELDS): self.value() for _ in range(rng.randrange(9))}
+        payload = valid_payload(method, rng.choice(self.session_ids or ["none"]), rng)
+        for _ in range(rng.randint(1, 2)):
+            name = rng.choice(sorted(payload) or list(FIELDS))
+            if rng.random() < 0.3:
+                payload.pop(name, None)
+            else:
+                payload[name] = self.value()
+        return payload
+
+
+def valid_payload(method: str, session_id: str, rng: random.Random) -> dict[str, Any]:
+    """Gives a well-formed payload of `method` for a server of SmolLM2's blocks 0:30 (hidden size 576, 3 KV heads
+    of 64), about session `session_id`."""
+    hidden = encode_tensor(torch.randn(1, rng.randint(1, 3), 576))
+    kv = encode_tensor(torch.randn(3, 2, 64))
+    return {
+        "info": {}, "open": {"blocks": [0, 30], "max_length": 64},
+        "step": {"session_id": session_id, "hidden": hidden, "step_id": str(rng.randrange(4)), "position": 0},
+        "steps": {"steps": [{"session_id": session_id, "hidden": hidden}]},
+        "push": {"session_id": session_id, "hidden": hidden, "step_id": "0", "position": 0},
+        "close": {"session_id": session_id}, "assign": {"blocks": [0, 10]}, "drop": {"blocks": [0, 10]},
+        "restore": {}, "migrate": {"session_id": session_id, "peer_id": "QmNotAPeer"},
+        "import_open": {"session_id": session_id, "blocks": [0, 2], "batch": 1, "max_length": 64, "position": 2},
+        "import_kv": {"session_id": session_id, "pieces": [{"block": 0, "row": 0, "start": 0, "keys": kv,
+                                                            "values": kv}]},
+        "import_commit": {"session_id": session_id, "position": 2}, "import_abort": {"session_id": session_id},
+        "kv_report": {}, "export": {"session_id": session_id, "into": "x", "position": 0, "to": [0, 30]},
+        "attend_open": {"session_id": session_id, "blocks": [0, 2], "batch": 1, "max_length": 64, "position": 2},
+        "attend": {"session_id": session_id, "block": 0, "position": 0, "tokens": 1,
+                   "queries": encode_tensor(torch.randn(1, 9, 64)), "keys": encode_tensor(torch.randn(1, 3, 64)),
+                   "values": encode_tensor(torch.randn(1, 3, 64))},
+        "attend_read": {"session_id": session_id, "block": 0, "start": 0, "end": 1},
+        "attend_release": {"session_id": session_id},
+    }[method]
 
 
 def rss_kb(pid: int) -> int:
@@ -124,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 for method in METHODS:
                     if connection.is_closed:
                         connection = client.run(client.connect(record))
-                    payload = payloads.payload()
+                    payload = payloads.payload(method)
                     try:
                         reply = client.run(connection.call(method, payload, timeout=30.0))
                         outcomes[method]["ok"] += 1
@@ -175,10 +214,13 @@ async def _send_raw(client: SwarmClient, record: Any, frame: bytes) -> str:
     except Exception as error:  # the transport refused: counted, not raised
         return f"no stream ({type(error).__name__})"
     try:
-        writer.write(frame)
-        await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
+        try:
+            writer.write(frame)
+            await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+        except (ConnectionError, OSError) as error:  # the server refused the header and ended the stream
+            return f"closed while sending ({type(error).__name__})"
         try:
             reply = await asyncio.wait_for(read_frame(reader, 1 << 20), RAW_REPLY_S)
         except TimeoutError:  # a frame that announced more bytes than came: the server waits for them

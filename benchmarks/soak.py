@@ -10,7 +10,8 @@ Face model generates every finished session's prompt alone, greedy, and its toke
 Printed: sessions started, finished and exact (of clients that were not killed: every one must be), the failures
 by error, failovers, the servers' KV pages in use at the end (every session closed: must be 0) against their
 baseline, RSS of the servers that lived through the run from the first minute to the end (target: under 5% growth),
-and P50/P99 time per token after the first.
+and P50/P99 time per token after the first. RSS is counted outside the page pool, which the OS commits page by page
+as KV is first written (up to the budget, by design); a leak would show in the rest.
 
     .venv/bin/python benchmarks/soak.py [--duration 600] [--sessions 64] [--clients 4] [--chaos-period 30]
 
@@ -56,7 +57,7 @@ def worker(args: argparse.Namespace) -> int:
     """Runs `args.sessions` threads of sessions until `args.duration` passes; writes one JSON line per session."""
     model = DistributedModelForCausalLM.from_pretrained(
         DEFAULT_MODEL, initial_peers=args.initial_peers,
-        client_config=ClientConfig(request_timeout_s=60.0, busy_wait_s=120.0))
+        client_config=ClientConfig(request_timeout_s=60.0, busy_wait_s=120.0, route_wait_s=120.0))
     deadline = time.monotonic() + args.duration
     lock = threading.Lock()
     out = args.out.open("a", buffering=1)  # one line per event, visible at once; closed below
@@ -94,13 +95,26 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def rss_kb(pid: int) -> int | None:
+    """Gives the resident KiB of process `pid` outside its page pool, or None if it is gone.
+
+    The pool (`swarm.memory`: one anonymous mapping of the server's whole budget, its largest) is committed page by
+    page as KV is first written, so its resident share grows up to the budget without any leak; a leak shows in the
+    rest (Python objects, torch's allocations, buffers)."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
+        text = Path(f"/proc/{pid}/smaps").read_text()
     except OSError:
         return None
-    return None
+    mappings: list[tuple[int, int]] = []  # (size KiB, rss KiB) of each mapping
+    size = 0
+    for line in text.splitlines():
+        if line.startswith("Size:"):
+            size = int(line.split()[1])
+        elif line.startswith("Rss:"):
+            mappings.append((size, int(line.split()[1])))
+    if not mappings:
+        return None
+    largest = max(mappings)
+    return sum(rss for _, rss in mappings) - largest[1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -158,9 +158,12 @@ class RemoteInferenceSession:
         announced (it changed its range a moment ago), is avoided until every server that could serve the blocks
         did; then the session waits, backing off, and asks them all again, for up to `ClientConfig.busy_wait_s`, as
         Petals' client waits for a full swarm (`busy`: servers known busy already). Other refusals ban the server
-        for a while."""
+        for a while. Blocks that no online server covers (its servers restarting, say) are waited for up to
+        `ClientConfig.route_wait_s`, then NoRouteFound rises."""
         config = self.client.config
-        deadline, backoff_s = time.monotonic() + config.busy_wait_s, BUSY_BACKOFF_FIRST_S
+        now = time.monotonic()
+        deadline, backoff_s = now + config.busy_wait_s, BUSY_BACKOFF_FIRST_S
+        missing_deadline = now + config.route_wait_s
         busy = set(busy or ())
         refusals = 0
         while refusals <= config.max_failovers:
@@ -168,12 +171,14 @@ class RemoteInferenceSession:
                 route = await self.client.route(start, end, max_length=self.max_length, batch=self.batch,
                                                 avoid=busy)
             except NoRouteFound:
-                if not busy and not await self._blocks_may_return(start, end):
+                missing = not busy and not await self._blocks_may_return(start, end)
+                if missing and time.monotonic() + backoff_s > missing_deadline:
                     raise
-                if time.monotonic() + backoff_s > deadline:
+                if not missing and time.monotonic() + backoff_s > deadline:
                     raise ServerBusy(f"every server of blocks {start}:{end} that could take this session was busy "
                                      f"for {config.busy_wait_s:g} s") from None
-                log.info("Every server of blocks %d:%d is busy; asking again in %.1f s", start, end, backoff_s)
+                log.info("%s blocks %d:%d; asking again in %.1f s",
+                         "No online server covers" if missing else "Every server is busy for", start, end, backoff_s)
                 await asyncio.sleep(backoff_s)
                 backoff_s, busy = min(BUSY_BACKOFF_MAX_S, 2 * backoff_s), set()
                 continue

@@ -34,6 +34,7 @@ class ClientConfig:
     ban_s: float = 30.0
     max_failovers: int = 8
     busy_wait_s: float = 60.0  # how long a session waits for room while every server that could serve it is busy
+    route_wait_s: float = 30.0  # how long a session waits for blocks that no online server covers (restarting ones)
     max_frame_bytes: int = 64 << 20
     compression: str | None = None
     server_push: bool = True  # servers forward hidden states to the next server (the client's copy follows)

@@ -81,6 +81,10 @@ class FrameTooLarge(SwarmError):
     """A frame exceeds the size limit agreed for this connection."""
 
 
+class UnknownCompression(MalformedFrame, ValueError):
+    """A compression name other than none, fp16 or bf16 (in a request, or given to `encode_tensor`)."""
+
+
 class InvalidTensor(SwarmError):
     """A tensor has a dtype, shape or byte count that the receiver cannot accept."""
 

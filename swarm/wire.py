@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import torch
 
-from swarm.errors import FrameTooLarge, InvalidTensor, MalformedFrame
+from swarm.errors import FrameTooLarge, InvalidTensor, MalformedFrame, UnknownCompression
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 2**20
 HEADER_BYTES = 4
@@ -135,7 +135,7 @@ def validate_compression(name: str | None) -> str | None:
     if name is None or name in ("", "none"):
         return None
     if name not in _COMPRESSED_DTYPES:
-        raise ValueError(f"unknown compression {name!r}; expected one of none, fp16, bf16")
+        raise UnknownCompression(f"unknown compression {name!r:.60}; expected one of none, fp16, bf16")
     return name
 
 

@@ -48,7 +48,35 @@ values = st.recursive(
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.sampled_from(FIELDS), inner, max_size=4)),
     max_leaves=12,
 )
-payloads = st.dictionaries(st.sampled_from(FIELDS), values, max_size=8)
+junk_payloads = st.dictionaries(st.sampled_from(FIELDS), values, max_size=8)
+TEMPLATES = {  # a well-formed payload of each method for the tiny Llama's blocks 0:8 (hidden 64, 2 KV heads of 16)
+    "open": {"blocks": [0, 8], "max_length": 64},
+    "step": {"session_id": "s", "hidden": encode_tensor(torch.zeros(1, 2, 64)), "step_id": "0", "position": 0},
+    "push": {"session_id": "s", "hidden": encode_tensor(torch.zeros(1, 1, 64)), "step_id": "0", "position": 0},
+    "import_open": {"session_id": "i", "blocks": [0, 2], "batch": 1, "max_length": 64, "position": 2},
+    "import_kv": {"session_id": "i", "pieces": [{"block": 0, "row": 0, "start": 0,
+                                                 "keys": encode_tensor(torch.zeros(2, 2, 16)),
+                                                 "values": encode_tensor(torch.zeros(2, 2, 16))}]},
+    "attend_open": {"session_id": "a", "blocks": [0, 2], "batch": 1, "max_length": 64, "position": 2},
+    "attend": {"session_id": "a", "block": 0, "position": 0, "tokens": 1,
+               "queries": encode_tensor(torch.zeros(1, 4, 16)), "keys": encode_tensor(torch.zeros(1, 2, 16)),
+               "values": encode_tensor(torch.zeros(1, 2, 16))},
+}
+
+
+def _changed(template: dict[str, Any], name: str, value: object, drop: bool) -> dict[str, Any]:
+    changed = {**template, name: value}
+    if drop:
+        del changed[name]
+    return changed
+
+
+# (method, payload): any method with junk, or a method's well-formed payload with one field changed or dropped
+calls = st.one_of(
+    st.tuples(st.sampled_from(METHODS), junk_payloads),
+    st.sampled_from(sorted(TEMPLATES)).flatmap(lambda method: st.tuples(st.just(method), st.builds(
+        _changed, st.just(TEMPLATES[method]), st.sampled_from(FIELDS), values, st.booleans()))),
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +97,10 @@ def test_every_method_answers_any_payload_with_a_typed_error_or_a_result_and_no_
 
         @settings(max_examples=600, deadline=None, derandomize=True,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-        @given(method=st.sampled_from(METHODS), payload=payloads)
-        def fuzz(method: str, payload: dict[str, Any]) -> None:
+        @given(call=calls)
+        def fuzz(call: tuple[str, dict[str, Any]]) -> None:
             nonlocal connection
+            method, payload = call
             if connection.is_closed:  # a frame the server refused ends the stream: a new one
                 connection = client.run(client.connect(record))
             try:

@@ -101,8 +101,9 @@ def test_compression_names_are_validated() -> None:
         "fp16",
         "bf16",
     ]
-    with pytest.raises(ValueError, match="int8"):
+    with pytest.raises(ValueError, match="int8") as unknown:
         validate_compression("int8")
+    assert isinstance(unknown.value, MalformedFrame)  # a typed error for a request that names it
     with pytest.raises(ValueError):
         encode_tensor(torch.zeros(1), "fp8")
 
