@@ -38,14 +38,8 @@ from swarm.local_swarm import SwarmProcesses
 from swarm.model import DEFAULT_MODEL, resolve_model
 from swarm.rpc import PROTOCOL
 from swarm.wire import encode_tensor
+from tests.test_fuzz_rpc import FIELDS, METHODS  # the same methods and fields as the suite's fuzzer
 
-METHODS = ("info", "open", "step", "steps", "push", "close", "assign", "drop", "restore", "migrate", "import_open",
-           "import_kv", "import_commit", "import_abort", "kv_report", "export", "attend_open", "attend",
-           "attend_read", "attend_release")
-FIELDS = ("session_id", "blocks", "max_length", "batch", "step_id", "position", "hidden", "next", "then",
-          "compression", "output", "wait_ms", "steps", "peer_id", "mode", "pieces", "block", "row", "start", "end",
-          "tokens", "queries", "keys", "values", "tail_from", "into", "to", "merge", "client", "lease_id",
-          "last_step_id", "last_output", "addrs", "prompt_tokens", "moved_from", "sessions", "epoch", "plan")
 WORDS = ("0:8", "fp16", "bf16", "last", "all", "kv", "replay", "auto", "", "a" * 200)
 SETTLE_S = 30.0
 RAW_REPLY_S = 2.0
