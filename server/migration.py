@@ -42,6 +42,7 @@ from swarm.errors import (
     SessionNotFound,
     SwarmError,
 )
+from swarm.memory import kv_bytes_per_token
 from swarm.model.paged_kv import PagedKV
 from swarm.rpc import RpcConnection
 from swarm.wire import decode_tensor, encode_tensor
@@ -191,7 +192,7 @@ class Migrations:
 
     def token_bytes(self, session: Session) -> int:
         """Gives the KV bytes one token of `session` takes over all its blocks and rows."""
-        return self._token_bytes() * (session.end - session.start) * session.batch
+        return self.block_token_bytes() * (session.end - session.start) * session.batch
 
     async def send(self, session: Session, destination: RpcConnection, addrs: list[str], *, timeout_s: float,
                    rtt_s: float = 0.0, part: Part | None = None) -> None:
@@ -230,7 +231,7 @@ class Migrations:
                     raise SessionNotFound(f"session {session.session_id!r} closed while it moved")
                 pieces = [self._piece(session, *piece) for piece in frame]
                 await destination.call("import_kv", {"session_id": remote_id, "pieces": pieces}, timeout=timeout_s)
-                sent_bytes += sum(last - first for _, _, first, last in frame) * self._token_bytes()
+                sent_bytes += sum(last - first for _, _, first, last in frame) * self.block_token_bytes()
                 chunks += 1
             self.links.note_transfer(destination.peer_id, sent_bytes, time.perf_counter() - chunks_started,
                                      chunks * rtt_s)
@@ -308,15 +309,16 @@ class Migrations:
         if not self.sessions.is_open(session):
             raise SessionNotFound(f"session {session.session_id!r} closed before it could move")
 
-    def _token_bytes(self) -> int:
-        return 2 * self.kv.kv_heads * self.kv.head_dim * torch.finfo(self.dtype).bits // 8
+    def block_token_bytes(self) -> int:
+        """Gives the KV bytes of one token of one row in one block."""
+        return kv_bytes_per_token(kv_heads=self.kv.kv_heads, head_dim=self.kv.head_dim, dtype=self.dtype)
 
     def _frames(self, session: Session, first: int, last: int) -> list[list[tuple[int, int, int, int]]]:
         """Gives the session's filled KV of blocks [first, last) in the pieces one `import_kv` frame each carries:
         (block, row, start, end)
         token ranges, at most `chunk_bytes` of keys and values a frame (a piece of one token at least), several
         blocks' and rows' pieces sharing a frame."""
-        token_bytes = self._token_bytes()
+        token_bytes = self.block_token_bytes()
         span = max(1, self.chunk_bytes // token_bytes)
         frames: list[list[tuple[int, int, int, int]]] = [[]]
         room = span
@@ -334,9 +336,7 @@ class Migrations:
         return [frame for frame in frames if frame]
 
     def _piece(self, session: Session, block: int, row: int, start: int, end: int) -> dict[str, Any]:
-        keys, values = self.kv.read(session.page_tables[block][row], start, end)
-        return {"block": block, "row": row, "start": start,
-                "keys": encode_tensor(keys.contiguous()), "values": encode_tensor(values.contiguous())}
+        return {"block": block, **kv_piece(self.kv, session.page_tables[block][row], row, start, end)}
 
     @staticmethod
     async def _abort_remote(destination: RpcConnection, session_id: str) -> None:
@@ -402,19 +402,14 @@ class Migrations:
         session, (first, last) = self._import(source, session_id)
         if not (first <= block < last and 0 <= row < session.batch):
             raise InvalidTensor(f"block {block} row {row} is outside the import ({first}:{last})")
-        max_elements = self.kv.kv_heads * session.max_length * self.kv.head_dim
-        k = decode_tensor(keys, max_elements=max_elements)
-        v = decode_tensor(values, max_elements=max_elements)
-        tokens = k.shape[1] if k.dim() == 3 else -1
-        if k.shape != v.shape or tokens < 1 or (k.shape[0], k.shape[2]) != (self.kv.kv_heads, self.kv.head_dim):
-            raise InvalidTensor(f"KV chunk of shape {list(k.shape)} / {list(v.shape)}, expected "
-                                f"[{self.kv.kv_heads}, tokens, {self.kv.head_dim}] for both")
-        if not (start >= 0 and start + tokens <= len(session.page_tables[block][row]) * self.kv.tokens_per_page):
+        pages = session.page_tables[block][row]
+        k, v = decode_kv(self.kv, keys, values, max_tokens=session.max_length)
+        tokens = k.shape[1]
+        if not (start >= 0 and start + tokens <= len(pages) * self.kv.tokens_per_page):
             raise InvalidTensor(f"tokens {start}:{start + tokens} lie outside the pages the import took")
-        self.kv.write(session.page_tables[block][row], start, k.to(self.dtype).transpose(0, 1),
-                      v.to(self.dtype).transpose(0, 1))
+        self.kv.write(pages, start, k.transpose(0, 1), v.transpose(0, 1))
         session.last_active_s = time.monotonic()
-        chunk_bytes = 2 * k.numel() * torch.finfo(self.dtype).bits // 8
+        chunk_bytes = tokens * self.block_token_bytes()
         self.stats.bytes_in += chunk_bytes
         return chunk_bytes
 
@@ -483,6 +478,27 @@ class Migrations:
             return self.sessions.get(session_id)
         except SwarmError:  # not open (unknown, closed or evicted)
             return None
+
+
+def kv_piece(kv: PagedKV, pages: list[int], row: int, start: int, end: int) -> dict[str, Any]:
+    """Gives the wire map of tokens [start, end) of one row's KV pages in one block: `{row, start, keys,
+    values}`, keys and values `[kv_heads, tokens, head_dim]` each."""
+    keys, values = kv.read(pages, start, end)
+    return {"row": row, "start": start, "keys": encode_tensor(keys.contiguous()),
+            "values": encode_tensor(values.contiguous())}
+
+
+def decode_kv(kv: PagedKV, keys: Any, values: Any, *, max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gives the keys and values of a KV piece (`kv_piece`) in the pages' dtype, `[kv_heads, tokens, head_dim]`
+    each with 1 <= tokens <= `max_tokens`; raises InvalidTensor for anything else."""
+    max_elements = kv.kv_heads * max_tokens * kv.head_dim
+    k = decode_tensor(keys, max_elements=max_elements)
+    v = decode_tensor(values, max_elements=max_elements)
+    tokens = k.shape[1] if k.dim() == 3 else -1
+    if k.shape != v.shape or tokens < 1 or (k.shape[0], k.shape[2]) != (kv.kv_heads, kv.head_dim):
+        raise InvalidTensor(f"KV chunk of shape {list(k.shape)} / {list(v.shape)}, expected "
+                            f"[{kv.kv_heads}, tokens, {kv.head_dim}] for both")
+    return k.to(kv.dtype), v.to(kv.dtype)
 
 
 def kv_tokens_held(session: Session, tokens_per_page: int, first: int, last: int) -> int:

@@ -31,7 +31,7 @@ import torch
 from hivemind.p2p import P2P
 
 from server.config import ServerConfig
-from server.migration import Migrations
+from server.migration import Migrations, decode_kv, kv_piece
 from server.sessions import Session, SessionTable, Step, StepResult
 from swarm.errors import Hop, InvalidTensor, MigrationRefused, PeerUnreachable, SessionNotFound, SwarmError
 from swarm.memory import KVOwner, PagePool, kv_pages_for
@@ -259,14 +259,9 @@ class RemoteAttention:
             pages.extend(taken[row * missing:(row + 1) * missing])
 
     def _pieces(self, lent: LentBlock, start: int, end: int) -> list[dict[str, Any]]:
-        pieces = []
-        for row, pages in enumerate(lent.rows):
-            if start == end:
-                continue
-            keys, values = self.server.kv.read(pages, start, end)
-            pieces.append({"row": row, "start": start, "keys": encode_tensor(keys.contiguous()),
-                           "values": encode_tensor(values.contiguous())})
-        return pieces
+        if start == end:
+            return []
+        return [kv_piece(self.server.kv, pages, row, start, end) for row, pages in enumerate(lent.rows)]
 
     def _free(self, lent: LentBlock) -> None:
         if self._lent.pop((lent.session_id, lent.block), None) is not None:
@@ -364,8 +359,7 @@ class RemoteAttention:
         step's `attend` brings the rest); gives up what is lent once the session closed."""
         server, remote = self.server, session.remote
         assert remote is not None
-        token_bytes = 2 * server.kv.kv_heads * server.kv.head_dim * torch.finfo(server.dtype).bits // 8
-        span = max(1, server.migrations.chunk_bytes // (token_bytes * session.batch))
+        span = max(1, server.migrations.chunk_bytes // (server.migrations.block_token_bytes() * session.batch))
         try:
             remote.bulk = await self._dial(remote)
             while remote.copied and server.sessions.is_open(session):
@@ -397,18 +391,15 @@ class RemoteAttention:
         server = self.server
         if not isinstance(pieces, list) or len(pieces) != (session.batch if end > start else 0):
             raise InvalidTensor(f"expected {session.batch} rows of KV for block {block}, got {pieces!r:.80}")
-        limit = server.kv.kv_heads * (end - start) * server.kv.head_dim
         for piece in pieces:
             if not isinstance(piece, dict):
                 raise InvalidTensor(f"a piece of KV is not a map: {piece!r:.80}")
             row = payload_field(piece, "row", int)
-            keys = decode_tensor(piece.get("keys"), dtype=server.dtype, max_elements=limit)
-            values = decode_tensor(piece.get("values"), dtype=server.dtype, max_elements=limit)
-            expected = (server.kv.kv_heads, end - start, server.kv.head_dim)
-            if not 0 <= row < session.batch or keys.shape != expected or values.shape != expected:
-                raise InvalidTensor(f"KV piece of row {row} has shape {list(keys.shape)}, expected {list(expected)}")
+            keys, values = decode_kv(server.kv, piece.get("keys"), piece.get("values"), max_tokens=end - start)
+            if not 0 <= row < session.batch or keys.shape[1] != end - start:
+                raise InvalidTensor(f"KV piece of row {row} has {keys.shape[1]} tokens, expected {end - start}")
             server.kv.write(session.page_tables[block][row], start, keys.transpose(0, 1), values.transpose(0, 1))
-            self.stats.copied_bytes += 2 * keys.numel() * keys.element_size()
+            self.stats.copied_bytes += (end - start) * server.migrations.block_token_bytes()
 
     async def _settle(self, session: Session, remote: RemoteKV) -> None:
         """Ends the live exchange of a session whose KV is all here: it computes in batches from its next step."""

@@ -149,9 +149,6 @@ class SignedRecords(RecordValidatorBase):
     def priority(self) -> int:
         return 10  # signs last and checks first: the value it signs is what the other validators made
 
-    def merge_with(self, other: RecordValidatorBase) -> bool:
-        return False
-
 
 def _unwrap(value: bytes) -> tuple[bytes, bytes, bytes] | None:
     """Gives (value, public key DER, signature) of a signed value, or None for anything else."""
