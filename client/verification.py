@@ -3,11 +3,13 @@ client has none).
 
 With `ClientConfig.verify_fraction` f, each step is drawn with probability f (a seeded or OS-random draw the servers
 cannot predict). A drawn step runs span by span (no push: the client must see every span's output), and after each
-span answered, another server that hosts the same blocks recomputes them: it gets a fresh session and the span's
-whole input history at once (a prefill), and its outputs for the step's tokens are compared with the span's.
+span answered, other servers recompute its blocks: one that hosts them all, or a chain of several that cover them
+(fewest hops first), gets fresh sessions and the span's whole input history at once (a prefill), and their outputs
+for the step's tokens are compared with the span's.
 Outputs agree within the tolerance of the looser of the two servers' dtypes (`TOLERANCES`): a prefill and a chain
 of decode steps round differently, so exact equality is not expected. On a disagreement a third server decides:
-the one of the two that disagrees with it is banned for `cheat_ban_s`. A caught span server is replaced, with the
+the one of the two that disagrees with it is banned for `cheat_ban_s` (a checking chain of several servers that
+was wrong is not: the client cannot tell which of them was). A caught span server is replaced, with the
 spans after it (their KV was built from its outputs), by a replay of the span's inputs, and the step goes on there;
 a caught checker is only banned. With no third server, the client cannot tell which is right and fails the step
 with `WrongOutput`. Spot-checks bound how long a cheater serves unnoticed; tokens it influenced before a check
@@ -76,56 +78,87 @@ class SpotChecker:
     async def check(self, session: RemoteInferenceSession, span: Span, inputs: torch.Tensor,
                     output: torch.Tensor) -> str | None:
         """Gives the peer to ban after checking `output` (the span's answer to the last `output.shape[1]` of
-        `inputs`, the span's whole input history): the span's server, the checker's, or None if both agree or no
-        other server hosts the blocks; raises WrongOutput if two disagree and no third can decide."""
+        `inputs`, the span's whole input history): the span's server, the checker's, or None if both agree, no
+        other servers cover the blocks, or a checking chain of several servers was wrong (which of them, the client
+        cannot tell); raises WrongOutput if two disagree and no third can decide."""
         tokens = output.shape[1]
         second = await self._recompute(session, span, inputs, tokens, exclude={span.peer_id})
         if second is None:
             self.stats.unchecked += 1
             return None
         self.stats.checked += 1
-        checker, recomputed = second
-        if agree(output, recomputed, *tolerance(span.record, checker)):
+        checkers, recomputed = second
+        if agree(output, recomputed, *tolerance(span.record, *checkers)):
             return None
         self.stats.disagreed += 1
         gap = (output.float() - recomputed.float()).abs().max().item()
-        third = await self._recompute(session, span, inputs, tokens, exclude={span.peer_id, checker.peer_id})
+        checker_ids = {record.peer_id for record in checkers}
+        third = await self._recompute(session, span, inputs, tokens, exclude={span.peer_id} | checker_ids)
         if third is None:
-            raise WrongOutput(f"servers {span.peer_id} and {checker.peer_id} disagree on blocks "
+            raise WrongOutput(f"servers {span.peer_id} and {_names(checkers)} disagree on blocks "
                               f"{span.start}:{span.end} (by up to {gap:.3g}) and no third server hosts them to tell "
                               f"which is right")
-        referee, decided = third
-        span_right = agree(output, decided, *tolerance(span.record, referee))
-        cheat = checker.peer_id if span_right else span.peer_id
+        referees, decided = third
+        span_right = agree(output, decided, *tolerance(span.record, *referees))
+        if span_right and len(checkers) > 1:
+            log.warning("Servers %s disagree with %s on blocks %d:%d, which %s confirm; one of them is wrong",
+                        _names(checkers), span.peer_id, span.start, span.end, _names(referees))
+            return None
+        cheat = checkers[0].peer_id if span_right else span.peer_id
         self.stats.caught += 1
-        log.warning("Server %s returned wrong outputs for blocks %d:%d (off by up to %.3g; %s agrees with %s); "
-                    "banning it", cheat, span.start, span.end, gap, referee.peer_id,
-                    span.peer_id if span_right else checker.peer_id)
+        log.warning("Server %s returned wrong outputs for blocks %d:%d (off by up to %.3g; %s agree with %s); "
+                    "banning it", cheat, span.start, span.end, gap, _names(referees),
+                    span.peer_id if span_right else _names(checkers))
         session.client.ban(cheat, session.client.config.cheat_ban_s)
         return cheat
 
     async def _recompute(self, session: RemoteInferenceSession, span: Span, inputs: torch.Tensor, tokens: int, *,
-                         exclude: set[str]) -> tuple[ServerRecord, torch.Tensor] | None:
-        """Gives another server's record and its outputs for the last `tokens` of `inputs` through the span's
-        blocks, from a fresh session there (None if no server can: none hosts the blocks, or all refuse)."""
+                         exclude: set[str]) -> tuple[list[ServerRecord], torch.Tensor] | None:
+        """Gives the records of other servers that cover the span's blocks, one or a chain of several, and their
+        outputs for the last `tokens` of `inputs`, from fresh sessions there (None if no servers can: none cover
+        the blocks, or they refuse). A server that refuses is left out and the cover chosen again."""
         banned = session.client.banned() | exclude
-        records = [record for peer, record in sorted((await session.client.servers()).items())
-                   if peer not in banned and record.state == ServerState.online
-                   and record.block_start <= span.start and span.end <= record.block_end]
-        self.rng.shuffle(records)
-        for record in records:
-            try:
-                opened = await session.open_span(Span(record.peer_id, span.start, span.end, record))
-            except SwarmError as error:
-                log.info("Server %s cannot check blocks %d:%d (%s)", record.peer_id, span.start, span.end,
-                         error.message)
-                continue
-            try:
-                output = await session.call_step(opened, inputs, step_id="verify")
-                return record, output[:, -tokens:]
-            except SwarmError as error:
-                log.info("Server %s failed to check blocks %d:%d (%s)", record.peer_id, span.start, span.end,
-                         error.message)
-            finally:
-                await session.close_span(opened)
+        candidates = [record for peer, record in sorted((await session.client.servers()).items())
+                      if peer not in banned and record.state == ServerState.online
+                      and record.block_start < span.end and span.start < record.block_end]
+        self.rng.shuffle(candidates)
+        while (chain := cover(candidates, span.start, span.end)) is not None:
+            hidden = inputs
+            for part in chain:
+                try:
+                    hidden = await self._run_part(session, part, hidden)
+                except SwarmError as error:
+                    log.info("Server %s failed to check blocks %d:%d (%s)", part.peer_id, part.start, part.end,
+                             error.message)
+                    candidates.remove(part.record)
+                    break
+            else:
+                return [part.record for part in chain], hidden[:, -tokens:]
         return None
+
+    @staticmethod
+    async def _run_part(session: RemoteInferenceSession, part: Span, hidden: torch.Tensor) -> torch.Tensor:
+        opened = await session.open_span(part)
+        try:
+            return await session.call_step(opened, hidden, step_id="verify")
+        finally:
+            await session.close_span(opened)
+
+
+def cover(records: list[ServerRecord], start: int, end: int) -> list[Span] | None:
+    """Gives spans of these servers, in their order where they tie, that chain over blocks [start, end) with the
+    fewest hops (each hop reaches as far as any server does), or None if they leave a gap."""
+    chain: list[Span] = []
+    position = start
+    while position < end:
+        hosting = [record for record in records if record.block_start <= position < record.block_end]
+        if not hosting:
+            return None
+        best = max(hosting, key=lambda record: min(record.block_end, end))  # max keeps the first of equals
+        chain.append(Span(best.peer_id, position, min(best.block_end, end), best))
+        position = chain[-1].end
+    return chain
+
+
+def _names(records: list[ServerRecord]) -> str:
+    return "+".join(record.peer_id for record in records)

@@ -15,6 +15,7 @@ from server.config import ServerConfig
 from server.exchange import EXCHANGE_SETTINGS
 from server.migration import IMPORT_IDLE_S, KV_CHUNK_BYTES
 from server.server import SwarmServer
+from swarm.dht_limits import MAX_RECORD_TTL_S
 from swarm.errors import InvalidBlockRange, OutOfPages, UnsupportedArchitecture
 from swarm.memory import DEFAULT_PAGE_BYTES, parse_size
 from swarm.model import DEFAULT_MODEL, QUANT_MODES, ModelNotFound, parse_block_range
@@ -101,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-length", type=int, default=2048, help="longest session (tokens) this server accepts")
     parser.add_argument("--session-timeout", type=float, default=300.0, help="seconds before an idle session is freed")
     parser.add_argument("--announce-period", type=float, default=10.0, help="seconds between DHT announcements")
-    parser.add_argument("--record-ttl", type=float, default=30.0, help="seconds a DHT record lives unless refreshed")
+    parser.add_argument("--record-ttl", type=float, default=30.0,
+                        help=f"seconds a DHT record lives unless refreshed (at most {MAX_RECORD_TTL_S:.0f})")
     parser.add_argument("--drain-timeout", type=float, default=10.0, help="seconds to let steps finish on shutdown")
     parser.add_argument(
         "--max-batch-tokens", type=_positive, default=None,
@@ -178,6 +180,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("swarm-server: error: --num-blocks is for a server that chooses its blocks; drop --blocks")
     if not 0 < args.balance_quality <= 1:
         raise SystemExit("swarm-server: error: --balance-quality must be in (0, 1]")
+    if not 0 < args.announce_period < args.record_ttl <= MAX_RECORD_TTL_S:
+        raise SystemExit(f"swarm-server: error: need 0 < --announce-period < --record-ttl <= {MAX_RECORD_TTL_S:.0f} "
+                         f"(the swarm's DHT nodes refuse records that live longer)")
     return ServerConfig(
         blocks=args.blocks,
         model=args.model,

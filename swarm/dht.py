@@ -4,7 +4,9 @@ A server stores its `ServerRecord` under `block_key(model_id, i)` for every bloc
 `servers_key(model_id)`, with `subkey = peer_id`, so one key lists every server of that block and one every server
 of the model (the orchestrator reads that one, which also lists servers waiting for their first blocks). Entries
 expire unless refreshed (`Announcer`), which is how a crashed server leaves the swarm. Anyone can write any key, so
-`lookup` keeps only records that validate and that match the key and subkey they were found under.
+`lookup` keeps only records that validate and that match the key and subkey they were found under. The swarm's
+nodes refuse values that are not signed records of their subkey's peer, and bound what a flooded key costs
+(`swarm.signing`, `swarm.dht_limits`).
 
 The coroutines below run inside the DHT's own process (`DHT.run_coroutine` pickles them), so they
 are module-level functions bound with `functools.partial`, never closures.
@@ -25,6 +27,7 @@ from hivemind.dht import DHTNode
 from hivemind.utils import ValueWithExpiration, get_dht_time
 from hivemind.utils.mpfuture import MPFuture
 
+from swarm.dht_limits import LOOKUP_KEYS_PER_REQUEST, check_record_ttl
 from swarm.errors import RpcTimeout
 from swarm.records import OrchestratorRecord, ServerRecord, ServerState
 
@@ -63,7 +66,11 @@ async def _store_under_keys(
 
 async def _get_latest_subkeys(_dht: hivemind.DHT, node: DHTNode, *, keys: list[str]) -> dict[str, dict[Any, Any]]:
     # sufficient_expiration_time=inf is what DHT.get(latest=True) means: search on instead of stopping at the first hit.
-    found = await node.get_many(keys, sufficient_expiration_time=math.inf)
+    # A few keys per search: a node answers all keys of a request in one message, which must stay under p2pd's limit.
+    chunks = [keys[start:start + LOOKUP_KEYS_PER_REQUEST] for start in range(0, len(keys), LOOKUP_KEYS_PER_REQUEST)]
+    found: dict[str, Any] = {}
+    for part in await asyncio.gather(*(node.get_many(chunk, sufficient_expiration_time=math.inf) for chunk in chunks)):
+        found.update(part)
     entries: dict[str, dict[Any, Any]] = {}
     for key, entry in found.items():
         # Only a subkey dictionary maps to ValueWithExpiration items; a plain value under a block key is garbage.
@@ -237,6 +244,7 @@ class Announcer:
     ) -> None:
         if not 0 < period_s < ttl_s:
             raise ValueError(f"need 0 < period_s < ttl_s so the record never lapses, got {period_s=} {ttl_s=}")
+        check_record_ttl(ttl_s)
         if drain_ttl_s <= 0 or timeout_s <= 0:
             raise ValueError(f"drain_ttl_s and timeout_s must be positive, got {drain_ttl_s=} {timeout_s=}")
         self.dht = dht

@@ -42,12 +42,12 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
+from swarm.dht_limits import MAX_VALUE_BYTES, RecordShape, install_bounded_storage
 from swarm.errors import IdentityError
 
 log = logging.getLogger(__name__)
 
 TAG = "chainswarm-signed-1"
-MAX_VALUE_BYTES = 64 << 10  # a signed value larger than this is refused unread (records are a few KB)
 MAX_PUBLIC_KEY_BYTES = 1100  # DER of an RSA key up to 8192 bits
 KEY_CACHE = 1024  # public keys kept parsed
 
@@ -165,7 +165,8 @@ def _unwrap(value: bytes) -> tuple[bytes, bytes, bytes] | None:
 
 
 def open_dht(*, identity: Path | None = None, sign: bool = True, **kwargs: Any) -> hivemind.DHT:
-    """Gives a started hivemind DHT whose records are signed and checked (`SignedRecords`). With `sign`, it stores
+    """Gives a started hivemind DHT whose records are signed and checked (`SignedRecords`), and whose storage and
+    records are bounded (`swarm.dht_limits`). With `sign`, it stores
     under its libp2p identity, `identity` (created if missing) or one made for this process's lifetime; without, it
     only checks what it finds (a client)."""
     private_key = None
@@ -179,8 +180,10 @@ def open_dht(*, identity: Path | None = None, sign: bool = True, **kwargs: Any) 
         private_key = load_identity(identity)
         kwargs["identity_path"] = str(identity)
     validator = SignedRecords(private_key)
-    dht = hivemind.DHT(record_validators=[validator], start=True, **kwargs)
+    kwargs.setdefault("cache_nearest", 0)  # no node caches (`dht_limits.NoCache`): pushing entries there is waste
+    dht = hivemind.DHT(record_validators=[validator, RecordShape()], start=True, **kwargs)
     if validator.peer_id is not None and validator.peer_id != dht.peer_id.to_base58():
         dht.shutdown()
         raise IdentityError(f"the DHT runs as {dht.peer_id} but the identity's key is {validator.peer_id}")
+    dht.run_coroutine(install_bounded_storage)
     return dht

@@ -213,12 +213,14 @@ def test_swarm_dht_process_bootstraps_a_swarm_and_exits_cleanly_on_sigterm(tmp_p
         assert initial_peers and all("/p2p/" in maddr for maddr in initial_peers)
         assert identity_path.is_file()
 
-        for _ in range(2):  # the swarm's nodes keep only what a value's peer signed under its own subkey
+        for _ in range(2):  # the swarm's nodes keep only records a value's peer signed under its own subkey
             joiners.append(open_dht(host_maddrs=LOOPBACK, initial_peers=initial_peers))
         writer = joiners[0].peer_id.to_base58()
-        assert joiners[0].store("cli-test-key", "across", get_dht_time() + 60, subkey=writer)
+        record = make_record(writer, "cli-test-model", 0, 2).to_wire()
+        assert joiners[0].store("cli-test-key", record, get_dht_time() + 60, subkey=writer)
+        assert not joiners[0].store("cli-test-key", "not a record", get_dht_time() + 90, subkey=writer)
         found = joiners[1].get("cli-test-key", latest=True)
-        assert found is not None and found.value[writer].value == "across"
+        assert found is not None and found.value[writer].value == record
     finally:
         for joiner in joiners:
             joiner.shutdown()

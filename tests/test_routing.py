@@ -76,3 +76,13 @@ def test_banned_and_draining_servers_are_skipped_and_gaps_raise() -> None:
     assert list(online) == ["y"]
     with pytest.raises(NoRouteFound):
         find_route(servers(record("a", 0, 4), record("b", 5, 8)), 0, 8, rtt_ms={}, max_length=64)
+
+
+def test_a_spot_check_covers_a_span_with_the_fewest_other_servers_or_reports_a_gap() -> None:
+    from client.verification import cover
+
+    assert route_of(cover([record("a", 0, 2), record("b", 0, 4), record("c", 2, 8)], 0, 4)) == [("b", 0, 4)]
+    chain = cover([record("a", 0, 2), record("c", 1, 3), record("d", 2, 9)], 0, 6)
+    assert route_of(chain) == [("a", 0, 2), ("d", 2, 6)]  # a 1:3 hop would need one more
+    assert cover([record("a", 0, 2), record("d", 3, 9)], 0, 6) is None
+    assert cover([], 0, 1) is None

@@ -1,6 +1,6 @@
 """Spot-checks of servers' outputs (`ClientConfig.verify_fraction`): a server whose blocks return wrong hidden
-states (this test corrupts them in its own code) is caught by a second server's recomputation and a third's verdict,
-banned, and its span replayed elsewhere; the generation ends with the local model's tokens."""
+states (this test corrupts them in its own code) is caught by a second server's recomputation and the verdict of a
+chain of two others, banned, and its span replayed elsewhere; the generation ends with the local model's tokens."""
 
 from __future__ import annotations
 
@@ -29,14 +29,15 @@ def test_a_corrupting_server_is_caught_banned_and_replaced_and_the_tokens_stay_e
         expected = local.generate(input_ids, max_new_tokens=6, do_sample=False)
         with remote.inference_session(max_length=32) as session:
             assert [span.peer_id for span in session.route] == [liar.peer_id, tail.peer_id]  # the only chain
-            honest = [swarm_factory.start_server(tiny_llama, "0:4", wait=False) for _ in range(2)]
+            # a server of all the liar's blocks, and two that cover them as a chain: one checks, the other decides
+            honest = [swarm_factory.start_server(tiny_llama, blocks, wait=False) for blocks in ("0:4", "0:2", "2:4")]
             for server in honest:
                 swarm_factory.wait_ready(server)
             actual = remote.generate(input_ids, session=session, max_new_tokens=6, do_sample=False)
             assert session.route[0].peer_id in {server.peer_id for server in honest}
             checks = session.checks
             assert checks is not None and checks.caught == 1 and checks.disagreed == 1
-            assert checks.checked >= 6  # span 0:4 at every step (the liar's once, then an honest server's)
+            assert checks.checked >= 6  # the first span at every step (the liar's once, then honest servers')
             assert checks.unchecked >= 6  # span 4:8 has no other host to check it
         assert actual.tolist() == expected.tolist()
         assert liar.peer_id in remote.swarm.banned()

@@ -19,6 +19,7 @@ from typing import Any
 
 from orchestrator.service.orchestrator import VARIANTS, Orchestrator, OrchestratorConfig
 from swarm.dht import lookup_orchestrators_async
+from swarm.dht_limits import MAX_RECORD_TTL_S
 from swarm.errors import SwarmError
 from swarm.model import DEFAULT_MODEL, ModelNotFound, resolve_model
 from swarm.records import active_orchestrator
@@ -85,8 +86,9 @@ def build_plan_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
     """Gives the orchestrator config the parsed arguments describe."""
-    if args.record_ttl <= args.announce_period:
-        raise SystemExit("swarm-orchestrator: error: --record-ttl must exceed --announce-period")
+    if not 0 < args.announce_period < args.record_ttl <= MAX_RECORD_TTL_S:
+        raise SystemExit(f"swarm-orchestrator: error: need 0 < --announce-period < --record-ttl <= "
+                         f"{MAX_RECORD_TTL_S:.0f} (the swarm's DHT nodes refuse records that live longer)")
     return OrchestratorConfig(
         model=args.model, initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/{args.port}"],
         announce_maddrs=args.announce_maddrs, identity=args.identity, variant=args.variant, rho_bar=args.rho_bar,
