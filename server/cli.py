@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.admission import DEFAULT_CLIENT_KV_SHARE, DEFAULT_CLIENT_MAX_SESSIONS, DEFAULT_HEADROOM_TOKENS
+from server import allocator
 from server.config import ServerConfig
 from server.exchange import EXCHANGE_SETTINGS
 from server.migration import IMPORT_IDLE_S, KV_CHUNK_BYTES
@@ -262,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    allocator.limit_arenas()  # before the threads that compute start
     try:
         asyncio.run(serve(config_from_args(args)))
     except (InvalidBlockRange, UnsupportedArchitecture, ModelNotFound, OutOfPages, ValueError) as error:

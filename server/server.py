@@ -19,6 +19,7 @@ from orchestrator.block_selection import HostedSpan, better_start, blocks_that_f
 from orchestrator.live_model import replay_prefill_ms_per_token
 from orchestrator.packing import choose_mode
 from orchestrator.packing.migration_split import MigrationCosts, move_costs
+from server import allocator
 from server.compute import DECODE_BATCHES, PREFILL_CHUNK_TOKENS, BlockSpeed, cached_block_speed
 from server.config import ServerConfig
 from server.drop_member import DropMember
@@ -239,6 +240,7 @@ class SwarmServer:
         )
         await self.announcer.start()
         self._tasks.append(asyncio.create_task(self._expire_sessions_loop(), name="expire-sessions"))
+        self._tasks.append(asyncio.create_task(self._trim_heap_loop(), name="trim-heap"))
         for loop in (self.packing.start(), self.dropping.start()):
             if loop is not None:
                 self._tasks.append(loop)
@@ -445,6 +447,13 @@ class SwarmServer:
             forgotten = self.remote.expire()
             if forgotten:
                 log.info("Freed the lent KV of %d block(s) whose keeper went silent", forgotten)
+
+    @staticmethod
+    async def _trim_heap_loop() -> None:
+        """Hands freed C heap back to the OS now and then (`server.allocator`), off the event loop's thread."""
+        while True:
+            await asyncio.sleep(allocator.TRIM_PERIOD_S)
+            await asyncio.to_thread(allocator.trim)
 
     def _check_serving(self) -> None:
         # A server that moves its range keeps running the sessions of the blocks it leaves, even while it serves
