@@ -232,6 +232,8 @@ def report(path: Path, killed: set[int], chaos: Counter[str], pages: dict[str, i
     print(f"| {len(started)} | {len(live)} | {len(finished)} | {exact} | {len(live) - len(finished)} "
           f"| {killed_sessions} | {sum(row.get('failovers', 0) for row in finished)} |")
     print(f"failures by error: {dict(errors)}")
+    for kind in errors:  # one message of each kind: which call timed out, on what
+        print(f"  e.g. {next(row['error'] for row in live if row.get('error', '').startswith(kind))}")
     print(f"per-token latency after the first: P50 {statistics.median(gaps) * 1000:.0f} ms, "
           f"P99 {gaps[int(0.99 * (len(gaps) - 1))] * 1000:.0f} ms over {len(gaps)} tokens" if gaps else "no tokens")
     held = sum(pages.values())

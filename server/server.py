@@ -204,6 +204,10 @@ class SwarmServer:
             restorable_start=self.hosting.restorable[0] if self.hosting.restorable else None,
             restorable_end=self.hosting.restorable[1] if self.hosting.restorable else None,
             reshaping=self.exchange.reshaping,
+            moved_in=sum(self.migrations.stats.sessions_in.values()),
+            moved_out=sum(self.migrations.stats.sessions_out.values()),
+            drops=self.hosting.drops,
+            restores=self.hosting.restores,
             emulated_gpu=self.gpu_profile.name if self.gpu_profile else None,
         )
 

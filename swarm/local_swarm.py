@@ -127,6 +127,13 @@ class SwarmProcesses:
         self._wait_for_line(proc, "orchestrator ready peer_id=")
         return proc
 
+    def start_api(self, model: str | Path, *extra: str, name: str | None = None) -> tuple[Proc, str]:
+        """Starts a swarm-api for `model` on a free loopback port; gives it and its base URL once it listens."""
+        args = ["-m", "api.cli", "--model", str(model), "--initial-peers", *self.initial_peers, "--host", "127.0.0.1",
+                "--port", "0", *extra]
+        proc = self._spawn(name or f"api-{len(self.procs)}", args)
+        return proc, self._wait_for_line(proc, "ready http://").split()[1]
+
     def wait_ready(self, proc: Proc) -> None:
         self._wait_for_line(proc, "ready peer_id=")
 

@@ -117,6 +117,10 @@ class ServerRecord(BaseModel):
         default=False, description="whether a KV exchange after a drop, or the merges after a restore, run now "
         "(the server takes new sessions meanwhile)",
     )
+    moved_in: int = Field(default=0, ge=0, description="sessions that arrived by migration (KV or replay) so far")
+    moved_out: int = Field(default=0, ge=0, description="sessions that left by migration (KV or replay) so far")
+    drops: int = Field(default=0, ge=0, description="times this server dropped blocks (KunServe) so far")
+    restores: int = Field(default=0, ge=0, description="times this server restored dropped blocks so far")
     orchestrators: list[Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)]] = Field(
         default_factory=list, max_length=MAX_ORCHESTRATORS,
         description="peer ids of the orchestrators whose block assignments this server follows",
