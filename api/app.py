@@ -1,5 +1,6 @@
 """The HTTP routes of `swarm-api`: OpenAI's `/v1/models`, `/v1/chat/completions` and `/v1/completions`, and the
-live swarm page (`/`, plain HTML, CSS and JS from `api/static`, no build step) over `/api/v1/swarm`.
+live swarm page (`/`, plain HTML, CSS and JS from `api/static`, no build step) over `/api/v1/swarm`, and Prometheus
+metrics at `/metrics`.
 
 FastAPI on uvicorn, as vLLM's OpenAI server uses: request bodies are pydantic models (the project's records are
 too), and server-sent events are a plain streaming response. Streaming follows OpenAI's chunk format: a first chunk
@@ -11,6 +12,7 @@ first token are HTTP errors like any other; after it, an `{"error": ...}` event 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,11 +20,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.engine import Delta, Engine
 from api.errors import ApiError, bad_request, unknown_model
+from api.metrics import ApiMetrics
 from api.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest, model_card, new_id, now, usage
 from api.swarm_view import SwarmWatcher
 
@@ -44,7 +49,12 @@ def create_app(engine: Engine, watcher: SwarmWatcher) -> FastAPI:
     app = FastAPI(title="chainswarm", description="An OpenAI-compatible API in front of a chainswarm swarm",
                   lifespan=lifespan)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.add_middleware(CountRequests, metrics=engine.metrics)
     started = now()
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, error: ApiError) -> JSONResponse:
@@ -122,6 +132,35 @@ def create_app(engine: Engine, watcher: SwarmWatcher) -> FastAPI:
         return JSONResponse({**chunk(text, last.finish_reason), "usage": usage(len(prompt), last.tokens)})
 
     return app
+
+
+class CountRequests:
+    """ASGI middleware: counts each HTTP request by route and status, and times it to its last byte (a stream's
+    last event)."""
+
+    def __init__(self, app: ASGIApp, metrics: ApiMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500  # if the app fails before it answers
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", "other")  # the route's template, never the raw path: bounded labels
+            self.metrics.requests.labels(path, str(status)).inc()
+            self.metrics.request_seconds.labels(path).observe(time.perf_counter() - started)
 
 
 def api_error_response(error: ApiError) -> JSONResponse:

@@ -15,6 +15,7 @@ import uvicorn
 
 from api.app import create_app
 from api.engine import Engine
+from api.metrics import ApiMetrics
 from api.swarm_view import SwarmWatcher
 from client import ClientConfig, DistributedModelForCausalLM
 from swarm.model import DEFAULT_MODEL, ModelNotFound, resolve_model
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         client_config=ClientConfig(route_wait_s=args.route_wait, request_timeout_s=min(args.timeout, 120.0)),
     )
     names = list(dict.fromkeys([args.served_model_name or args.model, args.model, source.model_id]))
-    engine = Engine(model, names=names, max_concurrency=args.max_concurrency, timeout_s=args.timeout)
+    engine = Engine(model, names=names, max_concurrency=args.max_concurrency, timeout_s=args.timeout,
+                    metrics=ApiMetrics())
     watcher = SwarmWatcher(model.swarm, names[0], period_s=args.page_period)
     config = uvicorn.Config(create_app(engine, watcher), host=args.host, port=args.port,
                             log_level=args.log_level.lower(), timeout_graceful_shutdown=5)

@@ -12,6 +12,7 @@ its next step and the session closes, so the servers free its pages.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -23,8 +24,12 @@ from typing import Any, Literal
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from api.errors import ApiError, bad_request, from_swarm, timed_out
+from api.metrics import ApiMetrics
 from client.model import DistributedModelForCausalLM
 from client.token_stream import Sampler, stream_tokens
+from swarm.errors import SwarmError
+
+log = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length"]
 INCOMPLETE = "\ufffd"
@@ -83,8 +88,9 @@ class Engine:
     """The swarm client, the tokenizer and the threads that generate for `swarm-api`."""
 
     def __init__(self, model: DistributedModelForCausalLM, *, names: list[str], max_concurrency: int,
-                 timeout_s: float, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+                 timeout_s: float, metrics: ApiMetrics, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         self.model = model
+        self.metrics = metrics
         self.names = names  # the first is the name models are listed under; requests may use any
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(model.source.path)
         self.timeout_s = timeout_s
@@ -124,7 +130,11 @@ class Engine:
         now = time.monotonic()
         if self._longest is None or now - self._longest[1] > LIMIT_TTL_S:
             swarm = self.model.swarm
-            records = await asyncio.to_thread(swarm.run, swarm.servers())
+            try:
+                records = await asyncio.to_thread(swarm.run, swarm.servers())
+            except (SwarmError, TimeoutError) as error:  # the generation will meet the same trouble, and say so
+                log.info("reading the servers' session limits failed: %s", error)
+                return self.context_length
             per_block = [max((record.max_length for record in records.values() if block in record.block_range),
                              default=0) for block in range(self.model.source.num_blocks)]
             longest = min(per_block, default=0)
@@ -145,7 +155,8 @@ class Engine:
                 return
             try:
                 tokens = stream_tokens(self.model, prompt, max_new_tokens=max_new_tokens, sampler=sampler,
-                                       eos_token_ids=self.eos, cancelled=cancelled)
+                                       eos_token_ids=self.eos, cancelled=cancelled,
+                                       on_end=lambda session: metrics.failovers.inc(session.failovers))
                 with closing(tokens):  # closing it closes the session
                     for token in tokens:
                         loop.call_soon_threadsafe(queue.put_nowait, ("token", token))
@@ -156,8 +167,11 @@ class Engine:
                 loop.call_soon_threadsafe(queue.put_nowait, ("error", error))
 
         tracker = TextTracker(self.tokenizer, stops)
-        deadline = loop.time() + self.timeout_s
+        metrics = self.metrics
+        started = loop.time()
+        deadline = started + self.timeout_s
         loop.run_in_executor(self._threads, run)
+        metrics.generations.inc()
         try:
             while True:
                 try:
@@ -166,6 +180,10 @@ class Engine:
                     raise timed_out(self.timeout_s) from None
                 if kind == "error":
                     raise item if isinstance(item, ApiError) else from_swarm(item)
+                if kind == "token":
+                    metrics.tokens.inc()
+                    if not tracker.ids:
+                        metrics.first_token_seconds.observe(loop.time() - started)
                 if kind == "end":
                     reason: FinishReason = "stop" if tracker.ids and tracker.ids[-1] in self.eos else "length"
                     yield Delta(tracker.finish(), len(tracker.ids), reason)
@@ -178,6 +196,7 @@ class Engine:
                     yield Delta(text, len(tracker.ids))
         finally:
             cancelled.set()
+            metrics.generations.dec()
 
     def shutdown(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)

@@ -10,13 +10,14 @@ Greedy decoding (temperature 0) takes the argmax, as `generate(do_sample=False)`
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from client.inference import InferenceSession
     from client.model import DistributedModelForCausalLM
 
 
@@ -64,23 +65,28 @@ class Sampler:
 def stream_tokens(
     model: DistributedModelForCausalLM, prompt_ids: list[int], *, max_new_tokens: int, sampler: Sampler,
     eos_token_ids: frozenset[int] = frozenset(), cancelled: threading.Event | None = None,
+    on_end: Callable[[InferenceSession], None] | None = None,
 ) -> Iterator[int]:
     """Yields up to `max_new_tokens` tokens after `prompt_ids`, ending after an EOS token (yielded) or once
     `cancelled` is set (checked before every step). The session closes, and the servers free its pages, when the
-    iterator ends or is closed."""
+    iterator ends or is closed; `on_end` then sees it (e.g. its failovers)."""
     if not prompt_ids:
         raise ValueError("the prompt has no tokens")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids = torch.tensor([prompt_ids], dtype=torch.long)
     session = model.inference_session(max_length=len(prompt_ids) + max_new_tokens, prompt_tokens=len(prompt_ids))
-    with session, model.use_session(session), torch.inference_mode():
-        for _ in range(max_new_tokens):
-            if cancelled is not None and cancelled.is_set():
-                return
-            logits = model(ids, logits_to_keep=1).logits[0, -1]
-            token = sampler.choose(logits)
-            yield token
-            if token in eos_token_ids:
-                return
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    try:
+        with session, model.use_session(session), torch.inference_mode():
+            for _ in range(max_new_tokens):
+                if cancelled is not None and cancelled.is_set():
+                    return
+                logits = model(ids, logits_to_keep=1).logits[0, -1]
+                token = sampler.choose(logits)
+                yield token
+                if token in eos_token_ids:
+                    return
+                ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    finally:
+        if on_end is not None:
+            on_end(session)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -38,8 +39,12 @@ class BatchStats:
     failed: Counter[str] = field(default_factory=Counter)  # error code -> steps that failed with it
     decode_alone: Latency = field(default_factory=lambda: Latency())  # decode steps in batches without a prefill
     decode_beside_prefill: Latency = field(default_factory=lambda: Latency())  # ... in a batch with a prefill chunk
+    # called with (steps, tokens, compute_ms) for every batch (the server's Prometheus histograms)
+    observers: list[Callable[[int, int, float], None]] = field(default_factory=list, repr=False)
 
     def note(self, steps: int, tokens: int, *, compute_ms: float, mixed: bool, place: str) -> None:
+        for observer in self.observers:
+            observer(steps, tokens, compute_ms)
         self.batches += 1
         self.compute_ms += compute_ms
         self.mixed += mixed

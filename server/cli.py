@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(KunServe's remote attention: one round trip per such block and token), 'replay' evicts "
                         "them for their clients to replay, 'auto' (default) picks per session between blocking and "
                         "replay, whichever is expected to end sooner")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port, printed)")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -207,6 +209,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         session_timeout_s=args.session_timeout,
         announce_period_s=args.announce_period,
         record_ttl_s=args.record_ttl,
+        metrics_port=args.metrics_port,
+        metrics_host=args.host,
         drain_timeout_s=args.drain_timeout,
         max_batch_tokens=args.max_batch_tokens,
         kv_headroom_tokens=args.kv_headroom_tokens,
@@ -246,6 +250,8 @@ async def serve(config: ServerConfig) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         record = server.record()
+        if server.metrics_port is not None:  # before `ready`: whoever waits for that may scrape at once
+            print(f"metrics http://{config.metrics_host}:{server.metrics_port}/metrics", flush=True)
         if record.block_end > record.block_start:
             served.append(True)
             print(f"ready peer_id={record.peer_id} blocks={record.block_start}:{record.block_end}", flush=True)

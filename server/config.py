@@ -39,6 +39,8 @@ class ServerConfig:
     session_timeout_s: float = 300.0
     announce_period_s: float = 10.0
     record_ttl_s: float = 30.0
+    metrics_port: int | None = None  # serve Prometheus metrics there (0: any free port)
+    metrics_host: str = "127.0.0.1"
     drain_timeout_s: float = 10.0
     push_timeout_s: float = 10.0
     migration_chunk_bytes: int = KV_CHUNK_BYTES  # KV bytes one import_kv frame of a migration carries at most

@@ -65,6 +65,8 @@ class Pusher:
         self._failed_at: OrderedDict[str, float] = OrderedDict()
         self._verified: OrderedDict[tuple[str, int], tuple[float, list[str]]] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.sent = 0  # steps handed to a stream to the next server
+        self.dropped = 0  # steps not sent: backoff after a failed dial, too many in flight, or a failed send
 
     def push(self, hops: list[NextHop], step: dict[str, Any], *, block: int) -> None:
         """Starts sending `step` (a `push` payload without session and route) to hops[0], which starts at `block`,
@@ -99,18 +101,20 @@ class Pusher:
     def _push_frame(self, peer_id: str, block: int, payloads: list[dict[str, Any]]) -> None:
         failed_at = self._failed_at.get(peer_id)
         if failed_at is not None and time.monotonic() - failed_at < DIAL_BACKOFF_S:
+            self.dropped += len(payloads)
             return
         if len(self._tasks) >= MAX_IN_FLIGHT or peer_id in self._dialing:
             log.debug("push to %s dropped (%d in flight)", peer_id, len(self._tasks))
+            self.dropped += len(payloads)
             return
         frame = payloads[0] if len(payloads) == 1 else {"steps": payloads}
-        if self._send_now(peer_id, block, frame):
+        if self._send_now(peer_id, block, frame, len(payloads)):
             return
-        task = asyncio.create_task(self._send(peer_id, block, frame), name=f"push-{peer_id[-8:]}")
+        task = asyncio.create_task(self._send(peer_id, block, frame, len(payloads)), name=f"push-{peer_id[-8:]}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _send_now(self, peer_id: str, block: int, payload: dict[str, Any]) -> bool:
+    def _send_now(self, peer_id: str, block: int, payload: dict[str, Any], steps: int) -> bool:
         """Writes the push at once on an open stream to a peer recently confirmed to host `block`, sparing the task
         hop of `_send`; gives whether the push is done with (sent or failed)."""
         connection = self._connections.get(peer_id)
@@ -122,17 +126,21 @@ class Pusher:
                 return False
         except SwarmError as error:
             log.debug("push to %s failed: %s: %s", peer_id, type(error).__name__, error.message)
+            self.dropped += steps
             if connection.is_closed:
                 self._connections.pop(peer_id, None)
             return True
+        self.sent += steps
         self._connections.move_to_end(peer_id)
         return True
 
-    async def _send(self, peer_id: str, block: int, payload: dict[str, Any]) -> None:
+    async def _send(self, peer_id: str, block: int, payload: dict[str, Any], steps: int) -> None:
         try:
             connection = await self._connection(peer_id, block)
             await connection.notify("push", payload, timeout=self.timeout_s)
+            self.sent += steps
         except SwarmError as error:  # e.g. the next server is gone; what it refuses, it logs itself
+            self.dropped += steps
             log.debug("push to %s failed: %s: %s", peer_id, type(error).__name__, error.message)
             dropped = self._connections.get(peer_id)
             if dropped is not None and dropped.is_closed:

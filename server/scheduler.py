@@ -92,6 +92,8 @@ class StepScheduler:
         self.remote_forward = remote_forward
         self._remote: set[asyncio.Task[None]] = set()  # steps computing with a peer's attention
         self.stats = BatchStats()
+        # called with (tokens, admitted_s) for every step answered (the server's Prometheus histogram)
+        self.step_observers: list[Callable[[int, float], None]] = []
         self.computing = False
         self._queue: list[Step] = []
         self._ready = asyncio.Event()
@@ -456,6 +458,8 @@ class StepScheduler:
             for step in steps:
                 assert step.session.last_result is not None
                 step.result.set_result(step.session.last_result)
+                for observer in self.step_observers:
+                    observer(step.tokens, step.admitted_s)
 
     def _drop(self, step: Step, error: SwarmError) -> None:
         if step in self._queue:

@@ -26,6 +26,7 @@ from server.drop_member import DropMember
 from server.emulated_gpu import load_profile
 from server.exchange import BlockExchange
 from server.hosting import Hosting
+from server.metrics import ServerMetrics
 from server.migration import AUTO, MAX_PIECES_PER_FRAME, MODES, Migrations, MoveChoice
 from server.packing_member import PackingMember
 from server.push import Pusher
@@ -49,6 +50,7 @@ from swarm.errors import (
     SwarmError,
 )
 from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, parse_size
+from swarm.metrics import serve_metrics
 from swarm.model import BlockRange, ModelSource, parse_block_range, pick_device, pick_dtype, resolve_model
 from swarm.records import SOFTWARE_VERSION, BatchTiming, NextHop, ServerRecord, ServerState
 from swarm.rpc import CallContext, RpcConnection, RpcServer, dial
@@ -162,6 +164,9 @@ class SwarmServer:
         self.announcer: Announcer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.pusher: Pusher | None = None
+        self.pushes_received = 0  # steps that previous servers of chains pushed here
+        self.metrics: ServerMetrics | None = None
+        self.metrics_port: int | None = None
 
     @property
     def peer_id(self) -> str:
@@ -245,6 +250,10 @@ class SwarmServer:
         await self.announcer.start()
         self._tasks.append(asyncio.create_task(self._expire_sessions_loop(), name="expire-sessions"))
         self._tasks.append(asyncio.create_task(self._trim_heap_loop(), name="trim-heap"))
+        if self.config.metrics_port is not None:
+            self.metrics = ServerMetrics(self)
+            http = serve_metrics(self.metrics.registry, self.config.metrics_port, self.config.metrics_host)
+            self.metrics_port = http.server_address[1]
         for loop in (self.packing.start(), self.dropping.start()):
             if loop is not None:
                 self._tasks.append(loop)
@@ -562,6 +571,8 @@ class SwarmServer:
     async def _push(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         """Accepts steps pushed by the previous server of a chain (a notification: its reply is not sent) and
         computes them in the background: one step, or `steps`, a list of them that a batch there finished."""
+        steps = payload.get("steps")
+        self.pushes_received += len(steps) if isinstance(steps, list) else 1
         if "steps" not in payload:
             validate_compression(field(payload, "compression", str, optional=True))
             self._admit_step(payload, ctx)

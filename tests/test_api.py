@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from client.swarm_client import ClientConfig, SwarmClient
 from swarm.local_swarm import SwarmProcesses
 from swarm.model import DEFAULT_MODEL, resolve_model
+from tests.prometheus import metrics_url, scrape, value
 from tests.test_batching import infos, multi_step_batches
 from tests.test_swarm_generate import start_swarm
 
@@ -38,7 +39,8 @@ def smollm2() -> Path:
 @pytest.fixture(scope="module")
 def swarm(swarm_factory: SwarmProcesses, smollm2: Path) -> SwarmProcesses:
     swarm_factory.torch_threads = 1
-    start_swarm(swarm_factory, smollm2, ["0:15", "15:30"])
+    metrics = ["--metrics-port", "0"]
+    start_swarm(swarm_factory, smollm2, ["0:15", "15:30"], {"0:15": metrics, "15:30": metrics})
     return swarm_factory
 
 
@@ -158,6 +160,31 @@ def test_concurrent_requests_run_as_concurrent_sessions_that_the_servers_batch(
         assert after > before  # steps of different requests computed in one batch
     finally:
         client.shutdown()
+
+
+def test_the_api_and_the_servers_serve_prometheus_metrics(api_url: str, swarm: SwarmProcesses) -> None:
+    """After the requests above: the API counts them by route and status, with tokens and time to first token;
+    each server its batches, steps, tokens, pages by kind and pushes along the chain."""
+    api = scrape(f"{api_url}/metrics")
+    assert value(api, "chainswarm_api_requests_total", route="/v1/chat/completions", status="200") >= 8
+    assert value(api, "chainswarm_api_requests_total", route="/v1/models", status="200") >= 1
+    assert value(api, "chainswarm_api_tokens_generated_total") >= 50
+    assert value(api, "chainswarm_api_time_to_first_token_seconds_count") >= 8
+    assert value(api, "chainswarm_api_generations") == 0
+    assert value(api, "chainswarm_api_failovers_total") == 0
+    head, tail = (scrape(metrics_url(swarm, proc)) for proc in swarm.procs if proc.name.startswith("server-"))
+    for server in (head, tail):
+        assert value(server, "chainswarm_server_batch_size_count") > 0
+        assert value(server, "chainswarm_server_batch_size_bucket", le="+Inf") == value(
+            server, "chainswarm_server_batch_size_count")
+        assert value(server, "chainswarm_server_step_seconds_count", kind="decode") > 0
+        assert value(server, "chainswarm_server_tokens_computed_total") >= 100
+        assert value(server, "chainswarm_server_sessions") == 0
+        assert value(server, "chainswarm_server_pages", kind="kv") == 0
+        assert value(server, "chainswarm_server_pages", kind="params") > 0
+        assert value(server, "chainswarm_server_blocks") == 15
+    assert value(head, "chainswarm_server_pushes_total", direction="sent") > 0  # decode steps go on to the tail
+    assert value(tail, "chainswarm_server_pushes_total", direction="received") > 0
 
 
 def test_a_client_that_leaves_mid_stream_ends_its_session_and_the_pages_go_back(

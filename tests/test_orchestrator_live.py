@@ -3,6 +3,7 @@ a server follows no one but the orchestrator it names."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import threading
@@ -15,12 +16,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from api.swarm_view import SwarmWatcher
 from client import ClientConfig, DistributedModelForCausalLM
 from swarm.dht import lookup_orchestrators_async
 from swarm.errors import AssignmentRefused
 from swarm.local_swarm import Proc, SwarmProcesses
 from swarm.records import ServerRecord, active_orchestrator
 from swarm.rpc import dial
+from tests.prometheus import metrics_url, scrape, value
 from tests.test_failover import ActAfterTokens
 
 pytestmark = pytest.mark.slow
@@ -74,7 +77,8 @@ def llama_local(tiny_llama: Path) -> AutoModelForCausalLM:
 def orchestrators(swarm_factory: SwarmProcesses, tiny_llama: Path) -> list[Proc]:
     """The active orchestrator and its standby (started later), both named by every following server."""
     swarm_factory.start_dht()
-    active = swarm_factory.start_orchestrator(tiny_llama, *ORCHESTRATOR_ARGS, name="orchestrator-active")
+    active = swarm_factory.start_orchestrator(tiny_llama, *ORCHESTRATOR_ARGS, "--metrics-port", "0",
+                                              name="orchestrator-active")
     standby = swarm_factory.start_orchestrator(tiny_llama, *ORCHESTRATOR_ARGS, name="orchestrator-standby")
     return [active, standby]
 
@@ -167,7 +171,8 @@ time.sleep(600)
 
 
 def test_a_session_waits_in_the_queue_while_every_slot_is_taken_and_a_dead_clients_lease_expires(
-    orchestrated: DistributedModelForCausalLM, swarm_factory: SwarmProcesses, tiny_llama: Path
+    orchestrated: DistributedModelForCausalLM, swarm_factory: SwarmProcesses, tiny_llama: Path,
+    orchestrators: list[Proc],
 ) -> None:
     state = orchestrator_state(orchestrated)
     slots = sum(chain["capacity"] for chain in state["chains"])
@@ -185,6 +190,20 @@ def test_a_session_waits_in_the_queue_while_every_slot_is_taken_and_a_dead_clien
         wait_for(lambda: orchestrator_state(orchestrated)["queued"] == 1, "the session to queue")
         time.sleep(1.0)
         assert not queued, "a session started although every slot was taken"
+        metrics = scrape(metrics_url(swarm_factory, orchestrators[0]))  # Prometheus sees what `info` says
+        state = orchestrator_state(orchestrated)
+        assert value(metrics, "chainswarm_orchestrator_queue_length") == 1
+        assert value(metrics, "chainswarm_orchestrator_leases") == slots
+        assert value(metrics, "chainswarm_orchestrator_dispatches_total") == state["dispatched"]
+        assert value(metrics, "chainswarm_orchestrator_active") == 1
+        assert sum(value(metrics, "chainswarm_orchestrator_chain_in_use", chain=str(index))
+                   for index in range(len(state["chains"]))) == slots
+        watcher = SwarmWatcher(orchestrated.swarm, "tiny")  # what the live page shows of the orchestrator
+        asyncio.run(watcher.refresh())
+        view = watcher.view()
+        assert view["orchestrator"]["queued"] == 1 and min(view["coverage"]) >= 1
+        assert [(chain["capacity"], chain["in_use"]) for chain in view["chains"]] == [
+            (chain["capacity"], chain["in_use"]) for chain in state["chains"]]
         swarm_factory.kill(holder)  # its lease is no longer renewed: it expires within the lease TTL (3 s)
         waiter.join(timeout=60)
         assert queued, "the queued session did not get the freed slot"

@@ -46,7 +46,7 @@ function drawServers(swarm) {
       title: `${server.peer_id}\n${server.state}, blocks ${start}:${end}`,
       style: {gridColumn: `${start + 1} / ${Math.max(end, start + 1) + 1}`},
     }, `${label} [${start}:${end}]`, element("small", {},
-      `${speed}${used}/${server.pages_total} pages · ${server.sessions} session(s)`));
+      `${speed}pages ${used} used, ${server.pages_free} free · ${server.sessions} session(s)`));
     lane.append(box);
     if (server.restorable && server.restorable[1] > end) {
       lane.append(element("div", {class: "ghost", style: {gridColumn: `${end + 1} / ${server.restorable[1] + 1}`}}));

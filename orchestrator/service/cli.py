@@ -17,10 +17,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from orchestrator.service.metrics import OrchestratorMetrics
 from orchestrator.service.orchestrator import VARIANTS, Orchestrator, OrchestratorConfig
 from swarm.dht import lookup_orchestrators_async
 from swarm.dht_limits import MAX_RECORD_TTL_S
 from swarm.errors import SwarmError
+from swarm.metrics import serve_metrics
 from swarm.model import DEFAULT_MODEL, ModelNotFound, resolve_model
 from swarm.records import active_orchestrator
 from swarm.rpc import dial
@@ -58,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pack the sessions of followers that host the same blocks onto as few of them as the "
                              "policy keeps, moving them live (JFFC's leases follow)")
     parser.add_argument("--packing-epoch", type=float, default=1.0, help="seconds between two packings")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port, printed)")
     parser.add_argument("--kv-dropping", action="store_true",
                         help="when the KV demand of followers that host the same blocks (their sessions and the "
                         "queue's) outgrows their pages, merge them into buddy groups that drop parameters to hold "
@@ -97,7 +101,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         refresh_period_s=args.refresh_period, announce_period_s=args.announce_period, record_ttl_s=args.record_ttl,
         lease_ttl_s=args.lease_ttl, kv_packing=args.kv_packing, packing_epoch_s=args.packing_epoch,
         batch_aware=args.batch_aware, kv_dropping=args.kv_dropping, drop_period_s=args.drop_period,
-        restore_after_s=args.restore_after,
+        restore_after_s=args.restore_after, metrics_port=args.metrics_port, metrics_host=args.host,
     )
 
 
@@ -110,6 +114,9 @@ async def serve(config: OrchestratorConfig) -> None:
         loop = asyncio.get_running_loop()  # handlers only now: the DHT's forked process must not inherit them
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
+        if config.metrics_port is not None:
+            http = serve_metrics(OrchestratorMetrics(orchestrator).registry, config.metrics_port, config.metrics_host)
+            print(f"metrics http://{config.metrics_host}:{http.server_address[1]}/metrics", flush=True)
         print(f"orchestrator ready peer_id={orchestrator.peer_id}", flush=True)
         await stop.wait()
     finally:

@@ -95,6 +95,8 @@ class OrchestratorConfig:
     refresh_period_s: float = 5.0
     announce_period_s: float = 10.0
     record_ttl_s: float = 30.0
+    metrics_port: int | None = None  # serve Prometheus metrics there (0: any free port)
+    metrics_host: str = "127.0.0.1"
     lease_ttl_s: float = 30.0
     request_timeout_s: float = 15.0
     block_change_timeout_s: float = 300.0
