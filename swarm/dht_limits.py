@@ -7,19 +7,22 @@ fails as a whole and the honest records in it stop routing. The bounds:
 - `RecordShape`, a record validator: a value (unwrapped from its signature) is a server or orchestrator record of
   the peer whose subkey it sits under, at most `MAX_RECORD_BYTES`, expiring at most `MAX_RECORD_TTL_S` from now.
   Nodes refuse to store anything else, and a lookup drops it.
-- `BoundedStorage`: a node keeps at most `MAX_SUBKEYS_PER_KEY` subkeys under one key. A full key refuses new
-  subkeys and still takes refreshes of the ones it holds, so the servers announced before a flood keep routing
-  (evicting the entry that expires first, hivemind's rule for a full storage, would hand the key to whoever
-  announces with the longest TTL). A slot frees when its entry expires: at most `MAX_RECORD_TTL_S` after its peer
-  stopped refreshing it.
+- `BoundedStorage`: a node keeps at most `MAX_KEY_BYTES` of values under one key (about 90 servers at a real record's
+  1.3 KiB signed, 20 at the size bound). A full key refuses new subkeys and still takes refreshes of the ones it
+  holds, so the servers announced before a flood keep routing. (Evicting the entry that expires first, hivemind's
+  rule for a full storage, would hand the key to whoever announces with the longest TTL.) New subkeys stop
+  `KEY_RESERVE_BYTES` short of the budget, which leaves room for held records to grow a little when refreshed; a
+  refresh that does not grow its record is always taken. A slot frees when its entry expires: at most
+  `MAX_RECORD_TTL_S` after its peer stopped refreshing it.
 - `NoCache`: a node caches no lookups, and takes no cache entries from other nodes.
-- `LOOKUP_KEYS_PER_REQUEST`: a lookup asks for so few keys per request that a node's whole answer, every key at its
-  bounds, fits in half the message limit.
-So an honest node's answer is at most about 1 MiB per key and a lookup checks at most `MAX_SUBKEYS_PER_KEY`
-signatures per key and honest node. A hostile node's answer is bounded by the message limit, and the first value in
-it that fails validation discards it whole (hivemind's rule). Left open: `MAX_SUBKEYS_PER_KEY` identities that take
-a key's free slots keep a new server from announcing on the nodes that hold it, for as long as they refresh (a Sybil
-attack; it needs a cost per identity, which the swarm has not yet).
+- `LOOKUP_KEYS_PER_REQUEST`: a node answers all keys of a request in one message, so a lookup asks for at most so
+  many keys per search that the answer, every key at its budget, fits in half the message limit (16: a 30-block
+  model's blocks take two searches).
+So an honest node's answer is at most 2 MiB, and a lookup checks at most about 90 signatures per key and honest node.
+A hostile node's answer is bounded by the message limit, and the first value in it that fails validation discards
+it whole (hivemind's rule). Left open: identities that take a key's free budget keep a new server from announcing on
+the nodes that hold it, for as long as they refresh (a Sybil attack; it needs a cost per identity, which the swarm
+has not yet).
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ from swarm.records import OrchestratorRecord, ServerRecord
 MAX_RECORD_BYTES = 7 << 10  # a record at every field's bound packs to about 5.8 KiB; real ones to under 1 KiB
 MAX_VALUE_BYTES = 8 << 10  # the same, signed: public key and signature add about 600 bytes
 MAX_RECORD_TTL_S = 600.0  # the longest a record may live unrefreshed; servers and orchestrators default to 30 s
-MAX_SUBKEYS_PER_KEY = 128  # servers of one block (or of one model) a node keeps
-LOOKUP_KEYS_PER_REQUEST = max(1, MAX_UNARY_PAYLOAD_SIZE // (MAX_SUBKEYS_PER_KEY * MAX_VALUE_BYTES))
+MAX_KEY_BYTES = 128 << 10  # values (with ENTRY_OVERHEAD each) a node keeps under one key
+KEY_RESERVE_BYTES = 16 << 10  # the end of that budget, kept for refreshes of held records that grow
+ENTRY_OVERHEAD = 64  # bytes an entry costs beside its value in an answer: subkey, expiry, framing
+LOOKUP_KEYS_PER_REQUEST = max(1, MAX_UNARY_PAYLOAD_SIZE // MAX_KEY_BYTES)
 
 
 def check_record_ttl(ttl_s: float) -> None:
@@ -73,15 +78,27 @@ class RecordShape(RecordValidatorBase):
 
 
 class BoundedStorage(DHTLocalStorage):
-    """hivemind's local storage with at most `MAX_SUBKEYS_PER_KEY` subkeys under any key: a full key refuses new
+    """hivemind's local storage with at most `MAX_KEY_BYTES` of values under any key: a full key refuses new
     subkeys and takes refreshes of those it holds."""
 
     def store_subkey(self, key: Any, subkey: Any, value: bytes, expiration_time: DHTExpiration) -> bool:
         previous = self.get(key)
-        if (previous is not None and isinstance(previous.value, DictionaryDHTValue)
-                and subkey not in previous.value and len(previous.value) >= MAX_SUBKEYS_PER_KEY):
-            return False
+        if previous is not None and isinstance(previous.value, DictionaryDHTValue):
+            held = previous.value.get(subkey)
+            total = key_bytes(previous.value)
+            size = len(value) + ENTRY_OVERHEAD
+            if held is None and total + size > MAX_KEY_BYTES - KEY_RESERVE_BYTES:
+                return False
+            if held is not None:
+                held_size = len(held.value) + ENTRY_OVERHEAD
+                if size > held_size and total - held_size + size > MAX_KEY_BYTES:
+                    return False
         return super().store_subkey(key, subkey, value, expiration_time)
+
+
+def key_bytes(subkeys: DictionaryDHTValue) -> int:
+    """Gives what the entries under one key cost against `MAX_KEY_BYTES`."""
+    return sum(len(item.value) + ENTRY_OVERHEAD for _subkey, item in subkeys.items())
 
 
 class NoCache(DHTLocalStorage):

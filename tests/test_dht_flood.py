@@ -23,12 +23,14 @@ from hypothesis import strategies as st
 
 from swarm.dht import announce, block_key, lookup, servers_key
 from swarm.dht_limits import (
+    KEY_RESERVE_BYTES,
+    MAX_KEY_BYTES,
     MAX_RECORD_BYTES,
     MAX_RECORD_TTL_S,
-    MAX_SUBKEYS_PER_KEY,
     BoundedStorage,
     RecordShape,
     check_record_ttl,
+    key_bytes,
 )
 from swarm.records import OrchestratorRecord, ServerState
 from swarm.signing import SignedRecords, open_dht
@@ -37,7 +39,7 @@ from tests.test_dht import make_record
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 MODEL = "flood/model"
 BLOCKS = 4
-SYBILS = MAX_SUBKEYS_PER_KEY + 72
+SYBILS = 200
 JUNK_SUBKEYS = 3000
 
 
@@ -88,16 +90,21 @@ def test_a_full_key_refuses_new_subkeys_and_takes_refreshes_of_those_it_holds() 
     storage = BoundedStorage()
     key = DHTID.generate(source="k")
     now = get_dht_time()
-    assert storage.store_subkey(key, "honest", b"v1", now + 30)
-    accepted = sum(storage.store_subkey(key, f"sybil-{i}", b"x", now + 500) for i in range(3 * MAX_SUBKEYS_PER_KEY))
-    assert accepted == MAX_SUBKEYS_PER_KEY - 1
+    record = b"r" * 1300  # a real record, signed
+    assert storage.store_subkey(key, "honest", record, now + 30)
+    accepted = sum(storage.store_subkey(key, f"sybil-{i}", record, now + 500) for i in range(1000))
     held = storage.get(key)
     assert held is not None and isinstance(held.value, DictionaryDHTValue)
-    assert len(held.value) == MAX_SUBKEYS_PER_KEY and "honest" in held.value
-    assert storage.store_subkey(key, "honest", b"v2", now + 40)  # a refresh of a held subkey
-    assert held.value.get("honest").value == b"v2"
-    assert not storage.store_subkey(key, "newcomer", b"v", now + 590)
-
+    assert key_bytes(held.value) <= MAX_KEY_BYTES - KEY_RESERVE_BYTES
+    assert accepted == len(held.value) - 1 and 80 <= accepted < 100 and "honest" in held.value
+    assert storage.store_subkey(key, "honest", record[:-5], now + 40)  # a refresh that does not grow
+    assert storage.store_subkey(key, "honest", record + b"+" * 20, now + 50)  # one that grows into the reserve
+    assert held.value.get("honest").value == record + b"+" * 20
+    assert not storage.store_subkey(key, "newcomer", record, now + 590)
+    for index in range(accepted):  # the flood's peers grow theirs: the reserve runs out, the budget holds
+        storage.store_subkey(key, f"sybil-{index}", record * 2, now + 501)
+    assert key_bytes(held.value) <= MAX_KEY_BYTES
+    assert storage.store_subkey(key, "honest", record, now + 60)  # a refresh that does not grow still goes in
 
 
 # --- a live flood on loopback -------------------------------------------------------------------------------------
@@ -149,18 +156,16 @@ async def _flood(_dht: hivemind.DHT, node: DHTNode, *, peers: list[PeerID], keys
     return list(oversized), list(well_formed)
 
 
-async def _subkey_counts(_dht: hivemind.DHT, node: DHTNode, *, keys: list[str]) -> list[int]:
-    counts = []
-    for key in keys:
-        held = node.protocol.storage.get(DHTID.generate(source=key))
-        counts.append(len(held.value) if held is not None and isinstance(held.value, DictionaryDHTValue) else 0)
-    return counts
+async def _held_bytes(_dht: hivemind.DHT, node: DHTNode, *, keys: list[str]) -> list[int]:
+    held = [node.protocol.storage.get(DHTID.generate(source=key)) for key in keys]
+    return [key_bytes(item.value) if item is not None and isinstance(item.value, DictionaryDHTValue) else 0
+            for item in held]
 
 
 def test_a_flooded_key_stays_bounded_and_its_honest_records_still_route(honest_nodes: list[hivemind.DHT]) -> None:
     """The honest server announces first. Then an attacker that checks nothing joins: it serves thousands of junk
     subkeys of its own, and sends the honest nodes, from 200 identities of its own, signed junk at the size limit and
-    well-formed records at every field's bound. The honest nodes keep at most `MAX_SUBKEYS_PER_KEY` records per key,
+    well-formed records at every field's bound. The honest nodes keep at most `MAX_KEY_BYTES` of records per key,
     the honest one among them, and a client's lookup still finds it for every block, and then sees its refresh."""
     keys = [*(block_key(MODEL, block) for block in range(BLOCKS)), servers_key(MODEL)]
     server = honest_nodes[0]
@@ -176,15 +181,16 @@ def test_a_flooded_key_stays_bounded_and_its_honest_records_still_route(honest_n
             _flood, peers=[node.peer_id for node in honest_nodes], keys=keys, identities=SYBILS,
             expiration=get_dht_time() + MAX_RECORD_TTL_S - 30))
         assert all(result == [False] * len(keys) for result in oversized)
-        assert sum(all(result) for result in well_formed) >= MAX_SUBKEYS_PER_KEY - 1  # some took the free slots
+        taken = sum(all(result) for result in well_formed)
+        assert 0 < taken < SYBILS  # some took the free budget, most were refused
         for node in honest_nodes:
-            counts = node.run_coroutine(partial(_subkey_counts, keys=keys))
-            assert all(count <= MAX_SUBKEYS_PER_KEY for count in counts), counts
+            held = node.run_coroutine(partial(_held_bytes, keys=keys))
+            assert all(0 < size <= MAX_KEY_BYTES for size in held), held
 
         found = lookup(client, MODEL, BLOCKS, timeout_s=60)
         for records in found:
             assert honest.peer_id in records
-            assert len(records) <= MAX_SUBKEYS_PER_KEY * len(honest_nodes)  # the union of their answers
+            assert len(records) <= len(honest_nodes) * MAX_KEY_BYTES // 6000 + 1  # the union of their answers
         refreshed = honest.model_copy(update={"state": ServerState.draining})
         assert announce(server, refreshed, ttl_s=60)  # a full key still takes the refresh of a record it holds
         found = lookup(client, MODEL, BLOCKS, timeout_s=60)
