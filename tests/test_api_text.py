@@ -117,3 +117,25 @@ def test_requests_are_validated_with_the_offending_parameter_named() -> None:
     assert CompletionRequest.model_validate({"model": "m", "prompt": "p"}).max_tokens == 16
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]})
+
+
+def test_the_pages_events_are_what_changed_between_two_reads_of_the_records() -> None:
+    from api.swarm_view import changes, coverage, server_view
+    from swarm.records import ServerState
+    from tests.test_dht import make_record
+
+    before = {"a": make_record("a", "m", 0, 4), "b": make_record("b", "m", 4, 8), "c": make_record("c", "m", 0, 8)}
+    after = {
+        "a": make_record("a", "m", 0, 2, restorable_start=0, restorable_end=4, drops=1),  # dropped blocks 2:4
+        "b": make_record("b", "m", 4, 8, moved_in=2),  # two sessions arrived
+        "d": make_record("d", "m", 2, 4),  # joined; c's record expired
+    }
+    events = {(event.kind, event.peer_id, event.detail) for event in changes(before, after, at=1.0)}
+    assert events == {("dropped", "a", "blocks 0:4 -> 0:2"), ("moved_in", "b", "2 session(s) arrived"),
+                      ("joined", "d", "blocks 2:4"), ("left", "c", "its record expired")}
+    restored = {"a": make_record("a", "m", 0, 4, drops=1, restores=1), "b": after["b"],
+                "d": make_record("d", "m", 2, 4, state=ServerState.draining)}
+    events = {(event.kind, event.peer_id) for event in changes(after, restored, at=2.0)}
+    assert events == {("restored", "a"), ("left", "d")}
+    assert coverage(restored, 8) == [1, 1, 1, 1, 1, 1, 1, 1]  # the draining server counts for nothing
+    assert server_view(after["a"])["restorable"] == [0, 4] and server_view(after["a"])["blocks"] == [0, 2]
