@@ -58,7 +58,7 @@ def create_app(engine: Engine, watcher: SwarmWatcher) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, error: ApiError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        return api_error_response(error)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, error: RequestValidationError) -> JSONResponse:

@@ -98,9 +98,6 @@ class CompletionRequest(SamplingRequest):
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
-    def token_limit(self) -> int | None:
-        return self.max_tokens
-
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
