@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from client import ClientConfig, DistributedModelForCausalLM
 from client.swarm_client import SwarmClient
 from swarm.errors import MaxLengthExceeded, MigrationRefused, ServerBusy, SessionNotFound, SwarmError
-from swarm.local_swarm import Proc, SwarmProcesses
+from swarm.local_swarm import REPO, Proc, SwarmProcesses
 from tests.test_failover import ActAfterTokens
 from tests.test_swarm_generate import prompt
 
@@ -123,6 +123,23 @@ def generate_with_a_refused_move(
 
 
 SLOW_MOVES = ("--migration-chunk-size", "256B")  # a frame per token, block and row: a move takes hundreds of frames
+
+
+def gated(gate: Path) -> list[str]:
+    """Gives the launcher of a server whose imports, past their first frame, wait while the file `gate` exists (see
+    tests/gated_imports): the test holds a move in its middle, with no race against the move's end."""
+    return ["env", f"PYTHONPATH={Path(__file__).parent / 'gated_imports'}:{REPO}",
+            f"CHAINSWARM_TEST_IMPORT_GATE={gate}"]
+
+
+def start_gated_servers(swarm: SwarmProcesses, model: Path, gate: Path, *servers: tuple[str, ...]) -> list[Proc]:
+    """Starts the DHT and a gated server (`gated`) per entry (its blocks and extra arguments); returns once all
+    serve."""
+    swarm.start_dht()
+    started = [swarm.start_server(model, *entry, wait=False, launcher=gated(gate)) for entry in servers]
+    for server in started:
+        swarm.wait_ready(server)
+    return started
 
 
 def other_host(client: SwarmClient, peer_id: str) -> str:
@@ -272,35 +289,33 @@ def test_a_move_the_destination_refuses_leaves_the_session_whole_on_its_source(
 
 @pytest.mark.parametrize("victim", ["destination", "source"])
 def test_a_server_that_dies_mid_transfer_loses_no_token_and_no_page(
-    swarm_factory: SwarmProcesses, tiny_llama: Path, victim: str
+    swarm_factory: SwarmProcesses, tiny_llama: Path, victim: str, tmp_path: Path
 ) -> None:
     """The destination dies: the session stays whole on its source. The source dies: the client fails over (a replay
     on the survivor), and the survivor drops the half-done import once it hears nothing more."""
     extra = (*SLOW_MOVES, "--import-idle-timeout", "1", "--session-timeout", "4")
-    servers = start_servers(swarm_factory, tiny_llama, ("0:8", *extra), ("0:8", *extra))
+    gate = tmp_path / "gate"
+    gate.touch()  # the destination takes the move's first frame, then holds the next until the kill
+    servers = start_gated_servers(swarm_factory, tiny_llama, gate, ("0:8", *extra), ("0:8", *extra))
     by_peer = {server.peer_id: server for server in servers}
     local, remote = local_and_remote(swarm_factory, tiny_llama)
     try:
         client = remote.swarm
         baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
-        input_ids = prompt(400, 11)  # 3,200 frames of KV to move
+        input_ids = prompt(40, 11)  # 344 frames of KV to move
         expected = local.generate(input_ids, max_new_tokens=10, do_sample=False)
         errors: list[BaseException] = []
         ends: dict[str, str] = {}
-        with remote.inference_session(max_length=448) as session:
+        with remote.inference_session(max_length=64) as session:
 
             def kill_mid_move() -> None:
                 ends["source"] = session.route[0].peer_id
                 ends["destination"] = other_host(client, ends["source"])
-                destination = by_peer[ends["destination"]]
                 with watching(client, ends["destination"]) as info:
                     mover = in_background(lambda: session.migrate(0, ends["destination"], mode="kv"), errors)
                     wait_until(lambda: info()["migrations"]["bytes_in"] > 0, "the first chunk")
-                    # the destination stops taking chunks at once: the move cannot commit before the kill
-                    destination.popen.send_signal(signal.SIGSTOP)
                 swarm_factory.kill(by_peer[ends[victim]])
-                if victim == "source":
-                    destination.popen.send_signal(signal.SIGCONT)
+                gate.unlink()  # the survivor's held frame goes on: to an import the source can no longer commit
                 mover.join(TIMEOUT_S * 2)
                 assert not mover.is_alive()
 
@@ -362,9 +377,12 @@ def test_a_destination_out_of_pages_refuses_the_move_and_the_session_stays_whole
 
 @pytest.mark.parametrize("push", [True, False], ids=["push", "no-push"])
 def test_steps_that_arrive_during_a_move_wait_and_follow_it_without_a_replay(
-    swarm_factory: SwarmProcesses, tiny_llama: Path, push: bool
+    swarm_factory: SwarmProcesses, tiny_llama: Path, push: bool, tmp_path: Path
 ) -> None:
-    servers = start_servers(swarm_factory, tiny_llama, "0:4", ("4:8", *SLOW_MOVES), ("4:8", *SLOW_MOVES))
+    gate = tmp_path / "gate"
+    gate.touch()  # the destination takes the move's first frame, then holds the next until a step waits for the move
+    servers = start_gated_servers(swarm_factory, tiny_llama, gate, ("0:4",), ("4:8", *SLOW_MOVES),
+                                  ("4:8", *SLOW_MOVES))
     by_peer = {server.peer_id: server for server in servers}
     # The held step waits for the whole move (600 frames, one round trip each): on a loaded machine that can take
     # longer than 30 s, and a timeout would turn the move into a failover.
@@ -386,16 +404,15 @@ def test_steps_that_arrive_during_a_move_wait_and_follow_it_without_a_replay(
                 with watching(client, destination.peer_id) as info:
                     threads.append(in_background(lambda: session.migrate(1, destination.peer_id, mode="kv"), errors))
                     wait_until(lambda: info()["migrations"]["bytes_in"] > 0, "a chunk")
-                    # The destination stops mid-transfer until the generation's next step has reached the source;
-                    # then the move goes on, and that step learns where the session went once it committed.
-                    destination.popen.send_signal(signal.SIGSTOP)
 
+                # The destination holds the rest of the move until the generation's next step has reached the
+                # source; then the move goes on, and that step learns where the session went once it committed.
                 def resume_once_a_step_waits() -> None:
                     try:
                         with watching(client, source) as info:
                             wait_until(lambda: info()["migrations"]["held_steps"] >= 1, "a held step")
                     finally:
-                        destination.popen.send_signal(signal.SIGCONT)
+                        gate.unlink()
 
                 threads.append(in_background(resume_once_a_step_waits, errors))
 
