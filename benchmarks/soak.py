@@ -100,8 +100,12 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def rss_kb(pid: int) -> int | None:
-    """Gives the resident KiB of process `pid` outside its page pool, or None if it is gone.
+RSS_PARTS = ("heap", "anon", "file")  # glibc's main heap; other anonymous mappings (arenas, pymalloc, torch); files
+
+
+def rss_parts(pid: int) -> dict[str, int] | None:
+    """Gives the resident KiB of process `pid` outside its page pool, by kind of mapping (`RSS_PARTS`), or None if
+    it is gone.
 
     The pool (`swarm.memory`: one anonymous mapping of the server's whole budget, its largest) is committed page by
     page as KV is first written, so its resident share grows up to the budget without any leak; a leak shows in the
@@ -110,17 +114,25 @@ def rss_kb(pid: int) -> int | None:
         text = Path(f"/proc/{pid}/smaps").read_text()
     except OSError:
         return None
-    mappings: list[tuple[int, int]] = []  # (size KiB, rss KiB) of each mapping
-    size = 0
+    mappings: list[tuple[int, int, str]] = []  # (size KiB, rss KiB, part) of each mapping
+    size, part = 0, "anon"
     for line in text.splitlines():
-        if line.startswith("Size:"):
-            size = int(line.split()[1])
-        elif line.startswith("Rss:"):
-            mappings.append((size, int(line.split()[1])))
+        fields = line.split()
+        if fields and not fields[0].endswith(":"):  # a mapping's header: range, perms, offset, dev, inode[, path]
+            path = fields[5] if len(fields) > 5 else ""
+            part = "heap" if path == "[heap]" else "file" if path.startswith("/") else "anon"
+        elif fields[:1] == ["Size:"]:
+            size = int(fields[1])
+        elif fields[:1] == ["Rss:"]:
+            mappings.append((size, int(fields[1]), part))
     if not mappings:
         return None
-    largest = max(mappings)
-    return sum(rss for _, rss in mappings) - largest[1]
+    pool = max(mappings)
+    parts = dict.fromkeys(RSS_PARTS, 0)
+    for mapping in mappings:
+        if mapping is not pool:
+            parts[mapping[2]] += mapping[1]
+    return parts
 
 
 @dataclass(frozen=True)
@@ -133,25 +145,33 @@ class RssGrowth:
     trend: float  # Theil-Sen slope over the warm samples, as a share of first_kb per 10 minutes
     low_kb: int
     high_kb: int
+    part_change_kb: dict[str, float]  # last window's median minus the first's, by part
 
     @property
     def growth(self) -> float:
         return self.last_kb / self.first_kb - 1
 
 
-def rss_growths(rss: dict[str, list[tuple[float, int]]]) -> dict[str, RssGrowth]:
+def rss_growths(rss: dict[str, list[tuple[float, dict[str, int]]]]) -> dict[str, RssGrowth]:
     """Gives the growth of every process that lived long enough for two windows after its warm-up."""
     growths = {}
     for name, samples in rss.items():
-        warm = [(age, kb) for age, kb in samples if age >= WARMUP_S]
+        warm = [(age, parts) for age, parts in samples if age >= WARMUP_S]
         if not warm or warm[-1][0] < WARMUP_S + 2 * RSS_WINDOW_S:
             continue
-        first = statistics.median(kb for age, kb in warm if age < WARMUP_S + RSS_WINDOW_S)
-        last = statistics.median(kb for age, kb in warm if age > warm[-1][0] - RSS_WINDOW_S)
-        slopes = [(kb_b - kb_a) / (age_b - age_a) for i, (age_a, kb_a) in enumerate(warm)
-                  for age_b, kb_b in warm[i + 1:] if age_b > age_a]
-        trend = statistics.median(slopes) * 600 / first if slopes else 0.0
-        growths[name] = RssGrowth(warm[-1][0], first, last, trend, min(kb for _, kb in warm), max(kb for _, kb in warm))
+        first = [parts for age, parts in warm if age < WARMUP_S + RSS_WINDOW_S]
+        last = [parts for age, parts in warm if age > warm[-1][0] - RSS_WINDOW_S]
+        totals = [(age, sum(parts.values())) for age, parts in warm]
+        slopes = [(kb_b - kb_a) / (age_b - age_a) for i, (age_a, kb_a) in enumerate(totals)
+                  for age_b, kb_b in totals[i + 1:] if age_b > age_a]
+        first_kb = statistics.median(sum(parts.values()) for parts in first)
+        growths[name] = RssGrowth(
+            warm[-1][0], first_kb, statistics.median(sum(parts.values()) for parts in last),
+            statistics.median(slopes) * 600 / first_kb if slopes else 0.0,
+            min(kb for _, kb in totals), max(kb for _, kb in totals),
+            {part: statistics.median(p[part] for p in last) - statistics.median(p[part] for p in first)
+             for part in RSS_PARTS},
+        )
     return growths
 
 
@@ -202,16 +222,16 @@ def main(argv: list[str] | None = None) -> int:
         for slot in range(args.clients):
             start_client(slot, args.duration)
         born = {slot: started for slot in servers}  # when each slot's process started
-        rss: dict[str, list[tuple[float, int]]] = {}  # process name -> (age s, RSS KiB) samples
+        rss: dict[str, list[tuple[float, dict[str, int]]]] = {}  # process name -> (age s, RSS KiB by part)
         chaos: Counter[str] = Counter()
         tick = 0
 
         def sample() -> None:
             now = time.monotonic()
             for slot, proc in list(servers.items()):
-                kb = rss_kb(proc.popen.pid)
-                if kb is not None:
-                    rss.setdefault(proc.name, []).append((now - born[slot], kb))
+                parts = rss_parts(proc.popen.pid)
+                if parts is not None:
+                    rss.setdefault(proc.name, []).append((now - born[slot], parts))
 
         sampling = threading.Event()
 
@@ -256,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(path: Path, killed: set[int], chaos: Counter[str], pages: dict[str, int],
-           rss: dict[str, list[tuple[float, int]]]) -> None:
+           rss: dict[str, list[tuple[float, dict[str, int]]]]) -> None:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     started = [row for row in rows if row["event"] == "started"]
     ended = [row for row in rows if row["event"] == "ended"]
@@ -287,12 +307,14 @@ def report(path: Path, killed: set[int], chaos: Counter[str], pages: dict[str, i
     growths = rss_growths(rss)
     print(f"RSS outside the pool, sampled every {RSS_SAMPLE_S:g} s; growth: the median of the last {RSS_WINDOW_S:g} s "
           f"over the median of the first {RSS_WINDOW_S:g} s after {WARMUP_S:g} s of age")
-    print("| server process | lived s | first MiB | last MiB | growth | trend per 10 min | samples min / max MiB |")
-    print("|---|---|---|---|---|---|---|")
+    print("| server process | lived s | first MiB | last MiB | growth | trend per 10 min | samples min / max MiB "
+          f"| change MiB: {' / '.join(RSS_PARTS)} |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, growth in sorted(growths.items()):
         print(f"| {name} | {growth.lived_s:.0f} | {growth.first_kb / 1024:.1f} | {growth.last_kb / 1024:.1f} "
               f"| {growth.growth:+.1%} | {growth.trend:+.1%} "
-              f"| {growth.low_kb / 1024:.1f} / {growth.high_kb / 1024:.1f} |")
+              f"| {growth.low_kb / 1024:.1f} / {growth.high_kb / 1024:.1f} "
+              f"| {' / '.join(f'{growth.part_change_kb[part] / 1024:+.1f}' for part in RSS_PARTS)} |")
     if not growths:
         print(f"no server lived {WARMUP_S + 2 * RSS_WINDOW_S:g} s: no RSS growth to report")
     over = sorted(name for name, growth in growths.items() if growth.growth >= RSS_GROWTH_TARGET)
