@@ -46,6 +46,7 @@ from transformers import AutoModelForCausalLM
 
 from client import ClientConfig, DistributedModelForCausalLM, SwarmClient
 from client.timing import StepClock
+from server.allocator import TRIM_PERIOD_S
 from swarm.local_swarm import Proc, SwarmProcesses
 from swarm.model import DEFAULT_MODEL, resolve_model
 
@@ -271,12 +272,14 @@ def main(argv: list[str] | None = None) -> int:
             pages = {peer: record.pages_kv for peer, record in client.run(client.servers()).items()}
         finally:
             client.shutdown()
-        report(workdir / "sessions.jsonl", killed_clients, chaos, pages, rss)
+        time.sleep(TRIM_PERIOD_S)  # every session closed a while ago: each server trimmed its heap since
+        idle = {proc.name: parts for proc in servers.values() if (parts := rss_parts(proc.popen.pid)) is not None}
+        report(workdir / "sessions.jsonl", killed_clients, chaos, pages, rss, idle)
     return 0
 
 
 def report(path: Path, killed: set[int], chaos: Counter[str], pages: dict[str, int],
-           rss: dict[str, list[tuple[float, dict[str, int]]]]) -> None:
+           rss: dict[str, list[tuple[float, dict[str, int]]]], idle: dict[str, dict[str, int]]) -> None:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     started = [row for row in rows if row["event"] == "started"]
     ended = [row for row in rows if row["event"] == "ended"]
@@ -317,6 +320,15 @@ def report(path: Path, killed: set[int], chaos: Counter[str], pages: dict[str, i
               f"| {' / '.join(f'{growth.part_change_kb[part] / 1024:+.1f}' for part in RSS_PARTS)} |")
     if not growths:
         print(f"no server lived {WARMUP_S + 2 * RSS_WINDOW_S:g} s: no RSS growth to report")
+    # Load moves the heap by tens of MiB either way; what a leak leaves stays when the load has gone
+    print("the servers alive at the end, idle (every session closed, the heap trimmed since), against their first "
+          f"{RSS_WINDOW_S:g} s after the warm-up:")
+    print("| server process | idle MiB | heap MiB | first MiB | heap MiB |\n|---|---|---|---|---|")
+    for name, parts in sorted(idle.items()):
+        first = [sample for age, sample in rss.get(name, []) if WARMUP_S <= age < WARMUP_S + RSS_WINDOW_S]
+        then = (f"{statistics.median(sum(p.values()) for p in first) / 1024:.1f} | "
+                f"{statistics.median(p['heap'] for p in first) / 1024:.1f}") if first else "too young | "
+        print(f"| {name} | {sum(parts.values()) / 1024:.1f} | {parts['heap'] / 1024:.1f} | {then} |")
     over = sorted(name for name, growth in growths.items() if growth.growth >= RSS_GROWTH_TARGET)
     print(f"verdict: {'PASS' if growths and not over else 'FAIL'}: server RSS growth under {RSS_GROWTH_TARGET:.0%} "
           f"for {len(growths) - len(over)} of {len(growths)} processes"
