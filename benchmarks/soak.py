@@ -348,20 +348,19 @@ def report(path: Path, killed: set[int], chaos: Counter[str], pages: dict[str, i
     # What a leak leaves stays when the load has gone: every server alive at the end, idle, against a fresh one
     print("the servers alive at the end, idle (every session closed, the heap trimmed since), against a server of the "
           "same stage started after the run that never served:")
-    print("| server process | lived s | idle MiB | heap MiB | fresh server MiB | heap MiB | growth |\n"
-          "|---|---|---|---|---|---|---|")
+    print("| server process | lived s | idle MiB | fresh server MiB | growth | "
+          f"idle - fresh MiB: {' / '.join(RSS_PARTS)} |\n|---|---|---|---|---|---|")
     grown: list[str] = []
     for server in sorted(idle, key=lambda server: server.name):
         fresh = reference.get(server.stage)
         if fresh is None:
-            print(f"| {server.name} | {server.lived_s:.0f} | {server.total_kb / 1024:.1f} | "
-                  f"{server.parts['heap'] / 1024:.1f} | gone | | |")
+            print(f"| {server.name} | {server.lived_s:.0f} | {server.total_kb / 1024:.1f} | gone | | |")
             grown.append(server.name)
             continue
         growth = server.total_kb / sum(fresh.values()) - 1
+        by_part = " / ".join(f"{(server.parts[part] - fresh[part]) / 1024:+.1f}" for part in RSS_PARTS)
         print(f"| {server.name} | {server.lived_s:.0f} | {server.total_kb / 1024:.1f} | "
-              f"{server.parts['heap'] / 1024:.1f} | {sum(fresh.values()) / 1024:.1f} | {fresh['heap'] / 1024:.1f} | "
-              f"{growth:+.1%} |")
+              f"{sum(fresh.values()) / 1024:.1f} | {growth:+.2%} | {by_part} |")
         if growth >= RSS_GROWTH_TARGET:
             grown.append(server.name)
     print(f"verdict: {'PASS' if idle and not grown else 'FAIL'}: RSS of every server alive at the end, idle, within "
