@@ -61,6 +61,7 @@ RSS_GROWTH_TARGET = 0.05
 WARMUP_S = 60.0  # a server's RSS is compared from this age on: its first minute loads the model and fills the pool
 RSS_SAMPLE_S = 2.0
 RSS_WINDOW_S = 30.0  # the medians compared: a process's first and last this many seconds after its warm-up
+RSS_PARTS = ("heap", "anon", "file")  # glibc's main heap; other anonymous mappings (arenas, pymalloc, torch); files
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -102,9 +103,6 @@ def worker(args: argparse.Namespace) -> int:
     out.close()
     model.shutdown()
     return 0
-
-
-RSS_PARTS = ("heap", "anon", "file")  # glibc's main heap; other anonymous mappings (arenas, pymalloc, torch); files
 
 
 def rss_parts(pid: int) -> dict[str, int] | None:

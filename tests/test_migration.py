@@ -7,7 +7,7 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +37,13 @@ def local_and_remote(swarm: SwarmProcesses, model: Path, **config: Any) -> tuple
     return local, remote
 
 
-def start_servers(swarm: SwarmProcesses, model: Path, *servers: str | tuple[str, ...]) -> list[Proc]:
-    """Starts the DHT and a server per entry (its blocks, or its blocks and extra arguments); returns once all serve."""
+def start_servers(swarm: SwarmProcesses, model: Path, *servers: str | tuple[str, ...],
+                  launcher: Sequence[str] = ()) -> list[Proc]:
+    """Starts the DHT and a server per entry (its blocks, or its blocks and extra arguments), each under `launcher`;
+    returns once all serve."""
     swarm.start_dht()
-    started = [swarm.start_server(model, *((entry,) if isinstance(entry, str) else entry), wait=False)
-               for entry in servers]
+    started = [swarm.start_server(model, *((entry,) if isinstance(entry, str) else entry), wait=False,
+                                  launcher=launcher) for entry in servers]
     for server in started:
         swarm.wait_ready(server)
     return started
@@ -130,16 +132,6 @@ def gated(gate: Path) -> list[str]:
     tests/gated_imports): the test holds a move in its middle, with no race against the move's end."""
     return ["env", f"PYTHONPATH={Path(__file__).parent / 'gated_imports'}:{REPO}",
             f"CHAINSWARM_TEST_IMPORT_GATE={gate}"]
-
-
-def start_gated_servers(swarm: SwarmProcesses, model: Path, gate: Path, *servers: tuple[str, ...]) -> list[Proc]:
-    """Starts the DHT and a gated server (`gated`) per entry (its blocks and extra arguments); returns once all
-    serve."""
-    swarm.start_dht()
-    started = [swarm.start_server(model, *entry, wait=False, launcher=gated(gate)) for entry in servers]
-    for server in started:
-        swarm.wait_ready(server)
-    return started
 
 
 def other_host(client: SwarmClient, peer_id: str) -> str:
@@ -296,7 +288,7 @@ def test_a_server_that_dies_mid_transfer_loses_no_token_and_no_page(
     extra = (*SLOW_MOVES, "--import-idle-timeout", "1", "--session-timeout", "4")
     gate = tmp_path / "gate"
     gate.touch()  # the destination takes the move's first frame, then holds the next until the kill
-    servers = start_gated_servers(swarm_factory, tiny_llama, gate, ("0:8", *extra), ("0:8", *extra))
+    servers = start_servers(swarm_factory, tiny_llama, ("0:8", *extra), ("0:8", *extra), launcher=gated(gate))
     by_peer = {server.peer_id: server for server in servers}
     local, remote = local_and_remote(swarm_factory, tiny_llama)
     try:
@@ -381,8 +373,8 @@ def test_steps_that_arrive_during_a_move_wait_and_follow_it_without_a_replay(
 ) -> None:
     gate = tmp_path / "gate"
     gate.touch()  # the destination takes the move's first frame, then holds the next until a step waits for the move
-    servers = start_gated_servers(swarm_factory, tiny_llama, gate, ("0:4",), ("4:8", *SLOW_MOVES),
-                                  ("4:8", *SLOW_MOVES))
+    servers = start_servers(swarm_factory, tiny_llama, "0:4", ("4:8", *SLOW_MOVES), ("4:8", *SLOW_MOVES),
+                            launcher=gated(gate))
     by_peer = {server.peer_id: server for server in servers}
     # The held step waits for the whole move (600 frames, one round trip each): on a loaded machine that can take
     # longer than 30 s, and a timeout would turn the move into a failover.
