@@ -12,12 +12,14 @@ by error, failovers, the servers' KV pages in use at the end (every session clos
 baseline, the servers' RSS, and P50/P99 time per token after the first.
 
 RSS is counted outside the page pool, which the OS commits page by page as KV is first written (up to the budget, by
-design); a leak would show in the rest. The target (under 5% growth) is judged where load cannot move it: once the
-run is over and every session closed, each server alive at the end is read idle beside a server of its stage started
-after the run, which never served. Under load, RSS follows the sessions a server holds (glibc's heap moves by tens of
-MiB either way), so the samples taken every 2 s during the run, split into heap, other anonymous memory and files,
-are reported beside it: the median of a process's first 30 s after its first minute against its last 30 s, and the
-trend (Theil-Sen slope, per 10 minutes).
+design); a leak would show in the rest. The target (under 5% growth over the run) is judged where load cannot move
+it: once the run is over and every session closed, each server alive at the end is read idle beside a reference
+server of its stage, one that joined the swarm only for the run's last 90 s (one minute of serving, after it loaded):
+a server as it stands after its warm-up, which has touched the code and state that serving needs once. The
+difference is what more time serving added. Under load, RSS follows the sessions a server holds (glibc's heap moves
+by tens of MiB either way), so the samples taken every 2 s during the run, split into heap, other anonymous memory
+and files, are reported beside it: the median of a process's first 30 s after its first minute against its last
+30 s, and the trend (Theil-Sen slope, per 10 minutes).
 
     .venv/bin/python benchmarks/soak.py [--duration 600] [--sessions 64] [--clients 4] [--chaos-period 30]
 
@@ -52,6 +54,7 @@ from client.timing import StepClock
 from server.allocator import TRIM_PERIOD_S
 from swarm.local_swarm import Proc, SwarmProcesses
 from swarm.model import DEFAULT_MODEL, resolve_model
+from swarm.records import ServerRecord
 
 STAGES = ("0:10", "10:20", "20:30")
 SERVERS_PER_STAGE = 2
@@ -62,6 +65,7 @@ WARMUP_S = 60.0  # a server's RSS is compared from this age on: its first minute
 RSS_SAMPLE_S = 2.0
 RSS_WINDOW_S = 30.0  # the medians compared: a process's first and last this many seconds after its warm-up
 RSS_PARTS = ("heap", "anon", "file")  # glibc's main heap; other anonymous mappings (arenas, pymalloc, torch); files
+REFERENCE_JOIN_S = 90.0  # the reference servers join this long before the run ends: they load, then serve a minute
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -162,6 +166,7 @@ class IdleServer:
     stage: str
     lived_s: float
     parts: dict[str, int]  # RSS KiB by part
+    steps: int  # the session steps it computed
 
     @property
     def total_kb(self) -> int:
@@ -257,8 +262,17 @@ def main(argv: list[str] | None = None) -> int:
 
         sampler = threading.Thread(target=sample_until_done, daemon=True)
         sampler.start()
+        references: dict[str, Proc] = {}  # stage -> its reference server, once it joined
+        born_reference = started + max(0.0, args.duration - REFERENCE_JOIN_S)
         while time.monotonic() - started < args.duration:
-            time.sleep(min(args.chaos_period, args.duration - (time.monotonic() - started)))
+            next_tick = started + (tick + 1) * args.chaos_period
+            if not references:
+                time.sleep(max(0.0, min(next_tick, born_reference) - time.monotonic()))
+                if time.monotonic() >= born_reference:
+                    references = {stage: swarm.start_server(DEFAULT_MODEL, stage, wait=False, name=f"reference-{stage}")
+                                  for stage in STAGES}
+                    continue
+            time.sleep(max(0.0, min(next_tick, started + args.duration) - time.monotonic()))
             elapsed = time.monotonic() - started
             if elapsed >= args.duration:
                 break
@@ -284,22 +298,32 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(5.0)
         client = SwarmClient(resolve_model(DEFAULT_MODEL).model_id, 30, swarm.initial_peers)
         try:
-            pages = {peer: record.pages_kv for peer, record in client.run(client.servers()).items()}
+            records = client.run(client.servers())
+            pages = {peer: record.pages_kv for peer, record in records.items()}
+            steps = client.run(steps_computed(client, list(records.values())))
         finally:
             client.shutdown()
-        # The reference: a server of each stage that never served, idle beside the ones that served the run
-        fresh = {stage: swarm.start_server(DEFAULT_MODEL, stage, name=f"fresh-{stage}") for stage in STAGES}
-        time.sleep(2 * TRIM_PERIOD_S)  # every server trimmed its heap since its last session (or its start)
-        idle = [IdleServer(proc.name, slot.split("/")[0], time.monotonic() - born[slot], parts)
-                for slot, proc in servers.items() if (parts := rss_parts(proc.popen.pid)) is not None]
-        reference = {stage: parts for stage, proc in fresh.items() if (parts := rss_parts(proc.popen.pid)) is not None}
-        report(workdir / "sessions.jsonl", killed_clients, chaos, pages, rss, idle, reference)
+        time.sleep(2 * TRIM_PERIOD_S)  # every server trimmed its heap since its last session
+        ended = time.monotonic()
+        processes = [(proc, slot.split("/")[0], born[slot]) for slot, proc in servers.items()]
+        processes += [(proc, stage, born_reference) for stage, proc in references.items()]
+        idle = [IdleServer(proc.name, stage, ended - since, parts, steps.get(proc.peer_id, 0))
+                for proc, stage, since in processes if (parts := rss_parts(proc.popen.pid)) is not None]
+        report(workdir / "sessions.jsonl", killed_clients, chaos, pages, rss, idle)
     return 0
 
 
+async def steps_computed(client: SwarmClient, records: list[ServerRecord]) -> dict[str, int]:
+    """Gives the session steps each server computed, by peer id (from its `info`)."""
+    steps = {}
+    for record in records:
+        info = await (await client.connect(record)).call("info", {}, timeout=10.0)
+        steps[record.peer_id] = sum(info["steps_computed"].values())
+    return steps
+
+
 def report(path: Path, killed: set[int], chaos: Counter[str], pages: dict[str, int],
-           rss: dict[str, list[tuple[float, dict[str, int]]]], idle: list[IdleServer],
-           reference: dict[str, dict[str, int]]) -> None:
+           rss: dict[str, list[tuple[float, dict[str, int]]]], idle: list[IdleServer]) -> None:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     started = [row for row in rows if row["event"] == "started"]
     ended = [row for row in rows if row["event"] == "ended"]
@@ -343,27 +367,31 @@ def report(path: Path, killed: set[int], chaos: Counter[str], pages: dict[str, i
     within = sum(growth.growth < RSS_GROWTH_TARGET for growth in growths.values())
     print(f"under load: {within} of {len(growths)} processes within {RSS_GROWTH_TARGET:.0%}; the heap follows the "
           "sessions a server holds, so this compares loads as much as it finds leaks")
-    # What a leak leaves stays when the load has gone: every server alive at the end, idle, against a fresh one
-    print("the servers alive at the end, idle (every session closed, the heap trimmed since), against a server of the "
-          "same stage started after the run that never served:")
-    print("| server process | lived s | idle MiB | fresh server MiB | growth | "
-          f"idle - fresh MiB: {' / '.join(RSS_PARTS)} |\n|---|---|---|---|---|---|")
+    # What a leak leaves stays when the load has gone: every server alive at the end, idle, against a reference
+    # server of its stage that served only the run's last minute, idle beside it
+    reference = {server.stage: server for server in idle if server.name.startswith("reference-")}
+    print(f"the servers alive at the end, idle (every session closed, the heap trimmed since), against a server of the "
+          f"same stage that joined {REFERENCE_JOIN_S:g} s before the end (after its warm-up):")
+    print("| server process | lived s | steps computed | idle MiB | reference MiB (its steps) | growth | "
+          f"idle - reference MiB: {' / '.join(RSS_PARTS)} |\n|---|---|---|---|---|---|---|")
     grown: list[str] = []
-    for server in sorted(idle, key=lambda server: server.name):
-        fresh = reference.get(server.stage)
-        if fresh is None:
-            print(f"| {server.name} | {server.lived_s:.0f} | {server.total_kb / 1024:.1f} | gone | | |")
+    served = [server for server in idle if not server.name.startswith("reference-")]
+    for server in sorted(served, key=lambda server: server.name):
+        base = reference.get(server.stage)
+        if base is None or base.steps == 0:  # gone, or it never served: not a server after its warm-up
+            print(f"| {server.name} | {server.lived_s:.0f} | {server.steps} | {server.total_kb / 1024:.1f} "
+                  f"| {'gone' if base is None else 'served nothing'} | | |")
             grown.append(server.name)
             continue
-        growth = server.total_kb / sum(fresh.values()) - 1
-        by_part = " / ".join(f"{(server.parts[part] - fresh[part]) / 1024:+.1f}" for part in RSS_PARTS)
-        print(f"| {server.name} | {server.lived_s:.0f} | {server.total_kb / 1024:.1f} | "
-              f"{sum(fresh.values()) / 1024:.1f} | {growth:+.2%} | {by_part} |")
+        growth = server.total_kb / base.total_kb - 1
+        by_part = " / ".join(f"{(server.parts[part] - base.parts[part]) / 1024:+.1f}" for part in RSS_PARTS)
+        print(f"| {server.name} | {server.lived_s:.0f} | {server.steps} | {server.total_kb / 1024:.1f} | "
+              f"{base.total_kb / 1024:.1f} ({base.steps}) | {growth:+.2%} | {by_part} |")
         if growth >= RSS_GROWTH_TARGET:
             grown.append(server.name)
-    print(f"verdict: {'PASS' if idle and not grown else 'FAIL'}: RSS of every server alive at the end, idle, within "
-          f"{RSS_GROWTH_TARGET:.0%} of a fresh server's ({len(idle) - len(grown)} of {len(idle)})"
-          + (f" (not: {', '.join(grown)})" if grown else ""))
+    print(f"verdict: {'PASS' if served and not grown else 'FAIL'}: RSS of every server alive at the end, idle, "
+          f"within {RSS_GROWTH_TARGET:.0%} of its stage's reference after warm-up ({len(served) - len(grown)} of "
+          f"{len(served)})" + (f" (not: {', '.join(grown)})" if grown else ""))
     verdict = exact == len(finished) == len(live) and held == 0
     print(f"verdict: {'PASS' if verdict else 'FAIL'}: every session of a live client finished with exact tokens "
           f"({exact}/{len(live)}), no KV page held at the end ({held})")
