@@ -6,7 +6,8 @@ thread that allocates concurrently an arena of its own (up to 8 per core) and ke
 A long prompt's activations thus stay resident after it, in whichever arena its thread used: the soak benchmark saw
 servers grow 6-16% outside the pool in their first minutes. A server therefore caps the arenas at start
 (`limit_arenas`, as `MALLOC_ARENA_MAX` would) and hands free heap memory back to the OS every `TRIM_PERIOD_S`
-(`trim`, glibc's `malloc_trim`). Other C libraries have neither call; both are then no-ops.
+(`trim`, glibc's `malloc_trim`). Other C libraries have neither call; both are then no-ops. So they are under
+jemalloc, which `server.launch` preloads where it is installed: it returns freed pages on its own.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import ctypes
 import ctypes.util
 import logging
 from functools import cache
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +25,24 @@ ARENAS = 2
 TRIM_PERIOD_S = 10.0
 
 
+def jemalloc_library() -> str | None:
+    """Gives the name of the jemalloc shared library the dynamic loader finds, or None."""
+    return ctypes.util.find_library("jemalloc")
+
+
+def running_allocator() -> str:
+    """Gives the malloc this process runs on: "jemalloc" if it is mapped, else "glibc"."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "glibc"
+    return "jemalloc" if "libjemalloc" in maps else "glibc"
+
+
 @cache
 def _glibc() -> ctypes.CDLL | None:
+    if running_allocator() != "glibc":
+        return None  # glibc's calls would tune an allocator nothing uses
     name = ctypes.util.find_library("c")
     if name is None:
         return None

@@ -14,6 +14,7 @@ from orchestrator.admission import DEFAULT_CLIENT_KV_SHARE, DEFAULT_CLIENT_MAX_S
 from server import allocator
 from server.config import ServerConfig
 from server.exchange import EXCHANGE_SETTINGS
+from server.launch import ALLOCATORS
 from server.migration import IMPORT_IDLE_S, KV_CHUNK_BYTES
 from server.server import SwarmServer
 from swarm.dht_limits import MAX_RECORD_TTL_S
@@ -174,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port, printed)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+                        help="malloc of the server process: jemalloc where installed (auto), or glibc's; chosen by "
+                             "the swarm-server entry before it starts (server.launch)")
     return parser
 
 
@@ -269,7 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    allocator.limit_arenas()  # before the threads that compute start
+    allocator.limit_arenas()  # before the threads that compute start (glibc's malloc only)
+    log.info("malloc: %s", allocator.running_allocator())
     try:
         asyncio.run(serve(config_from_args(args)))
     except (InvalidBlockRange, UnsupportedArchitecture, ModelNotFound, OutOfPages, ValueError) as error:

@@ -103,7 +103,7 @@ class SwarmProcesses:
         One client here plays many users (tests, benchmarks), so servers take no per-client quota unless `extra`
         sets one (`--client-max-sessions`, `--client-kv-share`)."""
         block_args = ["--blocks", blocks] if blocks else []
-        args = ["-m", "server.cli", "--model", str(model), *block_args, "--host", host,
+        args = ["-m", "server.launch", "--model", str(model), *block_args, "--host", host,
                 "--initial-peers", *self.initial_peers, "--announce-period", str(self.announce_period_s),
                 "--record-ttl", str(self.record_ttl_s), "--client-max-sessions", "0", "--client-kv-share", "1",
                 *extra]

@@ -237,7 +237,7 @@ def test_sessions_of_a_closed_stream_are_freed(peer: Peer) -> None:
 def test_unparseable_blocks_flag_exits_with_a_clear_error(swarm_factory: SwarmProcesses, tiny_llama: Path) -> None:
     for blocks in ("3-5", "0:99"):  # a syntax error, and a range past the model's 8 blocks
         code, output = swarm_factory.run_to_exit(
-            ["-m", "server.cli", "--model", str(tiny_llama), "--blocks", blocks, "--host", "127.0.0.1"]
+            ["-m", "server.launch", "--model", str(tiny_llama), "--blocks", blocks, "--host", "127.0.0.1"]
         )
         assert code == 2, output
         assert "block range" in output and blocks in output and "Traceback" not in output
@@ -248,7 +248,7 @@ def test_unsupported_architecture_exits_with_a_clear_error(swarm_factory: SwarmP
 
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
     code, output = swarm_factory.run_to_exit(
-        ["-m", "server.cli", "--model", str(tmp_path / "gpt2"), "--blocks", "0:2", "--host", "127.0.0.1"]
+        ["-m", "server.launch", "--model", str(tmp_path / "gpt2"), "--blocks", "0:2", "--host", "127.0.0.1"]
     )
     assert code == 2, output
     assert "'gpt2' is not supported" in output and "llama" in output and "Traceback" not in output
