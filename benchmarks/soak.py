@@ -16,7 +16,7 @@ design); a leak would show in the rest. The target (under 5% growth over the run
 it: once the run is over and every session closed, each server alive at the end is read idle beside a reference
 server of its stage, one that joined the swarm only for the run's last 90 s (one minute of serving, after it loaded):
 a server as it stands after its warm-up, which has touched the code and state that serving needs once. The
-difference is what more time serving added. Under load, RSS follows the sessions a server holds (glibc's heap moves
+difference is what more time serving added. Under load, RSS follows the sessions a server holds (the malloc heap moves
 by tens of MiB either way), so the samples taken every 2 s during the run, split into heap, other anonymous memory
 and files, are reported beside it: the median of a process's first 30 s after its first minute against its last
 30 s, and the trend (Theil-Sen slope, per 10 minutes).
@@ -64,7 +64,7 @@ RSS_GROWTH_TARGET = 0.05
 WARMUP_S = 60.0  # a server's RSS is compared from this age on: its first minute loads the model and fills the pool
 RSS_SAMPLE_S = 2.0
 RSS_WINDOW_S = 30.0  # the medians compared: a process's first and last this many seconds after its warm-up
-RSS_PARTS = ("heap", "anon", "file")  # glibc's main heap; other anonymous mappings (arenas, pymalloc, torch); files
+RSS_PARTS = ("heap", "anon", "file")  # glibc's main heap; other anonymous mappings (jemalloc, arenas, pymalloc); files
 REFERENCE_JOIN_S = 90.0  # the reference servers join this long before the run ends: they load, then serve a minute
 
 
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             steps = client.run(steps_computed(client, list(records.values())))
         finally:
             client.shutdown()
-        time.sleep(2 * TRIM_PERIOD_S)  # every server trimmed its heap since its last session
+        time.sleep(2 * TRIM_PERIOD_S)  # every server returned its freed memory since its last session (trim or decay)
         ended = time.monotonic()
         processes = [(proc, slot.split("/")[0], born[slot]) for slot, proc in servers.items()]
         processes += [(proc, stage, born_reference) for stage, proc in references.items()]
@@ -370,8 +370,8 @@ def report(path: Path, killed: set[int], chaos: Counter[str], pages: dict[str, i
     # What a leak leaves stays when the load has gone: every server alive at the end, idle, against a reference
     # server of its stage that served only the run's last minute, idle beside it
     reference = {server.stage: server for server in idle if server.name.startswith("reference-")}
-    print(f"the servers alive at the end, idle (every session closed, the heap trimmed since), against a server of the "
-          f"same stage that joined {REFERENCE_JOIN_S:g} s before the end (after its warm-up):")
+    print(f"the servers alive at the end, idle (every session closed, freed memory returned since), against a server "
+          f"of the same stage that joined {REFERENCE_JOIN_S:g} s before the end (after its warm-up):")
     print("| server process | lived s | steps computed | idle MiB | reference MiB (its steps) | growth | "
           f"idle - reference MiB: {' / '.join(RSS_PARTS)} |\n|---|---|---|---|---|---|---|")
     grown: list[str] = []
