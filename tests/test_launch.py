@@ -47,3 +47,6 @@ def test_servers_run_on_jemalloc_where_installed_and_on_glibc_when_told(
             ["-m", "server.launch", "--model", str(tiny_llama), "--blocks", "0:8", "--allocator", "jemalloc"])
         assert code == 2 and "jemalloc is not installed" in output, output
     assert "Traceback" not in output
+    code, output = swarm_factory.run_to_exit(  # past the entry, on glibc: the flag cannot be honoured
+        ["-m", "server.cli", "--model", str(tiny_llama), "--blocks", "0:8", "--allocator", "jemalloc"])
+    assert code == 2 and "needs the swarm-server entry" in output, output
