@@ -7,7 +7,8 @@ A long prompt's activations thus stay resident after it, in whichever arena its 
 servers grow 6-16% outside the pool in their first minutes. A server therefore caps the arenas at start
 (`limit_arenas`, as `MALLOC_ARENA_MAX` would) and hands free heap memory back to the OS every `TRIM_PERIOD_S`
 (`trim`, glibc's `malloc_trim`). Other C libraries have neither call; both are then no-ops. So they are under
-jemalloc, which `server.launch` preloads where it is installed: it returns freed pages on its own.
+jemalloc, which `server.launch` preloads where it is installed: it returns freed pages on its own, and a
+server then runs no trim loop (`trims`).
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ def jemalloc_library() -> str | None:
     return ctypes.util.find_library("jemalloc")
 
 
-def running_allocator() -> str:
-    """Gives the malloc this process runs on: "jemalloc" if it is mapped, else "glibc"."""
+def running_allocator(pid: int | str = "self") -> str:
+    """Gives the malloc process `pid` (this one by default) runs on: "jemalloc" if it is mapped, else "glibc"."""
     try:
-        maps = Path("/proc/self/maps").read_text()
+        maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return "glibc"
     return "jemalloc" if "libjemalloc" in maps else "glibc"
@@ -63,6 +64,11 @@ def limit_arenas(arenas: int = ARENAS) -> bool:
     done = libc is not None and libc.mallopt(M_ARENA_MAX, arenas) == 1
     log.debug("malloc arenas capped at %d: %s", arenas, done)
     return done
+
+
+def trims() -> bool:
+    """Gives whether this process's malloc is glibc's, whose freed memory `trim` hands back."""
+    return _glibc() is not None
 
 
 def trim() -> bool:

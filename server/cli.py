@@ -273,10 +273,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.allocator == "jemalloc" and allocator.running_allocator() != "jemalloc":  # started as `-m server.cli`
+    malloc = allocator.running_allocator()
+    if args.allocator == "jemalloc" and malloc != "jemalloc":  # started as `-m server.cli`
         parser.error("--allocator jemalloc needs the swarm-server entry (server.launch) and jemalloc installed")
     allocator.limit_arenas()  # before the threads that compute start (glibc's malloc only)
-    log.info("malloc: %s", allocator.running_allocator())
+    log.info("malloc: %s", malloc)
     try:
         asyncio.run(serve(config_from_args(args)))
     except (InvalidBlockRange, UnsupportedArchitecture, ModelNotFound, OutOfPages, ValueError) as error:

@@ -4,7 +4,7 @@ glibc's malloc keeps freed memory resident while a page of it still holds one li
 only whole free pages. A server's long prompts, replays and bursts of sessions leave its heap fragmented: in the soak
 (benchmarks/RESULTS.md) the survivors that served most held 24-27 MiB more than a server that had served a minute,
 all of it free memory, with glibc whether one malloc arena or two. jemalloc returns dirty pages on its own after
-`dirty_decay_ms`: under it every survivor ended within 1.1% of the reference, and each process used about 60 MiB
+`dirty_decay_ms`: under it every survivor ended within 2.1% of the reference, and each process used about 60 MiB
 less.
 
 A process's allocator is fixed when it starts, so the entry re-executes itself once with jemalloc preloaded, before

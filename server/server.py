@@ -249,7 +249,8 @@ class SwarmServer:
         )
         await self.announcer.start()
         self._tasks.append(asyncio.create_task(self._expire_sessions_loop(), name="expire-sessions"))
-        self._tasks.append(asyncio.create_task(self._trim_heap_loop(), name="trim-heap"))
+        if allocator.trims():  # jemalloc returns freed pages itself
+            self._tasks.append(asyncio.create_task(self._trim_heap_loop(), name="trim-heap"))
         if self.config.metrics_port is not None:
             self.metrics = ServerMetrics(self)
             http = serve_metrics(self.metrics.registry, self.config.metrics_port, self.config.metrics_host)

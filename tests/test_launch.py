@@ -19,14 +19,6 @@ def test_the_allocator_flag_is_read_from_a_full_command_line() -> None:
         allocator_choice(["--allocator", "tcmalloc"])
 
 
-def test_this_test_process_runs_on_glibc() -> None:
-    assert running_allocator() == "glibc"  # nothing preloads jemalloc into pytest
-
-
-def _mapped_allocator(pid: int) -> str:
-    return "jemalloc" if "libjemalloc" in Path(f"/proc/{pid}/maps").read_text() else "glibc"
-
-
 @pytest.mark.slow
 def test_servers_run_on_jemalloc_where_installed_and_on_glibc_when_told(
     swarm_factory: SwarmProcesses, tiny_llama: Path
@@ -36,7 +28,7 @@ def test_servers_run_on_jemalloc_where_installed_and_on_glibc_when_told(
     for proc in (chosen, glibc):
         swarm_factory.wait_ready(proc)  # re-executed once, then served: the same process, the same output
     expected = "jemalloc" if jemalloc_library() is not None else "glibc"
-    assert (_mapped_allocator(chosen.popen.pid), _mapped_allocator(glibc.popen.pid)) == (expected, "glibc")
+    assert (running_allocator(chosen.popen.pid), running_allocator(glibc.popen.pid)) == (expected, "glibc")
     assert f"malloc: {expected}" in chosen.output() and "malloc: glibc" in glibc.output()
     if expected == "jemalloc":  # re-executed on jemalloc, the server checks its flags as always
         code, output = swarm_factory.run_to_exit(
