@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="generations that run at once; more requests wait for one to end")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (then 504)")
     parser.add_argument("--route-wait", type=float, default=5.0,
-                        help="seconds a request waits for blocks no server covers, or for a free chain (then 503)")
+                        help="seconds a request waits for blocks no server covers, for a server with room, or in "
+                             "the orchestrator's queue for a free chain (then 503)")
     parser.add_argument("--page-period", type=float, default=2.0,
                         help="seconds between two reads of the swarm for the live page (`/`, `/api/v1/swarm`)")
     parser.add_argument("--log-level", default="INFO")
@@ -55,7 +56,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     model = DistributedModelForCausalLM.from_pretrained(
         args.model, initial_peers=args.initial_peers,
-        client_config=ClientConfig(route_wait_s=args.route_wait, request_timeout_s=min(args.timeout, 120.0)),
+        client_config=ClientConfig(route_wait_s=args.route_wait, busy_wait_s=args.route_wait,
+                                   orchestrator_queue_timeout_s=args.route_wait,
+                                   request_timeout_s=min(args.timeout, 120.0)),
     )
     names = list(dict.fromkeys([args.served_model_name or args.model, args.model, source.model_id]))
     engine = Engine(model, names=names, max_concurrency=args.max_concurrency, timeout_s=args.timeout,

@@ -15,7 +15,7 @@ from client.loop import BackgroundLoop
 from client.routing import DEFAULT_RTT_MS, Span, find_route, servers_of
 from client.step_frames import StepFrames
 from swarm.dht import lookup_async, lookup_orchestrators_async
-from swarm.errors import SwarmError
+from swarm.errors import ServerBusy, SwarmError
 from swarm.records import OrchestratorRecord, ServerRecord, active_orchestrator
 from swarm.rpc import RpcConnection, dial
 from swarm.signing import open_dht
@@ -148,7 +148,8 @@ class SwarmClient:
 
     async def acquire_chain(self, *, prompt_tokens: int) -> ChainLease | None:
         """Gives a chain leased from the orchestrator (waiting in its queue while every chain is full), or None when
-        this client uses none or cannot reach it within `orchestrator_timeout_s` (it then routes by itself)."""
+        this client uses none or cannot reach it within `orchestrator_timeout_s` (it then routes by itself). Raises
+        ServerBusy when every chain stayed full for `orchestrator_queue_timeout_s`."""
         config = self.config
         if config.orchestrator is None:
             return None
@@ -168,6 +169,9 @@ class SwarmClient:
             spans = ChainLease.spans_from_wire(reply.get("spans"))
             lease = ChainLease(connection, str(reply["lease_id"]), spans, ttl_s=float(reply["lease_ttl_s"]),
                                timeout_s=timeout_s)
+        except ServerBusy:  # it queued the session for `orchestrator_queue_timeout_s` and no chain freed up: routing
+            await connection.close()  # around its queue would overfill the chains JFFC keeps within capacity
+            raise
         except (SwarmError, OSError, TimeoutError, KeyError, TypeError, ValueError) as error:
             log.info("The orchestrator gave no chain (%s: %s); routing by DHT records", type(error).__name__, error)
             await connection.close()

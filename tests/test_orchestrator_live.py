@@ -12,9 +12,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx2 as httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from api.swarm_view import SwarmWatcher
 from client import ClientConfig, DistributedModelForCausalLM
@@ -25,6 +26,7 @@ from swarm.records import ServerRecord, active_orchestrator
 from swarm.rpc import dial
 from tests.prometheus import metrics_url, scrape, value
 from tests.test_failover import ActAfterTokens
+from tests.tiny_models import write_char_tokenizer
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 30.0
@@ -103,6 +105,14 @@ def orchestrated(
         model.shutdown()
 
 
+@pytest.fixture(scope="module")
+def api_url(swarm_factory: SwarmProcesses, tiny_llama: Path, orchestrated: DistributedModelForCausalLM) -> str:
+    """A swarm-api for the tiny model (a character tokenizer beside its weights) whose requests wait 1 s at most."""
+    write_char_tokenizer(tiny_llama)
+    _proc, url = swarm_factory.start_api(tiny_llama, "--route-wait", "1")
+    return url
+
+
 def test_servers_without_blocks_follow_the_plan_and_sessions_get_chains_by_jffc(
     orchestrated: DistributedModelForCausalLM, llama_local: AutoModelForCausalLM, swarm_factory: SwarmProcesses,
     tiny_llama: Path, tmp_path: Path,
@@ -172,8 +182,10 @@ time.sleep(600)
 
 def test_a_session_waits_in_the_queue_while_every_slot_is_taken_and_a_dead_clients_lease_expires(
     orchestrated: DistributedModelForCausalLM, swarm_factory: SwarmProcesses, tiny_llama: Path,
-    orchestrators: list[Proc],
+    orchestrators: list[Proc], api_url: str, llama_local: AutoModelForCausalLM,
 ) -> None:
+    """... and swarm-api answers 503 with Retry-After when its request waited 1 s in the full queue, then, once
+    chains are free, the local model's greedy text through a leased chain."""
     state = orchestrator_state(orchestrated)
     slots = sum(chain["capacity"] for chain in state["chains"])
     holder = swarm_factory.run_in_background(["-c", HOLDER, str(tiny_llama), *swarm_factory.initial_peers])
@@ -188,7 +200,10 @@ def test_a_session_waits_in_the_queue_while_every_slot_is_taken_and_a_dead_clien
         )
         waiter.start()
         wait_for(lambda: orchestrator_state(orchestrated)["queued"] == 1, "the session to queue")
-        time.sleep(1.0)
+        full = httpx.post(f"{api_url}/v1/completions", timeout=TIMEOUT_S,
+                          json={"model": str(tiny_llama), "prompt": "Hi", "max_tokens": 2})
+        assert full.status_code == 503 and full.headers["retry-after"], full.text
+        assert full.json()["error"]["code"] == "no_capacity" and "stayed full" in full.json()["error"]["message"]
         assert not queued, "a session started although every slot was taken"
         metrics = scrape(metrics_url(swarm_factory, orchestrators[0]))  # Prometheus sees what `info` says
         state = orchestrator_state(orchestrated)
@@ -214,6 +229,16 @@ def test_a_session_waits_in_the_queue_while_every_slot_is_taken_and_a_dead_clien
         for session in sessions:
             session.close()  # type: ignore[attr-defined]
     wait_for(lambda: orchestrator_state(orchestrated)["leases"] == 0, "every lease to be released")
+
+    dispatched = orchestrator_state(orchestrated)["dispatched"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    ids = tokenizer("The swarm")["input_ids"]
+    expected = llama_local.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):]
+    reply = httpx.post(f"{api_url}/v1/completions", timeout=TIMEOUT_S,
+                       json={"model": str(tiny_llama), "prompt": "The swarm", "max_tokens": 6, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert orchestrator_state(orchestrated)["dispatched"] == dispatched + 1  # the API's session took a leased chain
 
 
 def test_a_server_joins_one_leaves_the_orchestrator_replans_and_sessions_fail_over_exactly(

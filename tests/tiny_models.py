@@ -1,11 +1,20 @@
-"""Tiny random checkpoints (Llama, Qwen2, Mistral) written to disk, so tests never need a model hub."""
+"""Tiny random checkpoints (Llama, Qwen2, Mistral) written to disk, so tests never need a model hub, and a
+character-level tokenizer of their vocabulary for the processes that need text (`swarm-api`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 
 COMMON = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -33,4 +42,22 @@ def write_tiny_checkpoint(family: str, path: Path, *, seed: int = 0, **overrides
         for parameter in model.parameters():
             parameter.mul_(4.0) if parameter.dim() > 1 else None
     model.save_pretrained(path)
+    return path
+
+
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def write_char_tokenizer(path: Path) -> Path:
+    """Writes into `path` a tokenizer of the tiny vocabulary: one token per character, printable ASCII and newline
+    at their own codes, `<pad>`, `<s>`, `</s>` and `<unk>` at 0-3 (the configs' special ids), with a chat template."""
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "\n": 10, **{chr(code): code for code in range(32, 127)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
     return path
