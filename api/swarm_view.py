@@ -32,7 +32,7 @@ class SwarmEvent:
     """One change seen between two reads of the swarm."""
 
     at: float  # unix time
-    kind: str  # joined, left, dropped, restored, moved_in
+    kind: str  # joined, left, blocks (its range changed), dropped, restored, moved_in
     peer_id: str
     name: str
     detail: str
@@ -74,12 +74,16 @@ def changes(old: dict[str, ServerRecord], new: dict[str, ServerRecord], at: floa
         before = old.get(peer)
         span = f"{record.block_start}:{record.block_end}"
         if before is None:
-            event("joined", record, f"blocks {span}")
+            event("joined", record, f"blocks {span}" if record.block_end > record.block_start else "waiting for blocks")
             continue
+        moved = f"blocks {before.block_start}:{before.block_end} -> {span}"
         if record.drops > before.drops:
-            event("dropped", record, f"blocks {before.block_start}:{before.block_end} -> {span}")
+            event("dropped", record, moved)
         if record.restores > before.restores:
-            event("restored", record, f"blocks {before.block_start}:{before.block_end} -> {span}")
+            event("restored", record, moved)
+        if (record.drops, record.restores) == (before.drops, before.restores) and (
+                record.block_start, record.block_end) != (before.block_start, before.block_end):
+            event("blocks", record, moved)  # assigned by its orchestrator, or chosen (a rebalance)
         if record.moved_in > before.moved_in:
             event("moved_in", record, f"{record.moved_in - before.moved_in} session(s) arrived")
         if record.state != before.state and record.state == ServerState.draining:

@@ -124,15 +124,20 @@ def test_the_pages_events_are_what_changed_between_two_reads_of_the_records() ->
     from swarm.records import ServerState
     from tests.test_dht import make_record
 
-    before = {"a": make_record("a", "m", 0, 4), "b": make_record("b", "m", 4, 8), "c": make_record("c", "m", 0, 8)}
+    before = {"a": make_record("a", "m", 0, 4), "b": make_record("b", "m", 4, 8), "c": make_record("c", "m", 0, 8),
+              "e": make_record("e", "m", 0, 0, state=ServerState.joining)}
     after = {
         "a": make_record("a", "m", 0, 2, restorable_start=0, restorable_end=4, drops=1),  # dropped blocks 2:4
         "b": make_record("b", "m", 4, 8, moved_in=2),  # two sessions arrived
         "d": make_record("d", "m", 2, 4),  # joined; c's record expired
+        "e": make_record("e", "m", 4, 8),  # got its first blocks
+        "f": make_record("f", "m", 0, 0, state=ServerState.joining),  # joined, waiting for its orchestrator's blocks
     }
     events = {(event.kind, event.peer_id, event.detail) for event in changes(before, after, at=1.0)}
     assert events == {("dropped", "a", "blocks 0:4 -> 0:2"), ("moved_in", "b", "2 session(s) arrived"),
-                      ("joined", "d", "blocks 2:4"), ("left", "c", "its record expired")}
+                      ("joined", "d", "blocks 2:4"), ("left", "c", "its record expired"),
+                      ("blocks", "e", "blocks 0:0 -> 4:8"), ("joined", "f", "waiting for blocks")}
+    del after["e"], after["f"]
     restored = {"a": make_record("a", "m", 0, 4, drops=1, restores=1), "b": after["b"],
                 "d": make_record("d", "m", 2, 4, state=ServerState.draining)}
     events = {(event.kind, event.peer_id) for event in changes(after, restored, at=2.0)}

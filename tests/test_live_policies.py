@@ -14,7 +14,7 @@ from orchestrator.live_model import JobSizes, replay_prefill_ms_per_token, swarm
 from orchestrator.observed_load import ObservedLoad
 from orchestrator.replan import blocks_moved, match_roles, move_order, placement_ranges
 from orchestrator.service.leases import LeaseNotFound, LeaseTable, LiveChain, Span
-from orchestrator.service.orchestrator import Orchestrator, OrchestratorConfig
+from orchestrator.service.orchestrator import LivePlan, Orchestrator, OrchestratorConfig
 from orchestrator.swarm_model import Chain, Placement
 from orchestrator.tuning import plan_for_capacity, tune_capacity
 from swarm.records import LONG_PREFILL_HISTORY_TOKENS, BatchTiming, ServerRecord
@@ -229,6 +229,25 @@ def test_past_every_stable_c_the_orchestrator_plans_for_the_most_throughput(tiny
     assert plan is not None and plan.chains and not plan.stable
     others = [plan_for_capacity(model, c, 1e6 / 1000, 0.7) for c in (1, 2, 4, 8, 16)]
     assert plan.total_rate_per_ms >= max(other.total_rate_per_ms for other in others if other.chains)
+
+
+def test_a_rate_driven_re_plan_waits_until_the_plan_has_run_a_whole_rate_window(tiny_llama: Path) -> None:
+    """Arrivals measured within a window of a re-plan echo the re-plan itself (dispatch paused, closed-loop clients
+    following the chains' speed): the rate may re-plan only once the plan has run `rate_window_s`; a follower that
+    joins or leaves re-plans at once."""
+    orchestrator = Orchestrator(OrchestratorConfig(model=str(tiny_llama), variant="proposed", rate_window_s=60.0))
+    followers = {"a": record("a", start=0, end=4), "b": record("b", start=4, end=8)}
+    orchestrator.plan = LivePlan(c=10**6, method="proposed", ranges={"a": (0, 4), "b": (4, 8)}, chains=(),
+                                 lower_ms=0.0, upper_ms=0.0, rate_per_s=0.2, servers=frozenset(followers),
+                                 installed_s=1000.0)  # no tuning gives this c: any rate-driven look re-plans
+
+    def replans(rate_per_s: float, now_s: float, records: dict[str, ServerRecord] = followers) -> bool:
+        return orchestrator._should_replan(records, rate_per_s, now_s, became_active=False)
+
+    assert not replans(0.4, 1059.0)  # the rate doubled, 59 s after the plan: not yet
+    assert replans(0.4, 1061.0)
+    assert not replans(0.24, 1061.0)  # within the rate's hysteresis (25%)
+    assert replans(0.2, 1001.0, {**followers, "c": record("c")})  # membership changes wait for nothing
 
 
 def test_a_lease_follows_its_session_to_the_chain_a_move_gives_it_when_that_chain_has_room() -> None:

@@ -65,16 +65,21 @@ function drawChains(swarm) {
     ? `orchestrator ${shortId(orchestrator.peer_id || "")}: ${orchestrator.error}`
     : `orchestrator ${shortId(orchestrator.peer_id || "")}: ${orchestrator.queued} queued, ` +
       `${orchestrator.dispatched} dispatched`;
+  const names = new Map(swarm.servers.map((server) => [server.peer_id, server.public_name || shortId(server.peer_id)]));
   const rows = (swarm.chains || []).map((chain, index) => element("tr", {},
     element("td", {}, String(index)),
-    element("td", {}, chain.servers.map((peer, hop) => `${shortId(peer)} [${chain.blocks[hop].join(":")}]`).join(" → ")),
+    element("td", {}, chain.servers.map(
+      (peer, hop) => `${names.get(peer) || shortId(peer)} [${chain.blocks[hop].join(":")}]`).join(" → ")),
     element("td", {}, String(chain.capacity)), element("td", {}, String(chain.in_use))));
   document.querySelector("#chains tbody").replaceChildren(...rows);
 }
 
+const VERBS = {blocks: "moved", moved_in: "took sessions"};  // the other kinds read as they are
+
 function drawEvents(swarm) {
   const items = swarm.events.map((event) => element("li", {},
-    element("time", {}, new Date(event.at * 1000).toLocaleTimeString()), `${event.name} ${event.kind}: ${event.detail}`));
+    element("time", {}, new Date(event.at * 1000).toLocaleTimeString()),
+    `${event.name} ${VERBS[event.kind] || event.kind}: ${event.detail}`));
   if (items.length === 0) items.push(element("li", {}, "nothing yet"));
   document.getElementById("events").replaceChildren(...items);
 }

@@ -4,8 +4,11 @@ Every `refresh_period_s` it reads the model's servers from the DHT, keeps those 
 measures its RTT to each new one, and estimates the arrival rate and the mean job from the sessions it served
 (`orchestrator.observed_load`). From these it builds the policies' model (`orchestrator.live_model`) and composes the
 swarm with the very functions `swarm-sim` runs: c tuned (`orchestrator.tuning`), GBP-CR (+ spare chains), GCA. It
-re-plans when a follower joins or leaves, and when the tuned c for the observed rate differs from the plan's and
-that rate moved by more than `rate_hysteresis` since the plan. A re-plan hands each role to the server of that kind
+re-plans when a follower joins or leaves, and when the tuned c for the observed rate differs from the plan's, that
+rate moved by more than `rate_hysteresis` since the plan, and the plan has run for a whole `rate_window_s` (so the
+rate was measured under it: a re-plan pauses dispatch, and closed-loop clients arrive as fast as the chains serve
+them, so an earlier look would chase the echo of the re-plan itself: c swung between 2 and 10 every 15 s under three
+steady chat clients). A re-plan hands each role to the server of that kind
 that keeps most of its blocks, and moves servers in an order that keeps every block served
 (`orchestrator.replan`); dispatch pauses while blocks move. Sessions ask for a chain (`acquire`) and get a lease by
 JFFC at once, or wait in the one queue (`orchestrator.service.leases`).
@@ -120,6 +123,7 @@ class LivePlan:
     upper_ms: float
     rate_per_s: float
     servers: frozenset[str]  # the followers it was made for
+    installed_s: float  # time.monotonic() when it was installed
 
 
 def _chains_over(model: SwarmModel, ranges: dict[str, Range]) -> list[Chain]:
@@ -337,7 +341,7 @@ class Orchestrator:
                if peer in self.plan.ranges):
             return True  # a server lost its range (it restarted); a drop keeps its segment (it can restore it)
         moved = abs(rate_per_s - self.plan.rate_per_s) > self.config.rate_hysteresis * self.plan.rate_per_s
-        if not moved:
+        if not moved or now_s - self.plan.installed_s < self.config.rate_window_s:
             return False
         tuned = self._compose(self._model(followers, now_s), rate_per_s)
         return tuned is not None and tuned.c != self.plan.c
@@ -407,9 +411,10 @@ class Orchestrator:
             if method in TUNING:
                 method += f", c by {TUNING[method]}"
             planned = {peer: planned[peer] for peer in followers if peer in planned}
+            installed_s = time.monotonic()
             self.plan = LivePlan(tuned.c, method, planned, chains, lower_ms, upper_ms, rate_per_s,
-                                 frozenset(followers))
-            self.leases.install(list(chains), time.monotonic(), batch_slopes(model))
+                                 frozenset(followers), installed_s)
+            self.leases.install(list(chains), installed_s, batch_slopes(model))
         log.info("plan installed: c=%d, %d chain(s), capacities %s", tuned.c, len(chains),
                  [chain.capacity for chain in chains])
 
