@@ -32,14 +32,15 @@ def test_a_burst_in_the_orchestrators_queue_makes_its_followers_drop_and_jffc_di
     try:
         wait_for(lambda: [c["capacity"] for c in orchestrator_state(remote)["chains"]] == [2, 2], "two chains of 2")
         prompts = [prompt(seed, 16) for seed in range(8)]
-        expected = [local.generate(ids, max_new_tokens=24, do_sample=False).tolist() for ids in prompts]
+        # 40 new tokens (of max_length 64, still one KV page per block): the queue lasts until a drop looks at it
+        expected = [local.generate(ids, max_new_tokens=40, do_sample=False).tolist() for ids in prompts]
         longest_chain = [0]
 
         def look() -> None:
             chains = orchestrator_state(remote)["chains"]
             longest_chain[0] = max([longest_chain[0], *(len(chain["servers"]) for chain in chains)])
 
-        generation = generate_watching(remote, prompts, new_tokens=24, look=look)
+        generation = generate_watching(remote, prompts, new_tokens=40, look=look)
         assert generation.errors == [] and generation.outputs == expected
         assert longest_chain[0] == 2, "JFFC never dispatched through the dropped pair"
 
