@@ -317,7 +317,11 @@ async def steps_computed(client: SwarmClient, records: list[ServerRecord]) -> di
     """Gives the session steps each server computed, by peer id (from its `info`)."""
     steps = {}
     for record in records:
-        info = await (await client.connect(record)).call("info", {}, timeout=10.0)
+        connection = await client.connect(record)
+        try:
+            info = await connection.call("info", {}, timeout=10.0)
+        finally:
+            await connection.close()
         steps[record.peer_id] = sum(info["steps_computed"].values())
     return steps
 

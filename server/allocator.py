@@ -22,6 +22,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 M_ARENA_MAX = -8  # mallopt's parameter number, from glibc's malloc.h
+ALLOCATORS = ("auto", "jemalloc", "glibc")  # `swarm-server --allocator` (chosen in server.launch)
 ARENAS = 2
 TRIM_PERIOD_S = 10.0
 

@@ -14,7 +14,6 @@ from orchestrator.admission import DEFAULT_CLIENT_KV_SHARE, DEFAULT_CLIENT_MAX_S
 from server import allocator
 from server.config import ServerConfig
 from server.exchange import EXCHANGE_SETTINGS
-from server.launch import ALLOCATORS
 from server.migration import IMPORT_IDLE_S, KV_CHUNK_BYTES
 from server.server import SwarmServer
 from swarm.dht_limits import MAX_RECORD_TTL_S
@@ -175,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port, printed)")
     parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+    parser.add_argument("--allocator", choices=allocator.ALLOCATORS, default="auto",
                         help="malloc of the server process: jemalloc where installed (auto), or glibc's; chosen by "
                              "the swarm-server entry before it starts (server.launch)")
     return parser

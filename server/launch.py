@@ -20,9 +20,8 @@ import argparse
 import os
 import sys
 
-from server.allocator import jemalloc_library, running_allocator
+from server.allocator import ALLOCATORS, jemalloc_library, running_allocator
 
-ALLOCATORS = ("auto", "jemalloc", "glibc")
 # Background purging: idle servers return dirty pages without waiting for their next allocation.
 JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:5000,muzzy_decay_ms:0"
 _REEXECUTED = "CHAINSWARM_ALLOCATOR_REEXEC"  # set in the re-executed process: at most one re-execution

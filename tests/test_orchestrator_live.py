@@ -26,7 +26,6 @@ from swarm.records import ServerRecord, active_orchestrator
 from swarm.rpc import dial
 from tests.prometheus import metrics_url, scrape, value
 from tests.test_failover import ActAfterTokens
-from tests.tiny_models import write_char_tokenizer
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 30.0
@@ -107,8 +106,7 @@ def orchestrated(
 
 @pytest.fixture(scope="module")
 def api_url(swarm_factory: SwarmProcesses, tiny_llama: Path, orchestrated: DistributedModelForCausalLM) -> str:
-    """A swarm-api for the tiny model (a character tokenizer beside its weights) whose requests wait 1 s at most."""
-    write_char_tokenizer(tiny_llama)
+    """A swarm-api for the tiny model (its checkpoint has a character tokenizer) whose requests wait 1 s at most."""
     _proc, url = swarm_factory.start_api(tiny_llama, "--route-wait", "1")
     return url
 

@@ -34,7 +34,8 @@ def tiny_config(family: str, **overrides: object) -> PretrainedConfig:
 
 
 def write_tiny_checkpoint(family: str, path: Path, *, seed: int = 0, **overrides: object) -> Path:
-    """Gives `path` holding a seeded random checkpoint of `family` (config fields overridden) in safetensors form."""
+    """Gives `path` holding a seeded random checkpoint of `family` (config fields overridden) in safetensors form,
+    with a character tokenizer (`write_char_tokenizer`) so that processes that need text can serve it."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
     # random init leaves logits nearly flat; scale up so greedy decoding has clear winners
@@ -42,7 +43,7 @@ def write_tiny_checkpoint(family: str, path: Path, *, seed: int = 0, **overrides
         for parameter in model.parameters():
             parameter.mul_(4.0) if parameter.dim() > 1 else None
     model.save_pretrained(path)
-    return path
+    return write_char_tokenizer(path)
 
 
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
