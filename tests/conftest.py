@@ -38,6 +38,20 @@ def swarm_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwarmPro
         swarm.close()
 
 
+@pytest.fixture(autouse=True)
+def own_swarm_stops_with_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """In a module marked `own_swarm`, stops the processes a test started when it ends, instead of with the module:
+    a module of tests that each start four servers would otherwise hold dozens at once (20 GiB of the 24 GiB here)."""
+    if request.node.get_closest_marker("own_swarm") is None:
+        yield
+        return
+    swarm: SwarmProcesses = request.getfixturevalue("swarm_factory")
+    try:
+        yield
+    finally:
+        swarm.close()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def netem_safety_net() -> Iterator[None]:
     """Removes any emulated network (namespaces, links, processes) a netem test of this session left behind."""

@@ -21,7 +21,7 @@ from tests.test_failover import ActAfterTokens
 from tests.test_migration import info_of, infos, local_and_remote
 from tests.test_swarm_generate import prompt
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_swarm]
 TIMEOUT_S = 30.0
 
 

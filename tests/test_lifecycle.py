@@ -17,7 +17,7 @@ from swarm.model import resolve_model
 from swarm.records import ServerRecord
 from swarm.wire import encode_tensor
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_swarm]
 
 
 def wait_until(condition, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]

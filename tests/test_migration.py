@@ -22,7 +22,7 @@ from swarm.local_swarm import REPO, Proc, SwarmProcesses
 from tests.test_failover import ActAfterTokens
 from tests.test_swarm_generate import prompt
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_swarm]
 TIMEOUT_S = 30.0
 
 

@@ -13,7 +13,7 @@ from swarm.local_swarm import REPO, SwarmProcesses
 from tests.test_migration import local_and_remote
 from tests.test_swarm_generate import prompt
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_swarm]
 CORRUPTING = ["env", f"PYTHONPATH={Path(__file__).parent / 'corrupting'}:{REPO}"]
 
 
