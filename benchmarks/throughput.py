@@ -19,9 +19,15 @@ Three parts, on the embedded SmolLM2-135M-Instruct (float32, CPU):
    steps took there while they shared batches with the prompt's chunks (the slowest such step less the server's
    mean decode step without a prefill beside it), next to the time of one of the prompt's batches on that server.
    The largest extra gap between two tokens a decoding client saw is printed too (it adds up all servers).
+4. **The ceiling of the ratio on this machine.** In this process, with no network: one decode step of the N
+   sessions through the three servers' blocks back to back (`BlockRange`, paged KV, as the servers compute it) and
+   the client's LM head, against one decode step of the local model for the same batch, interleaved. The stages on
+   one thread each, as the servers run, and on two (what each server would compute with both cores to itself and
+   its threads spinning between operators). A swarm whose stages run one after another for one group of sessions
+   cannot beat this ratio, whatever its transport.
 
     .venv/bin/python benchmarks/throughput.py [--sessions 1,4,8,16] [--rounds 3] [--new-tokens 32]
-        [--chunks 256] [--skip-admission] [--skip-prefill]
+        [--chunks 256] [--skip-admission] [--skip-prefill] [--skip-ceiling]
 
 Target (issue 10): 8 sessions >= 0.8x the local batch; the 512-token arrival delays the others' decode steps by at
 most one chunk. It prints tables and verdicts and never asserts.
@@ -52,7 +58,7 @@ from client.timing import StepClock
 from swarm.errors import ServerBusy
 from swarm.local_swarm import SwarmProcesses, threads_per_server
 from swarm.memory import PagePool
-from swarm.model import DEFAULT_MODEL, BlockRange, ModelSource, PagedBatch, SequenceChunk, resolve_model
+from swarm.model import DEFAULT_MODEL, BlockRange, ClientHead, ModelSource, PagedBatch, SequenceChunk, resolve_model
 from swarm.wire import encode_tensor
 
 TARGET_RATIO = 0.8
@@ -337,6 +343,68 @@ def measure_long_prompt(args: argparse.Namespace, source: ModelSource, workdir: 
     )
 
 
+@dataclass
+class CeilingRow:
+    threads: int  # torch threads of each stage
+    local_ms: float  # one decode step of the local model (torch's default threads)
+    blocks_ms: float  # the three servers' blocks, back to back
+    head_ms: float  # the client's LM head for every session's row (torch's default threads)
+
+    @property
+    def ratio(self) -> float:
+        return self.local_ms / (self.blocks_ms + self.head_ms)
+
+
+def measure_ceiling(args: argparse.Namespace, source: ModelSource, rounds: int = 15) -> list[CeilingRow]:
+    """Gives the swarm's compute alone for one decode step of TARGET_SESSIONS sessions, stage after stage in this
+    process, against the local model's decode step for the same batch, interleaved; medians of `rounds`."""
+    sessions, history = TARGET_SESSIONS, args.prompt_tokens
+    local = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
+    head = ClientHead(source)
+    stages = []
+    for split in SPLITS:
+        start, end = (int(part) for part in split.split(":"))
+        blocks = BlockRange(source, start, end)
+        pool = PagePool(sessions * (end - start) << 20, 1 << 20)  # a page per sequence and block holds its history
+        kv = blocks.paged_kv(pool.storage, pool.page_bytes)
+        pages = [{block: [index * (end - start) + block - start] for block in range(start, end)}
+                 for index in range(sessions)]
+        prefill = PagedBatch(tuple(SequenceChunk(index * history, history, 0, start, end, pages[index])
+                                   for index in range(sessions)))
+        decode = PagedBatch(tuple(SequenceChunk(index, 1, history, start, end, pages[index])
+                                  for index in range(sessions)))
+        stages.append((blocks, kv, prefill, decode))
+    default_threads = torch.get_num_threads()
+    ids = torch.cat(prompts(sessions, history, seed=sessions))
+    rows = []
+    with torch.inference_mode():
+        for blocks, kv, prefill, _ in stages:
+            blocks(torch.randn(sessions * history, source.config.hidden_size), prefill, kv)
+        cache = local(ids, use_cache=True).past_key_values
+        for threads in sorted({args.server_threads, default_threads}):
+            local_ms, blocks_ms, head_ms = [], [], []
+            for _ in range(rounds):
+                torch.set_num_threads(default_threads)
+                started = time.perf_counter()
+                local(ids[:, -1:], past_key_values=cache, use_cache=True)
+                local_ms.append((time.perf_counter() - started) * 1000)
+                cache.crop(-1)  # back to the prompt alone
+                torch.set_num_threads(threads)
+                hidden = torch.randn(sessions, source.config.hidden_size)
+                started = time.perf_counter()
+                for blocks, kv, _, decode in stages:
+                    hidden = blocks(hidden, decode, kv)
+                blocks_ms.append((time.perf_counter() - started) * 1000)
+                torch.set_num_threads(default_threads)
+                started = time.perf_counter()
+                head.logits(hidden)
+                head_ms.append((time.perf_counter() - started) * 1000)
+            rows.append(CeilingRow(threads, statistics.median(local_ms), statistics.median(blocks_ms),
+                                   statistics.median(head_ms)))
+    torch.set_num_threads(default_threads)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", default="1,4,8,16", type=lambda text: [int(x) for x in text.split(",")])
@@ -349,6 +417,7 @@ def main() -> None:
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-admission", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--skip-ceiling", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the servers run: idle OpenMP threads must not spin
     source = resolve_model(DEFAULT_MODEL)
@@ -406,6 +475,18 @@ def main() -> None:
                 verdicts.append(f"{verdict}: with --max-batch-tokens {row.max_batch_tokens} the arrival delays the "
                                 f"others' decode steps by at most one chunk: worst {delay:.0f} ms vs a chunk's "
                                 f"{chunk:.0f} ms (server of blocks from {start})")
+        if not args.skip_ceiling:
+            print(f"\n## The ceiling: one decode step of {TARGET_SESSIONS} sessions ({args.prompt_tokens} tokens of "
+                  f"history), compute alone in one process, median of 15 interleaved")
+            print("| threads per stage | local step ms | swarm's blocks back to back ms | client's head ms | "
+                  "ceiling of the ratio |\n|---|---|---|---|---|")
+            ceiling = measure_ceiling(args, source)
+            for row in ceiling:
+                print(f"| {row.threads} | {row.local_ms:.1f} | {row.blocks_ms:.1f} | {row.head_ms:.1f} | "
+                      f"{row.ratio:.2f} |")
+            served = next(row for row in ceiling if row.threads == args.server_threads)
+            verdicts.append(f"with {served.threads} thread(s) per stage, as the servers run, compute alone caps "
+                            f"the ratio at {served.ratio:.2f}x before any network")
         print()
         for line in verdicts:
             print(f"verdict: {line}")
