@@ -55,6 +55,7 @@ from netem.network import EmulatedNetwork
 from netem.topology import Topology
 from orchestrator.sim.kunserve_sim import KunServeSimConfig, SimRequest, simulate
 from orchestrator.sim.workload import load_azure_trace
+from server.scheduler import DEFAULT_MAX_BATCH_TOKENS
 from swarm.local_swarm import SwarmProcesses
 from swarm.model import DEFAULT_MODEL
 
@@ -207,23 +208,27 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping: bool) -> KunServeSimConfig:
     """Gives the simulator the live swarm's geometry (from the servers' records) and speeds measured in the no-drop
-    arm (`base`): a prompt token costs the median of (first token - session open) / prompt tokens, an iteration the
-    10th percentile of the requests' TBT (the least loaded: one client round trip and 30 blocks' decode), and each
-    more decoding request the records' measured growth of a decode step with the batch; a group's extra member
-    adds a half round trip (the pushed hop)."""
+    arm (`base`). What occupies a server: a decode iteration's fixed compute, the records' lone decode step through
+    all blocks; each more decoding request, the records' growth of a decode step with the batch; a prompt token, the
+    median of (first token - session open) / prompt tokens; prompts in chunks of the servers' `--max-batch-tokens`.
+    What only delays a token: the rest of the 10th percentile of the requests' TBT (the least loaded: the client's
+    round trip, its LM head, the hops through p2pd). A group's extra member adds a half round trip (the pushed hop),
+    which the simulator counts in a micro-batch's time."""
     first = min(base.polls, key=lambda row: row["t"])
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
     widest = max(decode, default=1)
     blocks = first["block_end"] - first["block_start"]
+    lone = blocks * decode.get(1, first["block_compute_ms"])
     per_row = blocks * (decode[widest] - decode.get(1, first["block_compute_ms"])) / (widest - 1) if widest > 1 else 0
     prefill = [(r["first_token_s"] - r["started_s"]) * 1000 / requests[r["id"]]["prompt_tokens"] for r in base.served]
-    step = float(np.percentile(base.tbt(requests), 10)) * 1000 - per_row
+    round_trip = float(np.percentile(base.tbt(requests), 10)) * 1000 - lone - per_row
     return KunServeSimConfig(
         replicas=len(SERVERS), blocks=blocks, pages_total=first["pages_total"],
         params_pages=first["pages_params"] // blocks * blocks, tokens_per_page=first["kv_tokens_per_page"],
-        step_ms=max(1.0, step), prefill_token_ms=statistics.median(prefill), decode_token_ms=max(0.0, per_row),
-        hop_ms=rtt_ms / 2, link_bytes_per_s=MBIT * 1e6 / 8, kv_bytes_per_token_block=first["kv_bytes_per_token"],
-        prefill_chunk_tokens=MAX_PROMPT, dropping=dropping, retry_backoff_s=BACKOFF_S,
+        step_ms=lone, prefill_token_ms=statistics.median(prefill), decode_token_ms=max(0.0, per_row),
+        hop_ms=rtt_ms / 2, round_trip_ms=max(0.0, round_trip), link_bytes_per_s=MBIT * 1e6 / 8,
+        kv_bytes_per_token_block=first["kv_bytes_per_token"], prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"],
+        dropping=dropping, retry_backoff_s=BACKOFF_S,
     )
 
 
@@ -289,7 +294,8 @@ def report(rtt_ms: float, runs: dict[str, ArmRun], requests: list[dict]) -> None
         fitted = sim_config(base, by_id, rtt_ms, True)
         print(f"simulator (same requests, the live swarm's geometry and speeds: iteration {fitted.step_ms:.0f} ms + "
               f"{fitted.decode_token_ms:.1f} ms per decoding request + {fitted.prefill_token_ms:.2f} ms per prompt "
-              f"token, hop {fitted.hop_ms:g} ms) against live, P99 TTFT:")
+              f"token, a token's round trip {fitted.round_trip_ms:.0f} ms, hop {fitted.hop_ms:g} ms) against live, "
+              f"P99 TTFT:")
         for arm, dropping in (("no drop", False), ("KunServe blocking", True)):
             run = runs[arm]
             live = pct(run.ttft(), 99)

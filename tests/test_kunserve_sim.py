@@ -76,3 +76,17 @@ def test_clients_that_back_off_are_served_later_than_a_queue_and_still_trigger_d
     dropping = simulate(dataclasses.replace(CONFIG, retry_backoff_s=(0.5, 4.0)), requests)
     assert dropping.drops >= 1
     assert dropping.percentile(dropping.ttft_s, 99) < backoff.percentile(backoff.ttft_s, 99)
+
+
+def test_a_tokens_round_trip_delays_it_but_leaves_its_server_free_for_other_requests() -> None:
+    lone_replica = dataclasses.replace(CONFIG, replicas=1, dropping=False, round_trip_ms=100.0)
+    first = SimRequest(0.0, 16, 48)
+    alone = simulate(lone_replica, [first])
+    without = simulate(dataclasses.replace(lone_replica, round_trip_ms=0.0), [first])
+    assert alone.tbt_s[0] - without.tbt_s[0] == pytest.approx(0.1)  # every token waits its round trip
+    assert alone.ttft_s[0] - without.ttft_s[0] == pytest.approx(0.1)
+    # a second request arriving mid-way through the first's round trip computes while the first's token travels:
+    # the first request's pace does not change
+    both = simulate(lone_replica, [first, SimRequest(0.05, 16, 48)])
+    assert both.tbt_s[0] == pytest.approx(alone.tbt_s[0])
+    assert np.isfinite(both.tbt_s).all()

@@ -5,10 +5,15 @@ that hold more KV.
 The model, event by event (no clock, no global RNG; the same inputs give the same result):
 - A *unit* serves requests with continuous batching: a group of k replicas (k = 1 undropped) holding one copy of the
   model's blocks, so its KV capacity is k x `pages_total` - `params_pages` (the dropped copies' pages hold KV).
-  An iteration computes one token of every decoding request and up to `prefill_chunk_tokens` of prefill, and takes
-  `step_ms + prefill_token_ms x prompt tokens + decode_token_ms x decoding requests + (k - 1) x hop_ms`. A group is
-  a pipeline: up to k micro-batches in flight, each with about 1/k of its requests, each crossing the k members
-  (each member computing its slice of the blocks for one micro-batch at a time) [chosen: no bubbles].
+  An iteration computes one token of every decoding request and up to `prefill_chunk_tokens` of prefill, and
+  occupies the unit for `step_ms + prefill_token_ms x prompt tokens + decode_token_ms x decoding requests + (k - 1)
+  x hop_ms`. A group is a pipeline: up to k micro-batches in flight, each with about 1/k of its requests, each
+  crossing the k members (each member computing its slice of the blocks for one micro-batch at a time) [chosen: no
+  bubbles; the hops count in the occupancy, which keeps a pipeline's micro-batches whole: as a delay outside the unit
+  they would let a free slot start a micro-batch of the few requests ready at that moment].
+- A token reaches its client `round_trip_ms` after its iteration ends, and the request's next step is ready on the
+  unit then: the network to the client and back and the client's LM head take time but occupy no server, which
+  meanwhile computes the other requests' steps. A prompt's chunks follow each other without it.
 - A request's KV is reserved at admission for its whole length (prompt + output, `blocks` x ceil(tokens /
   `tokens_per_page`) pages), as servers with `--kv-headroom-tokens` at least the output admit, on the unit with the
   most free pages. The dispatcher keeps one FCFS queue and admits its head as soon as it fits (head-of-line
@@ -61,6 +66,7 @@ class KunServeSimConfig:
     prefill_token_ms: float  # and per prompt token it computes
     decode_token_ms: float  # and per decoding request
     hop_ms: float = 0.0  # one activation hop between group members
+    round_trip_ms: float = 0.0  # a token's way to its client and the next step's back, outside the unit
     link_bytes_per_s: float = 12.5e6  # a member's link for the KV exchange
     kv_bytes_per_token_block: int = 1536
     prefill_chunk_tokens: int = 512
@@ -279,6 +285,8 @@ class _Sim:
 
     def _finish_step(self, uid: int, batch: list[tuple[_Running, int]]) -> None:
         finished = []
+        unit = self.units.get(uid)
+        seen_s = self.now + self.config.round_trip_ms / 1000
         for running, count in batch:
             running.in_flight = False
             request = running.request
@@ -287,17 +295,17 @@ class _Sim:
                 if running.prefilled < request.prompt:
                     continue
             running.produced += 1
+            running.stalled_until_s = max(running.stalled_until_s, seen_s)  # its next step is on its way
             if running.first_token_s is None:
-                running.first_token_s = self.now
-                self.ttft[running.index] = self.now - request.arrival_s
+                running.first_token_s = seen_s
+                self.ttft[running.index] = seen_s - request.arrival_s
             if running.produced >= max(1, request.output):
                 finished.append(running)
                 if request.output > 1:
-                    self.tbt[running.index] = (self.now - running.first_token_s) / (request.output - 1)
+                    self.tbt[running.index] = (seen_s - running.first_token_s) / (request.output - 1)
                 self.done += 1
-        for unit in self.units.values():  # it may run on a unit formed while its step computed
-            unit.running = [r for r in unit.running if r not in finished]
-        unit = self.units.get(uid)
+        for other in self.units.values():  # it may run on a unit formed while its step computed
+            other.running = [r for r in other.running if r not in finished]
         if unit is not None:
             unit.batches -= 1
         self._dispatch()
