@@ -39,6 +39,8 @@ class BatchStats:
     failed: Counter[str] = field(default_factory=Counter)  # error code -> steps that failed with it
     decode_alone: Latency = field(default_factory=lambda: Latency())  # decode steps in batches without a prefill
     decode_beside_prefill: Latency = field(default_factory=lambda: Latency())  # ... in a batch with a prefill chunk
+    # the latter's latency beyond the batch they finished in (less its compute): what they waited before it
+    decode_beyond_batch: Latency = field(default_factory=lambda: Latency())
     # called with (steps, tokens, compute_ms) for every batch (the server's Prometheus histograms)
     observers: list[Callable[[int, int, float], None]] = field(default_factory=list, repr=False)
 
@@ -63,7 +65,8 @@ class BatchStats:
             "tokens_per_batch": {f"<={bound}": count for bound, count in sorted(self.tokens.items())},
             "steps_failed": dict(self.failed),
             "decode_step_ms": {"alone": self.decode_alone.to_wire(),
-                               "beside_prefill": self.decode_beside_prefill.to_wire()},
+                               "beside_prefill": self.decode_beside_prefill.to_wire(),
+                               "beside_prefill_beyond_its_batch": self.decode_beyond_batch.to_wire()},
         }
 
 

@@ -315,8 +315,12 @@ class StepScheduler:
                 self._commit(step)
                 finished.append(step)
                 if step.tokens == 1:
-                    latency = self.stats.decode_beside_prefill if step.beside_prefill else self.stats.decode_alone
-                    latency.note((time.perf_counter() - step.admitted_s) * 1000)
+                    latency_ms = (time.perf_counter() - step.admitted_s) * 1000
+                    if step.beside_prefill:
+                        self.stats.decode_beside_prefill.note(latency_ms)
+                        self.stats.decode_beyond_batch.note(max(0.0, latency_ms - compute_ms))
+                    else:
+                        self.stats.decode_alone.note(latency_ms)
         self._finish(finished)
 
     async def _forward_isolated(

@@ -323,3 +323,45 @@ def test_sessions_of_mixed_lengths_come_and_go_and_the_pool_holds_its_accounting
         engine.pool.check_invariants()
 
     scenario(body)
+
+
+def test_a_decode_step_that_cannot_join_a_chunks_batch_counts_its_wait_before_the_next(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait that `info` reports as `beside_prefill_beyond_its_batch`: a decode step that arrives while a prompt's
+    chunk fills the whole budget waits for the batch after it, beside the next chunk, and that wait is counted."""
+    async def body() -> None:
+        started, release = threading.Event(), threading.Event()
+        advance = ForwardPass.advance
+
+        def held_advance(self: ForwardPass) -> None:
+            started.set()
+            release.wait(30)
+            advance(self)
+
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=10)
+        engine.scheduler.start()
+        decoding, long = engine.open("decoding"), engine.open("long")
+        result, expected = engine.submit(decoding, 4)
+        await result
+        check(result, expected)
+        monkeypatch.setattr("server.scheduler.RECENT_WINDOW_S", 0.0)  # no room kept for decode steps in a chunk
+        monkeypatch.setattr(ForwardPass, "advance", held_advance)
+        prefill, prefill_expected = engine.submit(long, 30)  # a chunk of all 10 tokens computes first
+        for _ in range(1000):
+            if started.is_set():
+                break
+            await asyncio.sleep(0.01)
+        step, step_expected = engine.submit(decoding, 1)  # the budget is full: it waits for the next batch
+        await asyncio.sleep(0.05)
+        release.set()
+        for result, expected in ((prefill, prefill_expected), (step, step_expected)):
+            await result
+            check(result, expected)
+        stats = engine.scheduler.stats
+        assert stats.joined == 0
+        beyond = stats.to_wire()["decode_step_ms"]["beside_prefill_beyond_its_batch"]  # type: ignore[index]
+        assert beyond["count"] == 1 and beyond["max_ms"] >= 40  # it waited out the first chunk's batch
+        await engine.scheduler.stop()
+
+    scenario(body)
