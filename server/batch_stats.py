@@ -32,6 +32,8 @@ class BatchStats:
     batches: int = 0
     compute_ms: float = 0.0  # summed over batches
     mixed: int = 0  # batches where a prefill chunk and decode steps computed together
+    prefill_tokens: int = 0  # prompt tokens computed (rows x tokens of prefill chunks)
+    prefill_batch_ms: float = 0.0  # compute of the batches that held a prefill chunk, summed
     joined: int = 0  # steps that joined a batch already computing
     steps_by_place: Counter[str] = field(default_factory=Counter)  # "loop" or "pool": steps computed there
     sizes: Counter[int] = field(default_factory=Counter)  # power-of-two bucket of steps per batch -> batches
@@ -44,12 +46,16 @@ class BatchStats:
     # called with (steps, tokens, compute_ms) for every batch (the server's Prometheus histograms)
     observers: list[Callable[[int, int, float], None]] = field(default_factory=list, repr=False)
 
-    def note(self, steps: int, tokens: int, *, compute_ms: float, mixed: bool, place: str) -> None:
+    def note(self, steps: int, tokens: int, *, compute_ms: float, mixed: bool, place: str,
+             prefill_tokens: int = 0) -> None:
         for observer in self.observers:
             observer(steps, tokens, compute_ms)
         self.batches += 1
         self.compute_ms += compute_ms
         self.mixed += mixed
+        if prefill_tokens:
+            self.prefill_tokens += prefill_tokens
+            self.prefill_batch_ms += compute_ms
         self.steps_by_place[place] += steps
         self.sizes[_bucket(steps)] += 1
         self.tokens[_bucket(tokens)] += 1
@@ -60,6 +66,8 @@ class BatchStats:
             "batches": self.batches,
             "compute_ms": round(self.compute_ms, 3),
             "mixed": self.mixed,
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_batch_ms": round(self.prefill_batch_ms, 3),
             "joined": self.joined,
             "steps_per_batch": {f"<={bound}": count for bound, count in sorted(self.sizes.items())},
             "tokens_per_batch": {f"<={bound}": count for bound, count in sorted(self.tokens.items())},
