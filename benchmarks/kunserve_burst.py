@@ -218,8 +218,9 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
     widest = max(decode, default=1)
     blocks = first["block_end"] - first["block_start"]
-    lone = blocks * decode.get(1, first["block_compute_ms"])
-    per_row = blocks * (decode[widest] - decode.get(1, first["block_compute_ms"])) / (widest - 1) if widest > 1 else 0
+    batch_one = decode.get(1, first["block_compute_ms"])
+    lone = blocks * batch_one
+    per_row = blocks * (decode[widest] - batch_one) / (widest - 1) if widest > 1 else 0
     prefill = [(r["first_token_s"] - r["started_s"]) * 1000 / requests[r["id"]]["prompt_tokens"] for r in base.served]
     round_trip = float(np.percentile(base.tbt(requests), 10)) * 1000 - lone - per_row
     return KunServeSimConfig(

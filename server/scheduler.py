@@ -294,10 +294,10 @@ class StepScheduler:
         self.stats.joined += len(computed) - len(batch)
         batch = computed
         decode = any(step.tokens == 1 for step, _ in batch)
-        prefill = any(step.tokens > 1 for step, _ in batch)
+        prefill_tokens = sum(take * step.rows for step, take in batch if step.tokens > 1)
+        prefill = prefill_tokens > 0
         self.stats.note(len(batch), sum(take * step.rows for step, take in batch), compute_ms=compute_ms,
-                        mixed=decode and prefill, place="loop" if inline else "pool",
-                        prefill_tokens=sum(take * step.rows for step, take in batch if step.tokens > 1))
+                        mixed=decode and prefill, place="loop" if inline else "pool", prefill_tokens=prefill_tokens)
         if len(batch) == 1 and batch[0][0].rows * batch[0][1] == 1 and compute_ms > 0:
             sample_ms = compute_ms / batch[0][0].session.blocks  # a lone decode step refines the start-up figure
             self.block_compute_ms = 0.9 * self.block_compute_ms + 0.1 * sample_ms

@@ -103,7 +103,7 @@ class _Running:
     prefilled: int = 0
     produced: int = 0
     first_token_s: float | None = None
-    stalled_until_s: float = 0.0
+    ready_s: float = 0.0  # its next step can compute from then: a victim's KV has arrived, its token's round trip
     in_flight: bool = False  # in a batch computing now
 
 
@@ -255,11 +255,11 @@ class _Sim:
         share = max(1, math.ceil(len(unit.running) / slots))
         while unit.batches < slots:
             idle = [r for r in unit.running if not r.in_flight]
-            ready = [r for r in idle if r.stalled_until_s <= self.now]
+            ready = [r for r in idle if r.ready_s <= self.now]
             if not ready:
-                if idle and not unit.waking:  # only stalled victims: wake when the first one's KV has arrived
+                if idle and not unit.waking:  # only requests not ready yet: wake when the first one is
                     unit.waking = True
-                    self._push(min(r.stalled_until_s for r in idle), "wake", unit.uid)
+                    self._push(min(r.ready_s for r in idle), "wake", unit.uid)
                 return
             budget = c.prefill_chunk_tokens
             batch: list[tuple[_Running, int]] = []
@@ -295,7 +295,7 @@ class _Sim:
                 if running.prefilled < request.prompt:
                     continue
             running.produced += 1
-            running.stalled_until_s = max(running.stalled_until_s, seen_s)  # its next step is on its way
+            running.ready_s = max(running.ready_s, seen_s)  # its next step is on its way
             if running.first_token_s is None:
                 running.first_token_s = seen_s
                 self.ttft[running.index] = seen_s - request.arrival_s
@@ -372,7 +372,7 @@ class _Sim:
         seconds = tokens * moved_blocks * c.kv_bytes_per_token_block / c.link_bytes_per_s
         done = max(self.now, self.link_free_s.get(member, 0.0)) + seconds
         self.link_free_s[member] = done
-        running.stalled_until_s = done
+        running.ready_s = done
         self.stalls.append(done - self.now)
 
     def _restore(self) -> None:
