@@ -110,3 +110,34 @@ def test_a_member_that_leaves_while_dropped_makes_the_others_restore_at_once() -
         assert segment.calls == [("restore", "a", "evict")] and leader.restores == 1
 
     asyncio.run(body())
+
+
+def test_a_burst_that_outgrows_the_first_plan_merges_the_servers_still_whole() -> None:
+    async def body() -> None:
+        segment = Segment([record(peer, 0, 8, kv=20) for peer in "abcd"])
+        leader = segment.loop("a")
+        await leader.tick(0.0)
+        segment.records = [record(peer, 0, 8, kv=35) for peer in "abcd"]
+        await leader.tick(0.5)  # demand 140 rising 120/s against 240 pages: 20 short, and a pair frees 40
+        assert segment.calls == [("drop", "a", "0:4"), ("drop", "b", "4:8")]
+        segment.calls.clear()
+        # the DHT still shows a and b whole: the loop knows it told them to drop, and leaves them out
+        segment.records = [record(peer, 0, 8, kv=50) for peer in "abcd"]
+        await leader.tick(1.0)
+        assert segment.calls == []  # 200 of 240 pages: the drop's samples are forgotten, and one gives no rate
+        segment.records = [record("a", 0, 4, kv=70, demand=10, restorable=(0, 8)),
+                           record("b", 4, 8, kv=70, demand=10, restorable=(0, 8)),
+                           record("c", 0, 8, kv=60, demand=10), record("d", 0, 8, kv=60, demand=10)]
+        await leader.tick(1.5)  # 300, rising 200/s, against 280: the burst outgrew the pair
+        assert segment.calls == [("drop", "c", "0:4"), ("drop", "d", "4:8")]
+        assert leader.drops == 2 and leader.dropped_peers == {"a", "b", "c", "d"}
+
+        segment.calls.clear()
+        segment.records = [record(peer, start, start + 4, kv=5, restorable=(0, 8))
+                           for peer, start in (("a", 0), ("b", 4), ("c", 0), ("d", 4))]
+        await leader.tick(2.0)
+        await leader.tick(12.0)  # the demand fits, 10 s after the second drop: every dropped block comes back
+        assert segment.calls == [("restore", peer) for peer in "abcd"]
+        assert leader.restores == 1 and leader.dropped_peers == set()
+
+    asyncio.run(body())

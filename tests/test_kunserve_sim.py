@@ -4,11 +4,12 @@ buddy groups and splitting them back, and its two baselines, on small determinis
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
 
-from orchestrator.sim.kunserve_sim import KunServeSimConfig, SimRequest, simulate
+from orchestrator.sim.kunserve_sim import KunServeSimConfig, SimRequest, _Running, _Sim, simulate
 
 # 4 replicas of 8 blocks; 100 pages each, 40 of parameters: 60 KV pages, 7 requests of 64 tokens (8 pages) each.
 CONFIG = KunServeSimConfig(
@@ -90,3 +91,34 @@ def test_a_tokens_round_trip_delays_it_but_leaves_its_server_free_for_other_requ
     both = simulate(lone_replica, [first, SimRequest(0.05, 16, 48)])
     assert both.tbt_s[0] == pytest.approx(alone.tbt_s[0])
     assert np.isfinite(both.tbt_s).all()
+
+
+def test_a_burst_that_outgrows_the_first_plan_merges_the_replicas_still_whole() -> None:
+    requests = [SimRequest(0.5 * i, 16, 48) for i in range(10)]
+    for step in range(1, 7):  # the rate climbs for 3 s: 12, 24, .. 72 requests a second
+        requests += [SimRequest(5.0 + 0.5 * (step - 1) + 0.5 * j / (6 * step), 16, 48) for j in range(6 * step)]
+    requests += [SimRequest(9.0 + 0.5 * i, 16, 48) for i in range(20)]
+    requests.sort(key=lambda r: r.arrival_s)
+    result = simulate(CONFIG, requests)
+    # the first drop pairs two replicas (+40 pages), the second the two still whole; one restore takes all back
+    assert (result.drops, result.restores, result.largest_group) == (2, 1, 2)
+    capacities = [capacity for _, _, capacity in result.samples]
+    changes = [capacity for before, capacity in itertools.pairwise(capacities) if capacity != before]
+    assert changes == [280, 320, 240]
+    assert np.isfinite(result.ttft_s).all()
+
+
+def test_arrivals_go_to_the_unit_with_the_fewest_requests_per_member_among_those_with_room() -> None:
+    sim = _Sim(CONFIG, [], horizon_s=1.0)
+    pair = sim._add_unit((4, 5))  # a group: 2 x 100 - 40 = 160 KV pages, two members' compute
+    units = list(sim.units.values())
+    small = SimRequest(0.0, 16, 48)  # 8 pages
+    units[0].running += [_Running(i, small, 8) for i in range(3)]  # 3 requests, 36 pages free
+    units[1].running += [_Running(3, small, 48)]  # 1 request, 12 pages free
+    units[2].running += [_Running(4, small, 8), _Running(5, small, 8)]  # 2 requests, 44 free
+    units[3].running += [_Running(6, small, 56)]  # 1 request, 4 free: no room for 8 pages
+    pair.running += [_Running(7 + i, small, 8) for i in range(4)]  # 2 a member, 128 free
+    # not the freest (the pair), not one without room (units[3]): the least loaded per member that fits
+    assert sim._place(8) is units[1]
+    assert sim._place(20) is pair  # units[2] and the pair run 2 a member: the more free pages decide
+    assert sim._place(200) is None

@@ -14,8 +14,12 @@ packing does). Every `period_s` the leader:
    propose-commit over DHT records];
 3. while blocks are dropped, runs `restore_trigger` and tells every member that dropped to `restore`; at once, whatever
    the trigger says, when a block of the segment is left without an online server (a member that kept it left):
-   then the members first evict the sessions of the group's chain, which is broken, to make room for the blocks.
-One level of drop at a time: a second burst while dropped waits for the restore.
+   then the members first evict the sessions of the group's chain, which is broken, to make room for the blocks;
+4. while blocks are dropped and no restore is due, runs `drop_trigger` again: a burst that outgrows the first plan
+   (the trigger's 1-s horizon asks for what the next second needs, not for the burst's peak) merges the servers still
+   whole into groups of their own. Groups already formed stay as they are until the restore, which takes every
+   dropped block back at once [chainswarm: the spec plans once per throttling event; re-slicing a group in place
+   would move the KV of sessions that run on it already].
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ class DropLoop:
     restores: int = 0
     aborts: int = 0
     last_plan: DropPlan | None = None
+    dropped_peers: set[str] = field(default_factory=set)  # told to drop since the last restore (records may lag)
 
     async def run(self) -> None:
         while True:
@@ -114,7 +119,8 @@ class DropLoop:
             self._forget()
             return
         self._sample(now_s, records)
-        dropped = [record for record in records if record.restorable_start is not None]
+        dropped = [record for record in records
+                   if record.restorable_start is not None or record.peer_id in self.dropped_peers]
         if dropped:
             self.dropped_since_s = self.dropped_since_s if self.dropped_since_s is not None else now_s
             capacity = sum(record.pages_total - params_pages_per_block(record) * (end - start)
@@ -125,6 +131,11 @@ class DropLoop:
             if uncovered or restore_trigger(self.demand, capacity, now_s - self.dropped_since_s,
                                             min_dropped_s=self.restore_after_s):
                 await self._restore_all(dropped, evict_merged=bool(uncovered))
+                return
+            whole = [record for record in records if record.peer_id not in {r.peer_id for r in dropped}]
+            required = drop_trigger(self.demand, self.available)
+            if required > 0 and len(whole) > 1:
+                await self._drop(whole, required, now_s)
             return
         self.dropped_since_s = None
         required = drop_trigger(self.demand, self.available)
@@ -162,6 +173,7 @@ class DropLoop:
             return
         self.drops += 1
         self.last_plan = plan
+        self.dropped_peers.update(dropped)
         self.dropped_since_s = now_s
         self._forget()  # the pages moved: rates across the drop mean nothing
         log.info("drop plan %d for %d pages: groups %s, kept %s, %d pages freed", plan.epoch, required,
@@ -172,6 +184,7 @@ class DropLoop:
                     if await self._try_restore(record.peer_id, evict_merged=evict_merged)]
         if len(restored) == len(dropped):
             self.restores += 1
+            self.dropped_peers.clear()
             self.dropped_since_s = None
             self._forget()
             log.info("restored the segment's blocks on %s", restored)

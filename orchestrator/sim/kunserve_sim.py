@@ -16,17 +16,19 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   meanwhile computes the other requests' steps. A prompt's chunks follow each other without it.
 - A request's KV is reserved at admission for its whole length (prompt + output, `blocks` x ceil(tokens /
   `tokens_per_page`) pages), as servers with `--kv-headroom-tokens` at least the output admit, on the unit with the
-  most free pages. The dispatcher keeps one FCFS queue and admits its head as soon as it fits (head-of-line
-  blocking, as Llumnix's dispatcher); with `retry_backoff_s`, as a swarm's clients do without an orchestrator, a
-  request that finds no room tries again after its own exponential backoff instead.
+  fewest requests per member among those with room for it (`_place`). The dispatcher keeps one FCFS queue and admits
+  its head as soon as it fits (head-of-line blocking, as Llumnix's dispatcher); with `retry_backoff_s`, as a swarm's
+  clients do without an orchestrator, a request that finds no room tries again after its own exponential backoff
+  instead.
 - TTFT = admission wait + the iterations that prefill the prompt; TBT = a request's mean time per output token after
   its first (the paper's metric).
-- Every `monitor_s` the monitor samples demand (pages held + pages of queued requests) and KV capacity; while nothing
-  is dropped `drop_trigger` asks for R pages and `plan_drop` merges replicas into groups (one level at a time, as the
-  live segment loop). Victims (requests running on a member when it drops) stall while their KV for the dropped
-  blocks crosses `link_bytes_per_s` (blocking exchange, smallest first, each member's link in parallel); the group's
-  extra capacity is usable at once [chosen: the exchange's transient (spec 5.2) is not modelled]. While dropped,
-  `restore_trigger` splits the groups back once their requests fit on the members (live restore: no stall).
+- Every `monitor_s` the monitor samples demand (pages held + pages of queued requests) and KV capacity; when
+  `drop_trigger` asks for R pages, `plan_drop` merges the replicas still whole into groups (while dropped too, as the
+  live segment loop: a burst that outgrows the first plan pairs more replicas; formed groups stay). Victims
+  (requests running on a member when it drops) stall while their KV for the dropped blocks crosses
+  `link_bytes_per_s` (blocking exchange, smallest first, each member's link in parallel); the group's extra capacity
+  is usable at once [chosen: the exchange's transient (spec 5.2) is not modelled]. While dropped, `restore_trigger`
+  splits every group back once their requests fit on the members (live restore: no stall).
 - `static_groups` k > 1 runs the static pipeline baseline (Llumnix (pipeline)): groups of k from the start, never
   restored; `dropping` False the no-drop baseline (Llumnix (replication)).
 """
@@ -219,8 +221,8 @@ class _Sim:
         c = self.config
         assert c.retry_backoff_s is not None
         pages = c.pages_of(self.requests[index])
-        unit = max(self.units.values(), key=lambda u: (u.free, -u.uid))
-        if unit.free >= pages:
+        unit = self._place(pages)
+        if unit is not None:
             self.backing_off.pop(index, None)
             unit.running.append(_Running(index, self.requests[index], pages))
             self._start(unit)
@@ -240,12 +242,21 @@ class _Sim:
                 self.queue.popleft()
                 self.done += 1
                 continue
-            unit = max(self.units.values(), key=lambda u: (u.free, -u.uid))
-            if unit.free < pages:
+            unit = self._place(pages)
+            if unit is None:
                 return
             self.queue.popleft()
             unit.running.append(_Running(index, self.requests[index], pages))
             self._start(unit)
+
+    def _place(self, pages: int) -> _Unit | None:
+        """Gives the unit a request of `pages` goes to: among those with room for it, the one running the fewest
+        requests per member (ties: the most free pages); None if none has room. [chosen: KunServe's dispatcher
+        re-balances load after a drop so that a group's freed memory does not queue the burst on its members'
+        compute (Sec. 4.3); placing by free pages alone sent every arrival to the newest group, whose prefill then
+        queued for seconds while the whole replicas computed less.]"""
+        fits = [unit for unit in self.units.values() if unit.free >= pages]
+        return min(fits, key=lambda u: (len(u.running) / len(u.members), -u.free, u.uid), default=None)
 
     def _start(self, unit: _Unit) -> None:
         """Starts micro-batches on `unit` while it has a free pipeline slot and ready requests: a group of k members
@@ -327,26 +338,31 @@ class _Sim:
         self.samples.append((self.now, held + queued, capacity))
         if not c.dropping or c.static_groups > 1:
             return
-        if self.dropped_at is None:
-            required = drop_trigger(self.demand, self.available)
-            if required > 0:
-                self._drop(required)
-        else:
+        if self.dropped_at is not None:
             undropped = c.replicas * (c.pages_total - c.params_pages)
             if restore_trigger(self.demand, undropped, self.now - self.dropped_at,
                                min_dropped_s=c.restore_after_s):
                 self._restore()
+                return
+        required = drop_trigger(self.demand, self.available)
+        if required > 0:
+            self._drop(required)
 
     def _drop(self, required: int) -> None:
+        """Merges the replicas still whole into buddy groups that free `required` pages; groups formed by an
+        earlier drop stay as they are (a deeper drop, while dropped, plans among the whole replicas only)."""
         c = self.config
-        replicas = [SegmentReplica(f"r{member:04d}", 0, c.blocks, c.params_pages_per_block,
-                                   pages_free=unit.free, pages_kv=unit.held)
-                    for unit in self.units.values() for member in unit.members]
+        whole = [unit for unit in self.units.values() if len(unit.members) == 1]
+        if len(whole) < 2:
+            return
+        replicas = [SegmentReplica(f"r{unit.members[0]:04d}", 0, c.blocks, c.params_pages_per_block,
+                                   pages_free=unit.free, pages_kv=unit.held) for unit in whole]
         plan = plan_drop(replicas, required, balanced=c.balanced, epoch=self.drops + 1)
         if not plan.changes_anything:
             return
-        home = {member: unit for unit in self.units.values() for member in unit.members}
-        self.units = {}
+        home = {unit.members[0]: unit for unit in whole}
+        for unit in whole:
+            del self.units[unit.uid]
         for group in plan.groups:
             members = tuple(sorted(int(peer[1:]) for peer in group.members))
             merged = self._add_unit(members)
