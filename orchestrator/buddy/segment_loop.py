@@ -19,7 +19,9 @@ packing does). Every `period_s` the leader:
    (the trigger's 1-s horizon asks for what the next second needs, not for the burst's peak) merges the servers still
    whole into groups of their own. Groups already formed stay as they are until the restore, which takes every
    dropped block back at once [chainswarm: the spec plans once per throttling event; re-slicing a group in place
-   would move the KV of sessions that run on it already].
+   would move the KV of sessions that run on it already]. A drop or restore makes the loop forget its samples of
+   available pages, which jumped, not those of the demand, which did not (an exchange counts a moving victim's part
+   on both sides for a moment: one session per member at a time).
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ class DropLoop:
         self.last_plan = plan
         self.dropped_peers.update(dropped)
         self.dropped_since_s = now_s
-        self._forget()  # the pages moved: rates across the drop mean nothing
+        self.available.clear()  # it jumped: a rate across the drop means nothing; demand's still does
         log.info("drop plan %d for %d pages: groups %s, kept %s, %d pages freed", plan.epoch, required,
                  [group.members for group in plan.groups], dict(plan.kept), plan.total_freed_pages)
 
@@ -186,7 +188,7 @@ class DropLoop:
             self.restores += 1
             self.dropped_peers.clear()
             self.dropped_since_s = None
-            self._forget()
+            self.available.clear()
             log.info("restored the segment's blocks on %s", restored)
 
     async def _try_restore(self, peer: str, *, evict_merged: bool = False) -> bool:

@@ -375,8 +375,7 @@ class _Sim:
         self._restart()
         self.dropped_at = self.now
         self.drops += 1
-        self.demand.clear()  # the pages moved: rates across the drop mean nothing (as the live loop forgets them)
-        self.available.clear()
+        self.available.clear()  # it jumped: a rate across the drop means nothing; demand's does (as the live loop)
         self.largest_group = max(self.largest_group, max(group.size for group in plan.groups))
 
     def _stall_victim(self, running: _Running, member: int, group_size: int) -> None:
@@ -408,7 +407,6 @@ class _Sim:
         self._restart()
         self.dropped_at = None
         self.restores += 1
-        self.demand.clear()
         self.available.clear()
 
     def _restart(self) -> None:
