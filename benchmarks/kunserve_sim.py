@@ -25,6 +25,7 @@ import dataclasses
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -117,28 +118,33 @@ def _kv_pages(config: KunServeSimConfig) -> int:
 def calibrate(trace_path: Path, lengths_path: Path, config: KunServeSimConfig, provisioning: float,
               means: tuple[float, float] | None = None) -> float:
     """Gives the time compression at which the mean demand of a run without throttling (replicas with room for
-    all) is 1/`provisioning` of the replicas' KV pages: bisection on a log scale (the demand grows with the rate,
-    faster once the replicas' compute saturates)."""
-    roomy, target = _roomy(config), _kv_pages(config) / provisioning
-    low, high = 0.1, 1000.0
-    for _ in range(14):
-        middle = math.sqrt(low * high)
-        if mean_demand(simulate(roomy, requests_of(trace_path, lengths_path, middle, means))) < target:
-            low = middle
-        else:
-            high = middle
-    return math.sqrt(low * high)
+    all) is 1/`provisioning` of the replicas' KV pages."""
+    roomy = _roomy(config)
+
+    def demand_at(compress: float) -> float:
+        return mean_demand(simulate(roomy, requests_of(trace_path, lengths_path, compress, means)))
+
+    return _log_bisect(demand_at, _kv_pages(config) / provisioning, 0.1, 1000.0, 14)
 
 
 def calibrate_peak(trace_path: Path, lengths_path: Path, config: KunServeSimConfig, peak: float,
                    means: tuple[float, float] | None = None) -> float:
     """Gives the rate multiplier (`requests_at_rate`) at which the burst's peak demand, with room for all, is
-    `peak` times the replicas' KV pages: bisection on a log scale."""
-    roomy, target = _roomy(config), _kv_pages(config) * peak
-    low, high = 0.5, 100.0
-    for _ in range(10):
+    `peak` times the replicas' KV pages."""
+    roomy = _roomy(config)
+
+    def demand_at(multiplier: float) -> float:
+        return peak_demand(simulate(roomy, requests_at_rate(trace_path, lengths_path, multiplier, means)))
+
+    return _log_bisect(demand_at, _kv_pages(config) * peak, 0.5, 100.0, 10)
+
+
+def _log_bisect(demand_at: Callable[[float], float], target: float, low: float, high: float, steps: int) -> float:
+    """Gives the knob in [low, high] at which `demand_at` (growing with it) meets `target`: bisection on a log scale
+    (the demand grows with the rate, faster once the replicas' compute saturates)."""
+    for _ in range(steps):
         middle = math.sqrt(low * high)
-        if peak_demand(simulate(roomy, requests_at_rate(trace_path, lengths_path, middle, means))) < target:
+        if demand_at(middle) < target:
             low = middle
         else:
             high = middle
