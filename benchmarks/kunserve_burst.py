@@ -209,11 +209,12 @@ def _read_jsonl(path: Path) -> list[dict]:
 def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping: bool) -> KunServeSimConfig:
     """Gives the simulator the live swarm's geometry (from the servers' records) and speeds measured in the no-drop
     arm (`base`). What occupies a server: a decode iteration's fixed compute, the records' lone decode step through
-    all blocks; each more decoding request, the records' growth of a decode step with the batch; a prompt token, the
-    median of (first token - session open) / prompt tokens; prompts in chunks of the servers' `--max-batch-tokens`.
-    What only delays a token: the rest of the 10th percentile of the requests' TBT (the least loaded: the client's
-    round trip, its LM head, the hops through p2pd). A group's extra member adds a half round trip (the pushed hop),
-    which the simulator counts in a micro-batch's time."""
+    all blocks; each more decoding request, the records' growth of a decode step with the batch; a prompt token, what
+    the servers' counters measured (`prefill_token_ms_under_load`); prompts in chunks of the servers'
+    `--max-batch-tokens`. What occupies the client: the rest of the 10th percentile of the requests' TBT (the least
+    loaded) beyond the network's round trip, its LM head and its RPCs, one token at a time, as one Python process
+    serves every request. What only delays a token: the round trip. A group's extra member adds a half round trip
+    (the pushed hop), which the simulator counts in a micro-batch's time."""
     first = min(base.polls, key=lambda row: row["t"])
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
     widest = max(decode, default=1)
@@ -221,16 +222,35 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
     batch_one = decode.get(1, first["block_compute_ms"])
     lone = blocks * batch_one
     per_row = blocks * (decode[widest] - batch_one) / (widest - 1) if widest > 1 else 0
-    prefill = [(r["first_token_s"] - r["started_s"]) * 1000 / requests[r["id"]]["prompt_tokens"] for r in base.served]
-    round_trip = float(np.percentile(base.tbt(requests), 10)) * 1000 - lone - per_row
+    beyond_compute = max(0.0, float(np.percentile(base.tbt(requests), 10)) * 1000 - lone - per_row)
     return KunServeSimConfig(
         replicas=len(SERVERS), blocks=blocks, pages_total=first["pages_total"],
         params_pages=first["pages_params"] // blocks * blocks, tokens_per_page=first["kv_tokens_per_page"],
-        step_ms=lone, prefill_token_ms=statistics.median(prefill), decode_token_ms=max(0.0, per_row),
-        hop_ms=rtt_ms / 2, round_trip_ms=max(0.0, round_trip), link_bytes_per_s=MBIT * 1e6 / 8,
-        kv_bytes_per_token_block=first["kv_bytes_per_token"], prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"],
-        dropping=dropping, retry_backoff_s=BACKOFF_S,
+        step_ms=lone, prefill_token_ms=prefill_token_ms_under_load(base, requests), decode_token_ms=max(0.0, per_row),
+        hop_ms=rtt_ms / 2, round_trip_ms=min(beyond_compute, rtt_ms), client_token_ms=max(0.0, beyond_compute - rtt_ms),
+        link_bytes_per_s=MBIT * 1e6 / 8, kv_bytes_per_token_block=first["kv_bytes_per_token"],
+        prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping, retry_backoff_s=BACKOFF_S,
     )
+
+
+def prefill_token_ms_under_load(base: ArmRun, requests: dict[int, dict]) -> float:
+    """Gives a prompt token's cost through all blocks while the no-drop arm ran: the servers' compute of the batches
+    that held prompt tokens over those tokens (`info` batches), summed over the servers. Runs recorded before the
+    servers counted them: the median of (first token - session open) / prompt tokens, which includes waiting."""
+    by_peer: dict[str, list[dict]] = {}
+    for row in base.polls:
+        if "batches" in row:
+            by_peer.setdefault(row["peer_id"], []).append(row)
+    tokens = spent_ms = 0.0
+    for rows in by_peer.values():
+        rows.sort(key=lambda row: row["t"])
+        first, last = rows[0]["batches"], rows[-1]["batches"]
+        tokens += last["prefill_tokens"] - first["prefill_tokens"]
+        spent_ms += last["prefill_batch_ms"] - first["prefill_batch_ms"]
+    if tokens > 0:
+        return spent_ms / tokens
+    return statistics.median((r["first_token_s"] - r["started_s"]) * 1000 / requests[r["id"]]["prompt_tokens"]
+                             for r in base.served)
 
 
 def sim_p99_ttft(base: ArmRun, rtt_ms: float, requests: list[dict], dropping: bool) -> float:
@@ -295,7 +315,8 @@ def report(rtt_ms: float, runs: dict[str, ArmRun], requests: list[dict]) -> None
         fitted = sim_config(base, by_id, rtt_ms, True)
         print(f"simulator (same requests, the live swarm's geometry and speeds: iteration {fitted.step_ms:.0f} ms + "
               f"{fitted.decode_token_ms:.1f} ms per decoding request + {fitted.prefill_token_ms:.2f} ms per prompt "
-              f"token, a token's round trip {fitted.round_trip_ms:.0f} ms, hop {fitted.hop_ms:g} ms) against live, "
+              f"token, the client's work {fitted.client_token_ms:.0f} ms a token, a token's round trip "
+              f"{fitted.round_trip_ms:.0f} ms, hop {fitted.hop_ms:g} ms) against live, "
               f"P99 TTFT:")
         for arm, dropping in (("no drop", False), ("KunServe blocking", True)):
             run = runs[arm]

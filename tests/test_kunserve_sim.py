@@ -122,3 +122,16 @@ def test_arrivals_go_to_the_unit_with_the_fewest_requests_per_member_among_those
     assert sim._place(8) is units[1]
     assert sim._place(20) is pair  # units[2] and the pair run 2 a member: the more free pages decide
     assert sim._place(200) is None
+
+
+def test_the_clients_own_work_for_a_token_queues_tokens_of_requests_that_arrive_together() -> None:
+    lone_replica = dataclasses.replace(CONFIG, replicas=1, dropping=False, client_token_ms=100.0)
+    both = [SimRequest(0.0, 16, 48), SimRequest(0.0, 16, 48)]
+    queued = simulate(lone_replica, both)
+    free = simulate(dataclasses.replace(lone_replica, client_token_ms=0.0), both)
+    assert queued.ttft_s[0] - free.ttft_s[0] == pytest.approx(0.1)
+    # the second prompt computes one iteration later (about 11 ms), but its first token waits for the client's
+    # turn on the first one
+    assert free.ttft_s[1] - free.ttft_s[0] < 0.02
+    assert queued.ttft_s[1] - queued.ttft_s[0] == pytest.approx(0.1)
+    assert (queued.tbt_s >= 0.2 - 1e-9).all()  # every round, both tokens take the client's two turns

@@ -12,8 +12,10 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   bubbles; the hops count in the occupancy, which keeps a pipeline's micro-batches whole: as a delay outside the unit
   they would let a free slot start a micro-batch of the few requests ready at that moment].
 - A token reaches its client `round_trip_ms` after its iteration ends, and the request's next step is ready on the
-  unit then: the network to the client and back and the client's LM head take time but occupy no server, which
-  meanwhile computes the other requests' steps. A prompt's chunks follow each other without it.
+  unit then: the network to the client and back takes time but occupies no server, which meanwhile computes the
+  other requests' steps. A prompt's chunks follow each other without it. With `client_token_ms`, the client's own
+  work for a token (its LM head, its RPCs) comes first, one token at a time over all requests, as one client
+  process serving them all does: under load, tokens queue there.
 - A request's KV is reserved at admission for its whole length (prompt + output, `blocks` x ceil(tokens /
   `tokens_per_page`) pages), as servers with `--kv-headroom-tokens` at least the output admit, on the unit with the
   fewest requests per member among those with room for it (`_place`). The dispatcher keeps one FCFS queue and admits
@@ -69,6 +71,7 @@ class KunServeSimConfig:
     decode_token_ms: float  # and per decoding request
     hop_ms: float = 0.0  # one activation hop between group members
     round_trip_ms: float = 0.0  # a token's way to its client and the next step's back, outside the unit
+    client_token_ms: float = 0.0  # the client's own work for a token (LM head, RPCs), one token at a time
     link_bytes_per_s: float = 12.5e6  # a member's link for the KV exchange
     kv_bytes_per_token_block: int = 1536
     prefill_chunk_tokens: int = 512
@@ -176,6 +179,7 @@ class _Sim:
         self.link_free_s: dict[int, float] = {}  # per member: when its link has sent the victims' KV queued on it
         self.now = 0.0
         self.done = 0
+        self.client_free_s = 0.0  # when the client has done the tokens it received so far
 
     def _add_unit(self, members: tuple[int, ...]) -> _Unit:
         c = self.config
@@ -297,7 +301,7 @@ class _Sim:
     def _finish_step(self, uid: int, batch: list[tuple[_Running, int]]) -> None:
         finished = []
         unit = self.units.get(uid)
-        seen_s = self.now + self.config.round_trip_ms / 1000
+        c = self.config
         for running, count in batch:
             running.in_flight = False
             request = running.request
@@ -305,6 +309,8 @@ class _Sim:
                 running.prefilled += count
                 if running.prefilled < request.prompt:
                     continue
+            self.client_free_s = max(self.client_free_s, self.now) + c.client_token_ms / 1000
+            seen_s = self.client_free_s + c.round_trip_ms / 1000
             running.produced += 1
             running.ready_s = max(running.ready_s, seen_s)  # its next step is on its way
             if running.first_token_s is None:
