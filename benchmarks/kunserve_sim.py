@@ -204,15 +204,15 @@ def main() -> None:
     for provisioning in args.provisioning:
         compress = calibrate(args.trace, args.lengths, PAPER, provisioning, means)
         requests = requests_of(args.trace, args.lengths, compress, means)
-        gains[f"{provisioning:g}x the mean"] = run_arms(requests, (
-            f"{provisioning:g}x the mean need ({len(requests)} requests of {WINDOW_S[0]:.0f}-{WINDOW_S[1]:.0f} s in "
-            f"{requests[-1].arrival_s:.0f} s, time / {compress:.1f})"))
+        heading = (f"{provisioning:g}x the mean need ({len(requests)} requests of {WINDOW_S[0]:.0f}-{WINDOW_S[1]:.0f} "
+                   f"s in {requests[-1].arrival_s:.0f} s, time / {compress:.1f})")
+        gains[f"{provisioning:g}x the mean"] = run_arms(requests, heading)
     for peak in args.burst_peak:
         multiplier = calibrate_peak(args.trace, args.lengths, PAPER, peak, means)
         requests = requests_at_rate(args.trace, args.lengths, multiplier, means)
-        gains[f"a {peak:g}x peak"] = run_arms(requests, (
-            f"burst peak {peak:g}x the KV pages ({len(requests)} requests of {BURST_WINDOW_S[0]:.0f}-"
-            f"{BURST_WINDOW_S[1]:.0f} s at the trace's time, rate x {multiplier:.2f})"))
+        heading = (f"burst peak {peak:g}x the KV pages ({len(requests)} requests of {BURST_WINDOW_S[0]:.0f}-"
+                   f"{BURST_WINDOW_S[1]:.0f} s at the trace's time, rate x {multiplier:.2f})")
+        gains[f"a {peak:g}x peak"] = run_arms(requests, heading)
     best = max(gains.values(), default=math.nan)
     print(f"target P99 TTFT >= 10x lower than no drop: "
           f"{', '.join(f'{gain:.1f}x at {name}' for name, gain in gains.items())}: "
