@@ -134,7 +134,8 @@ class DropLoop:
                                             min_dropped_s=self.restore_after_s):
                 await self._restore_all(dropped, evict_merged=bool(uncovered))
                 return
-            whole = [record for record in records if record.peer_id not in {r.peer_id for r in dropped}]
+            dropped_ids = {record.peer_id for record in dropped}
+            whole = [record for record in records if record.peer_id not in dropped_ids]
             required = drop_trigger(self.demand, self.available)
             if required > 0 and len(whole) > 1:
                 await self._drop(whole, required, now_s)
