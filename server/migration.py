@@ -34,6 +34,7 @@ import torch
 from orchestrator.packing.migration_split import KV_CHUNK_BYTES, Mode, announced_bytes_per_s
 from server.sessions import Session, SessionTable, StepResult
 from swarm.errors import (
+    BlocksNotHosted,
     ChainChanged,
     Hop,
     InvalidTensor,
@@ -391,6 +392,7 @@ class Migrations:
                                 f"({session.start}:{session.end} x {session.batch} rows)")
         if position != session.position:
             raise SessionNotFound(f"session {session_id!r} is at position {session.position}, not at {position}")
+        self.sessions.check_hosted(start, end)
         self.sessions.take_blocks(session, start, end, max(1, position))
         session.merging = (source, start, end)
         session.last_active_s = time.monotonic()
@@ -415,8 +417,15 @@ class Migrations:
 
     def commit(self, source: str, session_id: str, position: int, last_step_id: str | None,
                last_output: Any | None) -> Session:
-        """Makes an import a session of this server at `position` (a merge: part of its session)."""
+        """Makes an import a session of this server at `position` (a merge: part of its session). An import of
+        blocks this server stopped hosting meanwhile (a drop while a restore's merge ran) is dropped and raises
+        BlocksNotHosted: the source keeps the session, and a merge's session stays as it was."""
         session, (first, last) = self._import(source, session_id)
+        try:
+            self.sessions.check_hosted(first, last)
+        except BlocksNotHosted:
+            self.abort(source, session_id)
+            raise
         held = kv_tokens_held(session, self.kv.tokens_per_page, first, last)
         if not 0 <= position <= held:
             raise InvalidTensor(f"position {position} is outside the {held} tokens the import holds")

@@ -209,6 +209,12 @@ class SessionTable:
             pages_free=self.pool.pages_free, reserve=self.growth_reserve(), pages_per_session=per_session
         )
 
+    def check_hosted(self, start: int, end: int) -> None:
+        """Raises BlocksNotHosted unless [start, end) is a non-empty part of the blocks new sessions may open on."""
+        if not (self.block_start <= start < end <= self.block_end):
+            hosted = f"hosts {self.block_start}:{self.block_end}" if self.block_end > self.block_start else "hosts none"
+            raise BlocksNotHosted(f"blocks {start}:{end} requested, but this server {hosted} for new sessions")
+
     def open(
         self, session_id: str, start: int, end: int, *, batch: int, max_length: int, opener: str = "", tokens: int = 1,
         prompt_tokens: int = 0, moved_in: bool = False,
@@ -221,9 +227,7 @@ class SessionTable:
         admitted on the pages it needs now, next to the prompts announced here and not yet arrived: whoever moved
         it here (its segment's packing, a drain, its client) chose this server for it, and the sessions here keep
         taking free pages as they grow."""
-        if not (self.block_start <= start < end <= self.block_end):
-            hosted = f"hosts {self.block_start}:{self.block_end}" if self.block_end > self.block_start else "hosts none"
-            raise BlocksNotHosted(f"blocks {start}:{end} requested, but this server {hosted} for new sessions")
+        self.check_hosted(start, end)
         if not 0 < max_length <= self.max_length:
             raise MaxLengthExceeded(f"max_length {max_length} is outside 1..{self.max_length} (the server's limit)")
         if not 0 < batch <= MAX_BATCH_ROWS:

@@ -14,7 +14,7 @@ import torch
 from server import migration
 from server.migration import Migrations, Part
 from server.sessions import Session, SessionTable
-from swarm.errors import ChainChanged, Hop, InvalidTensor, SessionNotFound, SwarmError
+from swarm.errors import BlocksNotHosted, ChainChanged, Hop, InvalidTensor, SessionNotFound, SwarmError
 from swarm.memory import KVOwner, PagePool
 from swarm.model.paged_kv import PagedKV
 
@@ -157,6 +157,38 @@ def test_merges_that_cannot_hold_leave_both_sessions_as_they_were(monkeypatch: p
                                     part=Part(2, 4, [Hop("A", 0, 4, "s")], into="s", position=TOKENS + 1))
         assert (tail.start, tail.end) == (2, 4) and b.sessions.is_open(tail)
         assert (head.start, head.end, a.pool.pages_free) == (0, 2, free)
+        for server in (a, b):
+            server.pool.check_invariants()
+
+    run(scenario)
+
+
+def test_a_merge_into_blocks_the_server_dropped_meanwhile_is_refused_and_leaves_both_sessions_as_they_were() -> None:
+    """A restore's merge runs while the restored server drops those blocks again (a burst): its commit finds them
+    no longer hosted, the pages it took return, the head keeps its blocks and the tail stays whole on the buddy
+    (a step over blocks the server unloaded would fail there)."""
+
+    class DropsDuringCopy(Stream):
+        async def call(self, method: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+            if method == "import_commit":
+                self.destination.sessions.set_range(0, 2)  # the drop: blocks 2:4 are gone from A
+            return await super().call(method, payload, timeout)
+
+    async def scenario() -> None:
+        a, b = Server("A"), Server("B")
+        head = a.session("s", 0, 2, seed=6)
+        tail = b.session("t", 2, 4, seed=7)
+        free, tail_kv = a.pool.pages_free, {block: b.kv_of(tail, block) for block in (2, 3)}
+        with pytest.raises(BlocksNotHosted):
+            await b.migrations.send(tail, DropsDuringCopy(b, a), [], timeout_s=5.0,  # type: ignore[arg-type]
+                                    part=Part(2, 4, [Hop("A", 0, 4, "s")], into="s", position=TOKENS))
+        assert (head.start, head.end, head.merging, a.pool.pages_free) == (0, 2, None, free)
+        assert (tail.start, tail.end) == (2, 4) and b.sessions.is_open(tail)
+        for block in (2, 3):
+            assert all(torch.equal(x, y) for x, y in zip(b.kv_of(tail, block), tail_kv[block], strict=True))
+        with pytest.raises(BlocksNotHosted):  # and a merge into blocks it does not host is refused at once
+            a.migrations.open_import("B", "s", 2, 4, batch=1, max_length=64, position=TOKENS, client="", merge=True)
+        assert a.pool.pages_free == free
         for server in (a, b):
             server.pool.check_invariants()
 
