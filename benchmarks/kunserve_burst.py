@@ -51,11 +51,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from benchmarks.mell_live import replica_memory
 from benchmarks.mell_live_monitor import spawn_monitor
 from benchmarks.table1_client import run_replay
+from client.inference import BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S
 from netem.network import EmulatedNetwork
 from netem.topology import Topology
 from orchestrator.sim.kunserve_sim import KunServeSimConfig, SimRequest, simulate
 from orchestrator.sim.workload import load_azure_trace
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS
+from server.sessions import REFUSED_WINDOW_S
 from swarm.local_swarm import SwarmProcesses
 from swarm.model import DEFAULT_MODEL
 
@@ -70,7 +72,6 @@ HEADROOM_TOKENS = MAX_OUTPUT  # admission reserves a session's output: KV thrott
 POLL_S = 0.5
 WINDOW_S = 5.0
 BUSY_WAIT_S = 600.0
-BACKOFF_S = (0.5, 4.0)  # the client library's busy backoff (client.inference)
 ARMS = ("no drop", "static pipeline", "KunServe blocking", "KunServe remote attention")
 TARGET_TTFT_GAIN, TARGET_TBT_RATIO, TARGET_SIM = 3.0, 2.0, 0.15
 
@@ -229,7 +230,8 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
         step_ms=lone, prefill_token_ms=prefill_token_ms_under_load(base, requests), decode_token_ms=max(0.0, per_row),
         hop_ms=rtt_ms / 2, round_trip_ms=min(beyond_compute, rtt_ms), client_token_ms=max(0.0, beyond_compute - rtt_ms),
         link_bytes_per_s=MBIT * 1e6 / 8, kv_bytes_per_token_block=first["kv_bytes_per_token"],
-        prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping, retry_backoff_s=BACKOFF_S,
+        prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping,
+        retry_backoff_s=(BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S), refused_window_s=REFUSED_WINDOW_S,
     )
 
 

@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from hivemind import DHT
 from hivemind.p2p import P2P
@@ -23,6 +25,27 @@ from swarm.records import ServerRecord
 from swarm.rpc import RpcConnection, dial
 
 GROUP_MAX_AGE_S = 2.0  # how long a view of the segment's servers in the DHT is reused
+REFUSED_ON_WIRE = 512  # refused sessions a server names in `info`, the latest
+
+
+def refused_digests(refused: Mapping[str, int]) -> dict[str, int]:
+    """Gives the latest of the sessions a server refused for room (id -> pages) keyed by a digest of their id, as
+    `info` shows them: the segment's leader counts a session that several members refused once, and no one learns
+    a session's id from it."""
+    latest = list(refused.items())[-REFUSED_ON_WIRE:]
+    return {hashlib.blake2b(session_id.encode(), digest_size=8).hexdigest(): pages for session_id, pages in latest}
+
+
+def refused_twice(members: list[Mapping[str, Any]]) -> int:
+    """Gives the pages the members' `kv_demand_pages` count more than once: a client that every server refused
+    asked each of them (`members`: each one's `refused_digests`)."""
+    total, once = 0, {}
+    for refused in members:
+        for digest, pages in refused.items():
+            if isinstance(pages, int) and pages >= 0:
+                total += pages
+                once[digest] = max(once.get(digest, 0), pages)
+    return total - sum(once.values())
 
 
 class DropHost(Protocol):
@@ -52,6 +75,7 @@ class DropMember:
         self.loop: DropLoop | None = None
         self._view: tuple[float, dict[str, ServerRecord]] = (0.0, {})  # (when, the DHT's records)
         self._connections: dict[str, RpcConnection] = {}
+        self._refused_twice = 0  # pages the last look at the segment counted more than once
 
     def start(self) -> asyncio.Task[None] | None:
         """Starts the segment's drop loop, for a server started with `--kv-dropping` and no orchestrator."""
@@ -60,7 +84,7 @@ class DropMember:
             return None
         self.loop = DropLoop(self.server.peer_id, group=self._fresh_group, drop=self._ask_to_drop,
                              restore=self._ask_to_restore, period_s=config.drop_period_s,
-                             restore_after_s=config.restore_after_s)
+                             restore_after_s=config.restore_after_s, extra_demand=lambda _: -self._refused_twice)
         return asyncio.create_task(self.loop.run(), name="segment-dropping")
 
     async def close(self) -> None:
@@ -89,11 +113,12 @@ class DropMember:
 
     async def _fresh_group(self) -> list[ServerRecord]:
         """Gives the segment's records as its servers see themselves now (`info`), this server's own included;
-        a member that does not answer is left out of this look."""
-        fresh = []
+        a member that does not answer is left out of this look. Notes what their demands count twice."""
+        fresh, refused = [], []
         for record in await self._group(max_age_s=GROUP_MAX_AGE_S):
             if record.peer_id == self.server.peer_id:
                 fresh.append(self.server.record())
+                refused.append(refused_digests(self.server.hosting.sessions.refused()))
                 continue
             try:
                 reply = await (await self._connection(record)).call("info", {},
@@ -103,6 +128,10 @@ class DropMember:
             member = ServerRecord.from_wire(reply.get("record"))
             if member is not None and member.peer_id == record.peer_id:
                 fresh.append(member)
+                dropping = reply.get("dropping")
+                named = dropping.get("refused") if isinstance(dropping, dict) else None
+                refused.append(named if isinstance(named, dict) else {})
+        self._refused_twice = refused_twice(refused)
         return fresh
 
     async def _ask_to_drop(self, peer_id: str, start: int, end: int) -> None:

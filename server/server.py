@@ -22,7 +22,7 @@ from orchestrator.packing.migration_split import MigrationCosts, move_costs
 from server import allocator
 from server.compute import DECODE_BATCHES, PREFILL_CHUNK_TOKENS, BlockSpeed, cached_block_speed
 from server.config import ServerConfig
-from server.drop_member import DropMember
+from server.drop_member import DropMember, refused_digests
 from server.emulated_gpu import load_profile
 from server.exchange import BlockExchange
 from server.hosting import Hosting
@@ -490,7 +490,8 @@ class SwarmServer:
                              "restorable": list(self.hosting.restorable) if self.hosting.restorable else None,
                              "loop": self.dropping.loop.to_wire() if self.dropping.loop is not None else None,
                              "reshaping": self.exchange.reshaping, "exchange": self.exchange.stats.to_wire(),
-                             "live": self.remote.stats.to_wire()}}
+                             "live": self.remote.stats.to_wire(),
+                             "refused": refused_digests(self.sessions.refused())}}
 
     async def _open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         self._check_accepting()

@@ -37,7 +37,9 @@ if TYPE_CHECKING:
 MAX_BATCH_ROWS = 64
 EVICTED_TTL_S = 900.0  # how long an evicted session's steps still learn why it went
 MAX_REMEMBERED = 4096  # evicted and refused sessions kept in mind at most
-REFUSED_WINDOW_S = 1.0  # how long a session refused for room counts in the demand (KunServe's trigger horizon)
+# How long a session refused for room counts in the demand (KunServe's trigger): a client that every server
+# refused asks again after its backoff, at most 4 s (`client.inference`), so it is still waiting until then.
+REFUSED_WINDOW_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,7 @@ class SessionTable:
             )
         session = Session(session_id, start, end, batch, max_length, opener=opener, prompt_tokens=prompt_tokens)
         self._sessions[session_id] = session
+        self._refused.pop(session_id, None)  # it holds pages now: no longer a demand beside them
         try:
             self._grow(session, tokens)
         except BaseException:
@@ -386,11 +389,17 @@ class SessionTable:
     def kv_demand_pages(self, window_s: float = REFUSED_WINDOW_S) -> int:
         """Gives the KV pages asked of this server beyond what its sessions hold: what they are expected to take as
         they grow, and what the sessions it refused for room in the last `window_s` would have taken (each session
-        once, however often its client retried): the demand KunServe's drop trigger watches."""
+        once, however often its client retried, until it opens here): the demand KunServe's drop trigger watches.
+        A session that opened on another server meanwhile counts here until the window ends."""
+        return self.growth_reserve() + sum(self.refused(window_s).values())
+
+    def refused(self, window_s: float = REFUSED_WINDOW_S) -> dict[str, int]:
+        """Gives the sessions refused for room in the last `window_s` that did not open here since: id -> the pages
+        each would have taken."""
         now = time.monotonic()
         while self._refused and now - next(iter(self._refused.values()))[0] > window_s:
             self._refused.popitem(last=False)
-        return self.growth_reserve() + sum(pages for _, pages in self._refused.values())
+        return {session_id: pages for session_id, (_, pages) in self._refused.items()}
 
     def evict(self, session_id: str, error: SwarmError) -> bool:
         """Closes a session the server can no longer serve (as `close`), and answers its later steps with `error`

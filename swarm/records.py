@@ -105,7 +105,8 @@ class ServerRecord(BaseModel):
     kv_demand_pages: int = Field(
         default=0, ge=0,
         description="KV pages asked beyond those held: the open sessions' expected growth and what the sessions "
-                    "refused for room in the last second would have taken (KunServe's drop trigger)",
+                    "refused for room in the last 5 s (their clients may still wait) would have taken (KunServe's "
+                    "drop trigger)",
     )
     restorable_start: int | None = Field(
         default=None, ge=0, lt=MAX_BLOCKS,

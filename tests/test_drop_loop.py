@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from orchestrator.buddy.segment_loop import DropLoop, drop_group, segment_of
+from server.drop_member import refused_digests, refused_twice
 from swarm.errors import ServerBusy
 from swarm.records import ServerRecord
 from tests.test_records import make_wire
@@ -15,12 +16,13 @@ PAGES_TOTAL, PARAMS_PER_BLOCK = 100, 5
 
 
 def record(peer: str, start: int, end: int, *, kv: int, demand: int = 0,
-           restorable: tuple[int, int] | None = None) -> ServerRecord:
+           restorable: tuple[int, int] | None = None, reshaping: bool = False) -> ServerRecord:
     params = PARAMS_PER_BLOCK * (end - start)
     parsed = ServerRecord.from_wire(make_wire(
         peer_id=peer, block_start=start, block_end=end, pages_total=PAGES_TOTAL, pages_params=params, pages_kv=kv,
         pages_free=PAGES_TOTAL - params - kv, kv_demand_pages=demand,
         restorable_start=restorable[0] if restorable else None, restorable_end=restorable[1] if restorable else None,
+        reshaping=reshaping,
     ))
     assert parsed is not None
     return parsed
@@ -139,5 +141,47 @@ def test_a_burst_that_outgrows_the_first_plan_merges_the_servers_still_whole() -
         await leader.tick(12.0)  # the demand fits, 10 s after the second drop: every dropped block comes back
         assert segment.calls == [("restore", peer) for peer in "abcd"]
         assert leader.restores == 1 and leader.dropped_peers == set()
+
+    asyncio.run(body())
+
+
+def test_no_deeper_drop_is_planned_while_an_exchange_runs() -> None:
+    async def body() -> None:
+        segment = Segment([record(peer, 0, 8, kv=20) for peer in "abcd"])
+        leader = segment.loop("a")
+        await leader.tick(0.0)
+        segment.records = [record(peer, 0, 8, kv=35) for peer in "abcd"]
+        await leader.tick(0.5)
+        assert segment.calls == [("drop", "a", "0:4"), ("drop", "b", "4:8")]
+        segment.calls.clear()
+        # a's victims move: their KV counts on both sides and a's dropped blocks still hold their parameters
+        segment.records = [record(peer, 0, 8, kv=50, reshaping=peer == "a") for peer in "abcd"]
+        await leader.tick(1.0)
+        assert segment.calls == []
+        segment.records = [record(peer, 0, 8, kv=60) for peer in "abcd"]  # the demand still rises once it ended
+        await leader.tick(1.5)
+        assert segment.calls == [("drop", "c", "0:4"), ("drop", "d", "4:8")]
+
+    asyncio.run(body())
+
+
+def test_a_session_that_every_member_refused_counts_once_in_the_segments_demand() -> None:
+    async def body() -> None:
+        # a client that found no room asked both servers: each counts its 30 pages in `kv_demand_pages`
+        named = [refused_digests({"s1": 30, "s2": 10}), refused_digests({"s1": 30})]
+        assert "s1" not in str(named)  # `info` names a digest, not the session's id
+        twice = refused_twice(named)
+        assert twice == 30
+        records = [record("a", 0, 8, kv=35, demand=40), record("b", 0, 8, kv=35, demand=30)]
+        counted, deduplicated = Segment(list(records)), Segment(list(records))
+        loops = [DropLoop("a", group=counted.group, drop=counted.drop, restore=counted.restore),
+                 DropLoop("a", group=deduplicated.group, drop=deduplicated.drop, restore=deduplicated.restore,
+                          extra_demand=lambda _: -twice)]
+        for now in (0.0, 0.5):
+            for loop in loops:
+                await loop.tick(now)
+        # 70 pages held and two sessions asking 40: 110 of the 120 KV pages, not 140
+        assert [loop.to_wire()["demand_pages"] for loop in loops] == [140, 110]
+        assert counted.calls and not deduplicated.calls
 
     asyncio.run(body())

@@ -393,3 +393,78 @@ def test_a_burst_that_arrives_as_the_group_restores_ends_exact_with_every_block_
         assert all(info["dropping"]["drops"] >= 1 for info in infos(client).values())
     finally:
         remote.shutdown()
+
+
+def test_a_burst_that_outgrows_the_first_pair_pairs_the_servers_still_whole_and_one_restore_takes_all_back(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    """Four replicas (`--kv-dropping`) whose pages hold two sessions each; sessions open one by one and stay open.
+    The demand's rise pairs two servers (one pair frees what the next second needs), and as it keeps rising the
+    leader pairs the two still whole while the first pair stays: two dropped, then four, with no restore between.
+    Every session then ends with the local model's tokens, and a restore brings all four servers' blocks and pages
+    back."""
+    swarm_factory.start_dht()
+    servers = [swarm_factory.start_server(tiny_llama, "0:8", *POOL, *SMALL_SESSIONS, "--kv-dropping",
+                                          "--restore-after", "8", "--kv-exchange", "blocking", wait=False)
+               for _ in range(4)]
+    for server in servers:
+        swarm_factory.wait_ready(server)
+    local, remote = local_and_remote(swarm_factory, tiny_llama, busy_wait_s=120.0)
+    client = remote.swarm
+    count = 22  # 8 fit the four whole servers, 20 beside one pair, 30 beside two
+    release = threading.Event()
+    admitted = [threading.Event() for _ in range(count)]
+    results: dict[int, list[list[int]]] = {}
+    errors: list[BaseException] = []
+
+    def run(index: int, ids: torch.Tensor) -> None:
+        def hold() -> None:  # after its first token: the session holds its pages until the burst is complete
+            admitted[index].set()
+            release.wait(TIMEOUT_S * 4)
+
+        try:
+            results[index] = remote.generate(ids, max_new_tokens=24, do_sample=False,
+                                             streamer=ActAfterTokens({1: hold})).tolist()
+        except BaseException as error:  # the test asserts on it
+            errors.append(error)
+            admitted[index].set()
+
+    try:
+        wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
+        baseline = {peer: info["record"] for peer, info in infos(client).items()}
+        prompts = [prompt(seed, 20) for seed in range(count)]
+        expected = [local.generate(ids, max_new_tokens=24, do_sample=False).tolist() for ids in prompts]
+        seen: list[tuple[int, int]] = []  # after each session opened: (servers dropped, the leader's restores)
+        threads = []
+        for index, ids in enumerate(prompts):
+            threads.append(threading.Thread(target=run, args=(index, ids), daemon=True))
+            threads[-1].start()
+            # one session at a time, half a second apart: the demand rises by one session's pages a second
+            assert admitted[index].wait(TIMEOUT_S * 2), f"session {index} was never admitted"
+            time.sleep(0.5)
+            found = infos(client)
+            seen.append((sum(info["dropping"]["restorable"] is not None for info in found.values()),
+                         found[min(found)]["dropping"]["loop"]["restores"]))
+        release.set()
+        for thread in threads:
+            thread.join(TIMEOUT_S * 4)
+        assert errors == [] and [results.get(index) for index in range(count)] == expected
+        assert any(seen[i] == (2, restores) and (4, restores) in seen[i + 1:]
+                   for i, (_, restores) in enumerate(seen)), f"no pair joined a pair without a restore: {seen}"
+
+        wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            after = infos(client)
+            if all(info["record"]["pages_free"] == baseline[peer]["pages_free"] for peer, info in after.items()):
+                break
+            time.sleep(0.2)
+        for peer, info in after.items():
+            assert info["record"]["pages_free"] == baseline[peer]["pages_free"]
+            assert info["record"]["restorable_start"] is None
+            assert info["dropping"]["drops"] == info["dropping"]["restores"] >= 1
+        loop = after[min(after)]["dropping"]["loop"]
+        assert loop["restores"] >= 1 and loop["drops"] >= 2 and not loop["dropped"], loop
+    finally:
+        release.set()
+        remote.shutdown()

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from client.inference import BUSY_BACKOFF_MAX_S
 from orchestrator.admission import ClientQuota, KVPolicy, SessionKV
-from server.sessions import SessionTable
+from server.sessions import REFUSED_WINDOW_S, SessionTable
 from swarm.errors import BlocksNotHosted, MaxLengthExceeded, QuotaExceeded, ServerBusy, SessionNotFound
 from swarm.memory import KVOwner, PagePool
 
@@ -75,6 +76,27 @@ def test_admission_leaves_headroom_for_running_sessions_to_grow() -> None:
         with pytest.raises(ServerBusy):
             sessions.open("g", 0, 4, batch=1, max_length=16)
         sessions.pool.check_invariants()
+
+    run(scenario)
+
+
+def test_a_refused_session_counts_in_the_demand_once_while_its_client_may_still_wait_and_not_once_it_opened() -> None:
+    async def scenario() -> None:
+        sessions = table(16, headroom_tokens=0)
+        holder = sessions.open("a", 0, 4, batch=2, max_length=128)  # 8 of 16 pages; "b" expects 8 and 8 more
+        sessions.open("c", 0, 4, batch=1, max_length=128)
+        for _ in range(3):  # a client retrying counts once
+            with pytest.raises(ServerBusy):
+                sessions.open("b", 0, 4, batch=3, max_length=128)
+        assert sessions.kv_demand_pages() == 12
+        # a client backs off up to 4 s between its attempts: it still waits for room until then
+        assert REFUSED_WINDOW_S > BUSY_BACKOFF_MAX_S
+        assert sessions.kv_demand_pages(window_s=0.0) == 0  # past the window it is forgotten
+        with pytest.raises(ServerBusy):
+            sessions.open("b", 0, 4, batch=3, max_length=128)
+        sessions.close(holder.session_id)
+        sessions.open("b", 0, 4, batch=3, max_length=128)  # it holds its pages now: not a demand beside them
+        assert sessions.kv_demand_pages() == 0
 
     run(scenario)
 

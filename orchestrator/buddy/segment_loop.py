@@ -6,7 +6,7 @@ A segment is the range a server hosts, or, once it dropped blocks, the range it 
 whose leader is the online one with the smallest peer id (every member computes the same from the DHT, as MELL's
 packing does). Every `period_s` the leader:
 1. reads each member's record: KV demand (pages its KV holds, plus `kv_demand_pages`: its sessions' expected growth
-   and what it refused for room in the last second) and the pages that can hold KV (all but its parameters');
+   and what it refused for room in the last 5 s) and the pages that can hold KV (all but its parameters');
 2. while nothing is dropped, runs `drop_trigger` on the segment's sums; when it asks for R pages, plans the drop
    (`plan_drop`: buddy groups, kept slices) and tells each member that keeps less than the segment to `drop`. The
    plan is proposed and committed in one round: a member that refuses or fails aborts it, and the leader asks the
@@ -15,13 +15,14 @@ packing does). Every `period_s` the leader:
 3. while blocks are dropped, runs `restore_trigger` and tells every member that dropped to `restore`; at once, whatever
    the trigger says, when a block of the segment is left without an online server (a member that kept it left):
    then the members first evict the sessions of the group's chain, which is broken, to make room for the blocks;
-4. while blocks are dropped and no restore is due, runs `drop_trigger` again: a burst that outgrows the first plan
+4. while blocks are dropped, no restore is due and no member is `reshaping` (until an exchange ends, its victims
+   hold KV on both sides and the blocks they left still hold their parameter pages: the records understate what
+   the drop freed), runs `drop_trigger` again: a burst that outgrows the first plan
    (the trigger's 1-s horizon asks for what the next second needs, not for the burst's peak) merges the servers still
    whole into groups of their own. Groups already formed stay as they are until the restore, which takes every
    dropped block back at once [chainswarm: the spec plans once per throttling event; re-slicing a group in place
    would move the KV of sessions that run on it already]. A drop or restore makes the loop forget its samples of
-   available pages, which jumped, not those of the demand, which did not (an exchange counts a moving victim's part
-   on both sides for a moment: one session per member at a time).
+   available pages, which jumped, not those of the demand, which did not.
 """
 
 from __future__ import annotations
@@ -136,6 +137,8 @@ class DropLoop:
                 return
             dropped_ids = {record.peer_id for record in dropped}
             whole = [record for record in records if record.peer_id not in dropped_ids]
+            if any(record.reshaping for record in records):
+                return  # an exchange runs: its victims hold KV on both sides, the dropped blocks' pages are not free
             required = drop_trigger(self.demand, self.available)
             if required > 0 and len(whole) > 1:
                 await self._drop(whole, required, now_s)
@@ -156,6 +159,8 @@ class DropLoop:
         self.available.clear()
 
     async def _drop(self, records: list[ServerRecord], required: int, now_s: float) -> None:
+        samples = (f"demand {[pages for _, pages in self.demand[-2:]]}, "
+                   f"KV pages {[pages for _, pages in self.available[-2:]]}")
         plan = plan_drop([replica_of(record) for record in records], required, balanced=self.balanced,
                          epoch=self.drops + self.aborts + 1)
         if not plan.changes_anything:
@@ -179,8 +184,8 @@ class DropLoop:
         self.dropped_peers.update(dropped)
         self.dropped_since_s = now_s
         self.available.clear()  # it jumped: a rate across the drop means nothing; demand's still does
-        log.info("drop plan %d for %d pages: groups %s, kept %s, %d pages freed", plan.epoch, required,
-                 [group.members for group in plan.groups], dict(plan.kept), plan.total_freed_pages)
+        log.info("drop plan %d for %d pages (%s): groups %s, kept %s, %d pages freed", plan.epoch, required,
+                 samples, [group.members for group in plan.groups], dict(plan.kept), plan.total_freed_pages)
 
     async def _restore_all(self, dropped: list[ServerRecord], *, evict_merged: bool = False) -> None:
         restored = [record.peer_id for record in dropped
@@ -203,4 +208,6 @@ class DropLoop:
     def to_wire(self) -> dict[str, Any]:
         return {"drops": self.drops, "restores": self.restores, "aborts": self.aborts,
                 "dropped": self.dropped_since_s is not None,
+                "demand_pages": self.demand[-1][1] if self.demand else None,
+                "available_pages": self.available[-1][1] if self.available else None,
                 "plan": dict(self.last_plan.kept) if self.last_plan is not None else None}

@@ -82,9 +82,10 @@ class KunServeSimConfig:
     restore_after_s: float = 10.0
     # Without a dispatcher (a swarm's clients): a request that finds no room tries again after its own backoff,
     # (first, longest) seconds doubling, and counts in the demand for `refused_window_s` after each refusal (the
-    # servers' `kv_demand_pages`); None: one FCFS queue that admits its head as soon as it fits.
+    # servers' `kv_demand_pages`, which count it until its longest backoff has passed); None: one FCFS queue that
+    # admits its head as soon as it fits.
     retry_backoff_s: tuple[float, float] | None = None
-    refused_window_s: float = 1.0
+    refused_window_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.params_pages % self.blocks or self.params_pages >= self.pages_total:
