@@ -283,6 +283,24 @@ def generate_watching(remote: DistributedModelForCausalLM, prompts: list[torch.T
     return generation
 
 
+def wait_until_restored(client: SwarmClient, servers: list[Proc],
+                        baseline: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Waits until every server serves the whole segment again with its free pages back at `baseline`, having
+    restored as often as it dropped (at least once); gives their `info`."""
+    wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        after = infos(client)
+        if all(info["record"]["pages_free"] == baseline[peer]["pages_free"] for peer, info in after.items()):
+            break
+        time.sleep(0.2)
+    for peer, info in after.items():
+        assert info["record"]["pages_free"] == baseline[peer]["pages_free"]
+        assert info["record"]["restorable_start"] is None
+        assert info["dropping"]["drops"] == info["dropping"]["restores"] >= 1
+    return after
+
+
 def test_a_burst_makes_the_segment_drop_admit_more_sessions_with_exact_tokens_and_restore_after(
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:
@@ -309,17 +327,7 @@ def test_a_burst_makes_the_segment_drop_admit_more_sessions_with_exact_tokens_an
         assert max(most_sessions.values()) > 2, f"no server held more sessions than it could undropped: {most_sessions}"
 
         # the burst is over: both restore the whole segment, and their pages come back
-        wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline:
-            after = infos(client)
-            if all(info["record"]["pages_free"] == baseline[peer]["pages_free"] for peer, info in after.items()):
-                break
-            time.sleep(0.2)
-        for peer, info in after.items():
-            assert info["record"]["pages_free"] == baseline[peer]["pages_free"]
-            assert info["record"]["restorable_start"] is None
-            assert info["dropping"]["drops"] >= 1 and info["dropping"]["restores"] == info["dropping"]["drops"]
+        after = wait_until_restored(client, servers, baseline)
         leader = min(after)
         assert after[leader]["dropping"]["loop"]["drops"] >= 1
     finally:
@@ -452,17 +460,7 @@ def test_a_burst_that_outgrows_the_first_pair_pairs_the_servers_still_whole_and_
         assert any(seen[i] == (2, restores) and (4, restores) in seen[i + 1:]
                    for i, (_, restores) in enumerate(seen)), f"no pair joined a pair without a restore: {seen}"
 
-        wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline:
-            after = infos(client)
-            if all(info["record"]["pages_free"] == baseline[peer]["pages_free"] for peer, info in after.items()):
-                break
-            time.sleep(0.2)
-        for peer, info in after.items():
-            assert info["record"]["pages_free"] == baseline[peer]["pages_free"]
-            assert info["record"]["restorable_start"] is None
-            assert info["dropping"]["drops"] == info["dropping"]["restores"] >= 1
+        after = wait_until_restored(client, servers, baseline)
         loop = after[min(after)]["dropping"]["loop"]
         assert loop["restores"] >= 1 and loop["drops"] >= 2 and not loop["dropped"], loop
     finally:
