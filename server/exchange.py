@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 ExchangeSetting = Literal["auto", "blocking", "live", "replay"]
 EXCHANGE_SETTINGS: tuple[ExchangeSetting, ...] = ("auto", "blocking", "live", "replay")
 EXCHANGE_DEADLINE_S = 30.0  # a victim no keeper takes within this is evicted: its client replays it
+# No victim moved for this long: the rest are evicted for a replay. Buddies whose pools are full wait on each other:
+# each keeper's free pages come from the parameters of the blocks it dropped, which stay until its own victims left.
+EXCHANGE_STUCK_S = 2.0
 RETRY_S = 0.25  # between two rounds over the victims that no keeper had room for
 TBT_SLACK_MS = 0.0  # `auto` never picks remote attention (spec 5.4: one round trip per block and token it has not
 # moved, where a WAN's RTT dwarfs a block's compute); `--kv-exchange live` takes it for every victim
@@ -151,6 +154,7 @@ class BlockExchange:
         pending = self._by_size(victims, server.hosting.serving)
         self.stats.victims += len(pending)
         deadline = time.monotonic() + EXCHANGE_DEADLINE_S
+        stuck = time.monotonic() + EXCHANGE_STUCK_S
         unreachable: set[str] = set()  # keepers that could not be dialled (gone, their records not yet expired)
         while pending:
             kept = server.hosting.serving  # a restore meanwhile leaves nothing to move
@@ -160,7 +164,9 @@ class BlockExchange:
                 if not server.sessions.is_open(session) or not _parts_outside(session, kept):
                     continue
                 try:
-                    if not await self._move_victim(session, kept, records):
+                    if await self._move_victim(session, kept, records):
+                        stuck = time.monotonic() + EXCHANGE_STUCK_S
+                    else:
                         retry.append(session)
                 except SwarmError as error:
                     log.info("Exchange: session %s could not move (%s: %s)", session.session_id,
@@ -169,9 +175,13 @@ class BlockExchange:
                         unreachable.add(str(error.details["peer_id"]))
                     retry.append(session)
             pending = retry
-            if pending and time.monotonic() > deadline:
+            now = time.monotonic()
+            if pending and (now > deadline or now > stuck):
+                why = ("no server that keeps its blocks took its KV in time" if now > deadline else
+                       f"no victim's KV found room on a keeper for {EXCHANGE_STUCK_S:g} s")
                 for session in pending:
-                    self._evict(session, kept, "no server that keeps its blocks took its KV in time")
+                    self._evict(session, kept, why)
+                log.info("Exchange: %d victim(s) evicted for a replay (%s)", len(pending), why)
                 break
             if pending:
                 await asyncio.sleep(RETRY_S)
