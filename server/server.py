@@ -36,7 +36,6 @@ from server.sessions import Session, SessionTable, Step, StepResult
 from swarm.dht import Announcer, lookup_block_async, lookup_servers_async
 from swarm.errors import (
     AssignmentRefused,
-    BlocksDropped,
     InternalServerError,
     InvalidTensor,
     MalformedFrame,
@@ -638,11 +637,6 @@ class SwarmServer:
         known = self._known_step(session, step_id)
         if known is not None:
             return session, known
-        if not self.blocks.all_loaded(session.start, session.end):  # no known path leads here; a race might
-            error = BlocksDropped(f"blocks of session {session_id!r} ({session.start}:{session.end}) are no longer "
-                                  f"loaded on this server; continue through the servers that host them")
-            self.sessions.evict(session_id, error)
-            raise error
         if session.moving is not None:
             raise ServerBusy(f"session {session_id!r} is moving to another server; ask for its step again")
         running = session.running

@@ -124,10 +124,6 @@ class BlockRange(nn.Module):
         """Gives loaded block `index` (KeyError if it is not loaded)."""
         return self._loaded[index]
 
-    def all_loaded(self, start: int, end: int) -> bool:
-        """Gives whether every block of [start, end) is loaded."""
-        return all(index in self._loaded for index in range(start, end))
-
     @property
     def loaded(self) -> list[int]:
         """Gives the indices of the loaded blocks, in order."""
