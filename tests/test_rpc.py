@@ -378,9 +378,15 @@ def test_server_stop_ends_open_streams_and_unreachable_peers_are_reported() -> N
             await connection.close()
             await server.stop()
 
-        # The protocol is no longer served, the id is garbage, or the peer does not exist at all.
+        # The protocol is no longer served, the id is garbage, or the peer does not exist at all. While the client's
+        # peerstore still lists the protocol (the server's identify push may not have arrived yet), libp2p opens the
+        # stream lazily and the refusal shows at the first call instead of at the open: either is PeerUnreachable.
         with pytest.raises(PeerUnreachable):
-            await RpcConnection.open(client_p2p, server_p2p.peer_id, timeout=WAIT_S)
+            late = await RpcConnection.open(client_p2p, server_p2p.peer_id, timeout=WAIT_S)
+            try:
+                await late.call("hang", {}, timeout=WAIT_S)
+            finally:
+                await late.close()
         with pytest.raises(PeerUnreachable, match="not a valid peer id"):
             await RpcConnection.open(client_p2p, "not-a-peer-id", timeout=WAIT_S)
         with pytest.raises(PeerUnreachable):
