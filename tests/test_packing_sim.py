@@ -173,6 +173,7 @@ def test_a_refill_moves_one_session_by_kv_and_both_bins_hold_it_while_it_moves()
     assert summary.duration_s == 10.0 and summary.peak_active_bins == 2 and summary.mean_active_bins == 2.0
     assert summary.peak_bins_lower_bound == 2  # 150 pages on bins of 100
     assert summary.mean_utilization == pytest.approx((300 + 129 + 7 * 120) / (100 * 20))
+    assert summary.mean_kv_utilization == summary.mean_utilization  # nothing reserved ahead of the KV
     assert summary.migrations_per_s == pytest.approx(0.1)
 
 
@@ -188,6 +189,11 @@ def test_sessions_that_reserve_their_final_size_never_grow():
     grown = simulate(sessions, MellPacker(BINS, 64), config())
     assert sum(r.packed_pages for r in reserved.epochs) > sum(r.packed_pages for r in grown.epochs)
     assert reserved.summary.completed == len(sessions)
+    # the KV fills the same pages either way: a reservation holds pages the KV has not filled yet
+    assert [r.kv_pages for r in reserved.epochs] == [r.kv_pages for r in grown.epochs]
+    assert [r.kv_pages for r in grown.epochs] == [r.packed_pages for r in grown.epochs]
+    assert all(r.kv_pages <= r.packed_pages for r in reserved.epochs)
+    assert reserved.summary.mean_kv_utilization < reserved.summary.mean_packed_utilization
 
 
 def test_a_slow_link_makes_the_refill_a_replay():

@@ -7,7 +7,10 @@ from the fullest active bin to the emptiest while their free-page gap exceeds `g
 
 Rules the paper does not give, chosen here:
 - A session whose growth overflows its bin moves to the bin its packer's rule picks for it, its own bin excluded: the
-  one migration that keeps capacity (the paper does not say what BF and WF do on growth).
+  one migration that keeps capacity (the paper does not say what BF and WF do on growth). With sizes reserved at
+  admission (the simulator's `reserve_final`, which `benchmarks/mell_sim.py` gives BF and WF so that they never
+  migrate, as the paper's do) no session grows and this never happens; growing on demand, BF and WF are stronger
+  than the paper's (mell_sim's "bf+moves" and "wf+moves").
 - LB moves the largest session of the fullest bin with at most half the gap (so the gap shrinks and never flips, and
   the loop ends), ties by session id; it stops when no session qualifies, and an operation causes at most
   `max_moves_per_operation` moves in all (default 10, MELL's bound). The default threshold is C/4.

@@ -8,7 +8,9 @@ decoded. At each boundary the packer gets the epoch's operations, in batching or
 Allocate for admissions, Update for sessions whose page count changed, Depart for completions. A session's pages are
 what it will hold by the END of the coming epoch, ceil(tokens / tokens_per_page), so that the packer's bins never
 overflow between boundaries (a server reserves ahead by at most one epoch of decoding) [chosen]. With
-`reserve_final` a session takes its final size at admission instead (spec 5.2, phase 1) and no Update ever fires.
+`reserve_final` a session takes its final size at admission instead (spec 5.2, phase 1) and no Update ever fires: a
+packer then never needs to move a session for its growth, and the records tell what it reserved (`packed_pages`) from
+what the KV fills (`kv_pages`, the growing size either way).
 
 A session with a `landed` bin (a live run replayed: where its client's route put it) is allocated like any other,
 and moves from `landed` to the packer's bin for it, as a live segment's packing moves an arrival [adapted, as
@@ -105,6 +107,10 @@ class _Simulation:
     def pages_ahead(self, run: _Running, epoch: int) -> int:
         if self.config.reserve_final:
             return self.config.pages(run.spec.final_tokens)
+        return self.pages_used(run, epoch)
+
+    def pages_used(self, run: _Running, epoch: int) -> int:
+        """Gives the pages the session's KV fills by the end of the coming epoch, whatever it reserved."""
         return self.config.pages(self.tokens(run, epoch + 1))
 
     # ---- the loop
@@ -241,17 +247,19 @@ class _Simulation:
         loads = {b: packer.load(b) for b in packer.active_bins()}
         held_start = dict(loads)
         extra_share: dict[str, float] = {}
-        extra_page_s = 0.0
+        extra_page_s = extra_kv_page_s = 0.0
         for session_id in self.moves.sessions():
             logical = packer.bin_of(session_id)
-            pages = self.running[session_id].pages
+            run = self.running[session_id]
             for bin_id, share in self.moves.holdings(session_id, logical, now).items():
                 if bin_id == logical:
                     continue
-                held_start[bin_id] = held_start.get(bin_id, 0) + pages
-                extra_page_s += pages * share * epoch_s
+                held_start[bin_id] = held_start.get(bin_id, 0) + run.pages
+                extra_page_s += run.pages * share * epoch_s
+                extra_kv_page_s += self.pages_used(run, epoch) * share * epoch_s
                 if bin_id not in loads:
                     extra_share[bin_id] = max(extra_share.get(bin_id, 0.0), share)
+        kv_pages = sum(self.pages_used(run, epoch) for run in self.running.values())
         packed = sum(loads.values())
         totals = self.totals
         totals.max_packed = max(totals.max_packed, max(loads.values(), default=0))
@@ -264,6 +272,8 @@ class _Simulation:
             pages_held=sum(held_start.values()),
             page_s=packed * epoch_s + extra_page_s,
             packed_pages=packed,
+            kv_pages=kv_pages,
+            kv_page_s=kv_pages * epoch_s + extra_kv_page_s,
             arrivals=sum(isinstance(op, Allocate) for op in operations) - rejected,
             departures=len(departed),
             rejected=rejected,
@@ -294,6 +304,7 @@ class _Simulation:
             mean_active_bins=bin_s / duration if duration else 0.0,
             mean_utilization=sum(r.page_s for r in records) / (capacity * bin_s) if bin_s else 0.0,
             mean_packed_utilization=packed_page_s / (capacity * bin_s) if bin_s else 0.0,
+            mean_kv_utilization=sum(r.kv_page_s for r in records) / (capacity * bin_s) if bin_s else 0.0,
             migrations=migrations,
             kv_migrations=totals.kv,
             replay_migrations=totals.replay,

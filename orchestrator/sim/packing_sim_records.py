@@ -81,6 +81,8 @@ class EpochRecord:
     pages_held: int  # at the start: the packer's loads plus the pages held by moving sessions at their source
     page_s: float  # pages held x seconds over the epoch
     packed_pages: int  # the packer's loads only
+    kv_pages: int  # at the start: the pages sessions' KV fills (below `packed_pages` when sizes are reserved)
+    kv_page_s: float  # KV-filled pages x seconds over the epoch, both sides of moves counted
     arrivals: int
     departures: int
     rejected: int
@@ -108,6 +110,7 @@ class PackingSimSummary:
     mean_active_bins: float
     mean_utilization: float  # page-seconds held / (C x active bin-seconds), both sides of moves counted
     mean_packed_utilization: float  # the same with the packer's loads only
+    mean_kv_utilization: float  # page-seconds the KV fills / (C x active bin-seconds): reserved-but-empty pages idle
     migrations: int
     kv_migrations: int
     replay_migrations: int
