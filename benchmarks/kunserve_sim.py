@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from orchestrator.sim.kunserve_sim import KunServeSimConfig, KunServeSimResult, SimRequest, simulate
-from orchestrator.sim.workload import load_azure_trace
+from orchestrator.sim.workload import load_azure_trace, with_mean_lengths
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 DEFAULT_TRACE = DATA / "azure_llm_inference_2023_code.csv"
@@ -53,13 +53,9 @@ BURST_WINDOW_S = (600.0, 1200.0)  # ten minutes around it, at the trace's own ti
 def _lengths(lengths_path: Path, means: tuple[float, float] | None) -> tuple[np.ndarray, np.ndarray]:
     """Gives the lengths trace's prompt and output tokens, scaled to mean prompt and output tokens `means`."""
     lengths = load_azure_trace(lengths_path)
-    prompt_scale = output_scale = 1.0
     if means is not None:
-        prompt_scale = means[0] / float(np.mean(lengths.context_tokens))
-        output_scale = means[1] / float(np.mean(lengths.generated_tokens))
-    prompts = np.maximum(1, np.round(lengths.context_tokens * prompt_scale)).astype(int)
-    outputs = np.maximum(1, np.round(lengths.generated_tokens * output_scale)).astype(int)
-    return prompts, outputs
+        lengths = with_mean_lengths(lengths, *means)
+    return np.maximum(1, lengths.context_tokens).astype(int), np.maximum(1, lengths.generated_tokens).astype(int)
 
 
 def requests_of(trace_path: Path, lengths_path: Path, compress: float,

@@ -20,6 +20,7 @@ Targets (printed PASS/FAIL, never asserted): MELL's peak active servers >= 10% b
 MELL's mean memory utilization >= 85%; MELL's migrations/s below LB's; batching cuts MELL's migrations >= 15%.
 
     .venv/bin/python benchmarks/mell_sim.py [--quick] [--sessions 1000] [--trace-requests 2000] [--workers 2]
+        [--means PROMPT OUTPUT]
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from orchestrator.packing import (
 )
 from orchestrator.sim.packing_sim import PackingSimConfig, simulate
 from orchestrator.sim.packing_sim_workload import SessionWorkload, class_histogram, poisson_sessions, trace_sessions
-from orchestrator.sim.workload import Trace, load_azure_trace
+from orchestrator.sim.workload import Trace, load_azure_trace, with_mean_lengths
 
 TRACE = Path("/work/shared/data/azure_llm_inference_2023_conv.csv")
 if not TRACE.exists():  # a checkout beside shared/
@@ -128,6 +129,7 @@ class Task:
     lb_gap_fraction: float = 0.25
     reserve_final: bool = False
     diagnose: bool = False  # count MELL's moves by the operation that caused them
+    means: tuple[float, float] | None = None  # the trace's lengths scaled to these mean prompt and output tokens
 
     @property
     def setting(self) -> tuple[str, str, float]:
@@ -135,8 +137,9 @@ class Task:
 
 
 @cache
-def azure() -> Trace:
-    return load_azure_trace(TRACE)
+def azure(means: tuple[float, float] | None = None) -> Trace:
+    trace = load_azure_trace(TRACE)
+    return trace if means is None else with_mean_lengths(trace, *means)
 
 
 def workload_of(task: Task) -> SessionWorkload:
@@ -144,8 +147,8 @@ def workload_of(task: Task) -> SessionWorkload:
     max_tokens = model.capacity_pages * TOKENS_PER_PAGE
     rate = WORKLOADS[task.workload][1]
     if rate is None:
-        return trace_sessions(azure(), task.trace_requests, task.scale, max_tokens)
-    return poisson_sessions(azure(), rate, task.sessions, task.scale, max_tokens, SEED)
+        return trace_sessions(azure(task.means), task.trace_requests, task.scale, max_tokens)
+    return poisson_sessions(azure(task.means), rate, task.sessions, task.scale, max_tokens, SEED)
 
 
 def packer_of(task: Task) -> Packer:
@@ -355,7 +358,15 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=1000, help="sessions per Poisson run")
     parser.add_argument("--trace-requests", type=int, default=2000, help="first requests of the Azure trace")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--means",
+        type=float,
+        nargs=2,
+        metavar=("PROMPT", "OUTPUT"),
+        help="scale the trace's lengths to these mean prompt and output tokens (a dataset not in data/), before x1-x10",
+    )
     args = parser.parse_args()
+    means = (args.means[0], args.means[1]) if args.means else None
     sessions, trace_requests = (200, 300) if args.quick else (args.sessions, args.trace_requests)
     scales = (4.0,) if args.quick else SCALES
     workloads = ["rate0.5", "rate1.1", "gap0.5", "azure"] if args.quick else list(WORKLOADS)
@@ -366,7 +377,7 @@ def main() -> None:
         f"pages of {TOKENS_PER_PAGE} tokens; decode {DECODE_TOKENS_PER_S:g} tokens/s per session; "
         f"{BANDWIDTH_BYTES_PER_S * 8 / 1e9:g} Gbit/s, RTT {RTT_MS:g} ms between GPUs; epoch 1 s; "
         f"budgets: KV 0.5 x bandwidth x epoch per destination, replay 0.25 x epoch of prefill; "
-        f"Poisson: {sessions} sessions (seed {SEED}), trace: first {trace_requests} requests ({TRACE.name})"
+        f"Poisson: {sessions} sessions (seed {SEED}), trace: first {trace_requests} requests ({azure(means).name})"
     )
     for key, model in MODELS.items():
         print(
@@ -381,7 +392,7 @@ def main() -> None:
         best = (-1.0, scales[0])
         for scale in scales:
             for workload in ("rate0.5", "azure"):  # every Poisson run draws from the same trace rows
-                made = workload_of(Task(key, workload, scale, "mell", sessions, trace_requests))
+                made = workload_of(Task(key, workload, scale, "mell", sessions, trace_requests, means=means))
                 name = "Poisson draws" if workload != "azure" else "Azure window "
                 print(f"{key} x{scale:<4g} {name}: {histogram_line(made, model)}")
                 if workload == "azure":
@@ -390,7 +401,7 @@ def main() -> None:
         print(f"{key}: the scale spreading the trace's sizes over L, M, S and T best: x{best[1]:g}")
 
     tasks = [
-        Task(model, workload, scale, run, sessions, trace_requests)
+        Task(model, workload, scale, run, sessions, trace_requests, means=means)
         for model in MODELS
         for scale in scales
         for workload in workloads
@@ -399,18 +410,20 @@ def main() -> None:
     sens_model, sens_workload = "7b", "gap0.5"
     sens_scale = chosen[sens_model]
     sensitivity = [
-        Task(sens_model, sens_workload, sens_scale, run, sessions, trace_requests, epoch_s=epoch)
+        Task(sens_model, sens_workload, sens_scale, run, sessions, trace_requests, epoch_s=epoch, means=means)
         for epoch in (5.0, 10.0)
         for run in ("mell", "mell-1by1")
     ] + [
-        Task(sens_model, sens_workload, sens_scale, "lb", sessions, trace_requests, lb_gap_fraction=gap)
+        Task(sens_model, sens_workload, sens_scale, "lb", sessions, trace_requests, lb_gap_fraction=gap, means=means)
         for gap in (1 / 8, 1 / 16)
     ]
     sensitivity += [
-        Task(sens_model, sens_workload, sens_scale, run, sessions, trace_requests, reserve_final=True)
+        Task(sens_model, sens_workload, sens_scale, run, sessions, trace_requests, reserve_final=True, means=means)
         for run in ("mell", "bf", "wf", "lb")
     ]
-    sensitivity.append(Task(sens_model, sens_workload, sens_scale, "mell", sessions, trace_requests, diagnose=True))
+    sensitivity.append(
+        Task(sens_model, sens_workload, sens_scale, "mell", sessions, trace_requests, diagnose=True, means=means)
+    )
     results = run_all(tasks + sensitivity, args.workers)
     main_results = {t: s for t, s in results.items() if t in set(tasks)}
 

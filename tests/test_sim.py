@@ -38,7 +38,14 @@ from orchestrator.sim.presets import (
     synthetic_rtt,
 )
 from orchestrator.sim.report import write_json
-from orchestrator.sim.workload import Trace, Workload, load_azure_trace, poisson_workload, trace_workload
+from orchestrator.sim.workload import (
+    Trace,
+    Workload,
+    load_azure_trace,
+    poisson_workload,
+    trace_workload,
+    with_mean_lengths,
+)
 from orchestrator.swarm_model import Chain, ModelSpec, Placement, ServerSpec, SwarmModel
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -257,6 +264,16 @@ def test_trace_sizes_have_mean_one_over_the_replayed_prefix_not_the_whole_trace(
     assert prefix.sizes.mean() == pytest.approx(1.0, rel=1e-12)
     whole = trace_workload(trace, jobs=None, rate_per_ms=None, sizes="trace", rng=np.random.default_rng(0))
     assert whole.sizes.mean() == pytest.approx(1.0, rel=1e-12) and whole.sizes[0] < prefix.sizes[0]
+
+
+def test_a_trace_scaled_to_other_mean_lengths_keeps_its_times_and_spread():
+    trace = Trace(np.arange(4, dtype=float), np.array([100, 300, 0, 400]), np.array([10, 0, 30, 40]), "synthetic")
+    scaled = with_mean_lengths(trace, 40.0, 400.0)  # prompts x 0.2, outputs x 20
+    assert scaled.context_tokens.tolist() == [20, 60, 1, 80]  # at least one token each
+    assert scaled.generated_tokens.tolist() == [200, 1, 600, 800]
+    assert scaled.seconds is trace.seconds and "means of 40 and 400" in scaled.name
+    with pytest.raises(ValueError):
+        with_mean_lengths(trace, 0.0, 10.0)
 
 
 def test_paired_comparison_calls_identical_runs_a_tie_and_consistent_gains_a_win():

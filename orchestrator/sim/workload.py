@@ -118,6 +118,19 @@ def load_azure_trace(path: str | Path) -> Trace:
     return Trace(table[:, 0] - table[0, 0], table[:, 1].astype(np.int64), table[:, 2].astype(np.int64), path.name)
 
 
+def with_mean_lengths(trace: Trace, prompt_mean: float, output_mean: float) -> Trace:
+    """Gives `trace` with every prompt and output scaled so that their means are those given (each at least 1 token).
+
+    Stands in for a dataset that is not in `data/` but whose mean lengths are known, keeping the trace's spread.
+    """
+    if prompt_mean <= 0 or output_mean <= 0:
+        raise ValueError("mean lengths must be > 0")
+    prompts = np.maximum(1, np.round(trace.context_tokens * (prompt_mean / float(np.mean(trace.context_tokens)))))
+    outputs = np.maximum(1, np.round(trace.generated_tokens * (output_mean / float(np.mean(trace.generated_tokens)))))
+    name = f"{trace.name} scaled to means of {prompt_mean:g} and {output_mean:g} tokens"
+    return Trace(trace.seconds, prompts.astype(np.int64), outputs.astype(np.int64), name)
+
+
 def trace_sizes(trace: Trace, count: int | None = None) -> np.ndarray:
     """Gives the sizes of the first `count` requests (all if None): per-block time on the reference GPU, mean 1.
 
