@@ -135,3 +135,14 @@ def test_the_clients_own_work_for_a_token_queues_tokens_of_requests_that_arrive_
     assert free.ttft_s[1] - free.ttft_s[0] < 0.02
     assert queued.ttft_s[1] - queued.ttft_s[0] == pytest.approx(0.1)
     assert (queued.tbt_s >= 0.2 - 1e-9).all()  # every round, both tokens take the client's two turns
+
+
+def test_a_request_holds_its_pages_until_its_client_has_closed_it() -> None:
+    # one replica with room for one request of 32 pages at a time; a token's round trip to the client is 100 ms
+    config = dataclasses.replace(CONFIG, replicas=1, dropping=False, round_trip_ms=100.0)
+    result = simulate(config, [SimRequest(0.0, 200, 4), SimRequest(0.0, 200, 4)])
+    # the first: its prompt computes by 0.020 s and each of its 3 decode steps (10.1 ms) waits for the token before;
+    # its last step ends at 0.3503, the client sees that token at 0.4503 and its close reaches the server at 0.5003
+    assert result.ttft_s[0] == pytest.approx(0.120)
+    # only then does the second take the pages: its prompt computes by 0.5203, the client sees its first token 0.1 s on
+    assert result.ttft_s[1] == pytest.approx(0.6203)

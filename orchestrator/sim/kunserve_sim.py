@@ -21,7 +21,8 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   fewest requests per member among those with room for it (`_place`). The dispatcher keeps one FCFS queue and admits
   its head as soon as it fits (head-of-line blocking, as Llumnix's dispatcher); with `retry_backoff_s`, as a swarm's
   clients do without an orchestrator, a request that finds no room tries again after its own exponential backoff
-  instead.
+  instead. Its pages return when its client's close reaches the unit: half a round trip after the client saw its
+  last token (live servers free a session's pages on `close`, not at its last step).
 - TTFT = admission wait + the iterations that prefill the prompt; TBT = a request's mean time per output token after
   its first (the paper's metric).
 - Every `monitor_s` the monitor samples demand (pages held + pages of queued requests) and KV capacity; when
@@ -111,6 +112,7 @@ class _Running:
     first_token_s: float | None = None
     ready_s: float = 0.0  # its next step can compute from then: a victim's KV has arrived, its token's round trip
     in_flight: bool = False  # in a batch computing now
+    closing: bool = False  # its last token is on its way to the client, whose close frees its pages
 
 
 @dataclass(eq=False)
@@ -208,6 +210,8 @@ class _Sim:
                 self._dispatch()
             elif kind == "step":
                 self._finish_step(subject, batch)
+            elif kind == "close":
+                self._close(subject)
             elif kind == "wake":
                 unit = self.units.get(subject)
                 if unit is not None:
@@ -270,7 +274,7 @@ class _Sim:
         slots = len(unit.members)
         share = max(1, math.ceil(len(unit.running) / slots))
         while unit.batches < slots:
-            idle = [r for r in unit.running if not r.in_flight]
+            idle = [r for r in unit.running if not r.in_flight and not r.closing]
             ready = [r for r in idle if r.ready_s <= self.now]
             if not ready:
                 if idle and not unit.waking:  # only requests not ready yet: wake when the first one is
@@ -300,7 +304,6 @@ class _Sim:
             self._push(self.now + step_s, "step", unit.uid, batch)
 
     def _finish_step(self, uid: int, batch: list[tuple[_Running, int]]) -> None:
-        finished = []
         unit = self.units.get(uid)
         c = self.config
         for running, count in batch:
@@ -318,14 +321,21 @@ class _Sim:
                 running.first_token_s = seen_s
                 self.ttft[running.index] = seen_s - request.arrival_s
             if running.produced >= max(1, request.output):
-                finished.append(running)
+                running.closing = True
                 if request.output > 1:
                     self.tbt[running.index] = (seen_s - running.first_token_s) / (request.output - 1)
-                self.done += 1
-        for other in self.units.values():  # it may run on a unit formed while its step computed
-            other.running = [r for r in other.running if r not in finished]
+                self._push(seen_s + c.round_trip_ms / 2000, "close", running.index)
         if unit is not None:
             unit.batches -= 1
+        self._dispatch()
+        for unit in list(self.units.values()):
+            self._start(unit)
+
+    def _close(self, index: int) -> None:
+        """The client of request `index` closed its session: its pages return to whichever unit holds it now."""
+        for unit in self.units.values():
+            unit.running = [r for r in unit.running if r.index != index]
+        self.done += 1
         self._dispatch()
         for unit in list(self.units.values()):
             self._start(unit)
