@@ -327,8 +327,7 @@ class _Sim:
                 self._push(seen_s + c.round_trip_ms / 2000, "close", running.index)
         if unit is not None:
             unit.batches -= 1
-        self._dispatch()
-        for unit in list(self.units.values()):
+        for unit in list(self.units.values()):  # no pages return here: only closes free them
             self._start(unit)
 
     def _close(self, index: int) -> None:
@@ -336,9 +335,7 @@ class _Sim:
         for unit in self.units.values():
             unit.running = [r for r in unit.running if r.index != index]
         self.done += 1
-        self._dispatch()
-        for unit in list(self.units.values()):
-            self._start(unit)
+        self._serve()
 
     # ---- the monitor: drops and restores
 
@@ -389,7 +386,7 @@ class _Sim:
                     if len(members) > 1:
                         self._stall_victim(running, member, len(members))
                     merged.running.append(running)
-        self._restart()
+        self._serve()
         self.dropped_at = self.now
         self.drops += 1
         self.available.clear()  # it jumped: a rate across the drop means nothing; demand's does (as the live loop)
@@ -421,13 +418,14 @@ class _Sim:
         self.units = {}
         for member in sorted(members):
             self._add_unit((member,)).running.extend(placed[member])
-        self._restart()
+        self._serve()
         self.dropped_at = None
         self.restores += 1
         self.available.clear()
 
-    def _restart(self) -> None:
-        """Starts the new units; a step still computing on an old one credits its requests when it ends."""
+    def _serve(self) -> None:
+        """Admits the queued requests that now fit and starts every unit's ready steps (after a close, a drop or a
+        restore; a step still computing on a unit that was replaced credits its requests when it ends)."""
         self._dispatch()
         for unit in list(self.units.values()):
             self._start(unit)
