@@ -215,7 +215,8 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
     `--max-batch-tokens`. What occupies the client: the rest of the 10th percentile of the requests' TBT (the least
     loaded) beyond the network's round trip, its LM head and its RPCs, one token at a time, as one Python process
     serves every request. What only delays a token: the round trip. A group's extra member adds a half round trip
-    (the pushed hop), which the simulator counts in a micro-batch's time."""
+    (the pushed hop), which the simulator counts in a micro-batch's time. A client's try before it is admitted or
+    backs off: the median round of the no-drop arm's clients (`attempt_s_of`)."""
     first = min(base.polls, key=lambda row: row["t"])
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
     widest = max(decode, default=1)
@@ -232,7 +233,28 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
         link_bytes_per_s=MBIT * 1e6 / 8, kv_bytes_per_token_block=first["kv_bytes_per_token"],
         prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping,
         retry_backoff_s=(BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S), refused_window_s=REFUSED_WINDOW_S,
+        attempt_s=attempt_s_of(base),
     )
+
+
+def attempt_s_of(run: ArmRun) -> float:
+    """Gives the median time of the run's clients' rounds to open a session: from a round's first DHT lookup to its
+    `open` that succeeded, or to its back-off when every server refused (the clients' `open_attempts`). Runs
+    recorded before clients logged their attempts: 0."""
+    rounds: list[float] = []
+    for result in run.results:
+        round_start = None
+        for kind, started_s, ended_s, _peer, outcome in result.get("open_attempts", ()):
+            if kind == "backoff":
+                if round_start is not None:
+                    rounds.append(started_s - round_start)
+                round_start = None
+                continue
+            round_start = started_s if round_start is None else round_start
+            if kind == "open" and outcome == "ok":
+                rounds.append(ended_s - round_start)
+                round_start = None
+    return statistics.median(rounds) if rounds else 0.0
 
 
 def prefill_token_ms_under_load(base: ArmRun, requests: dict[int, dict]) -> float:
@@ -318,7 +340,8 @@ def report(rtt_ms: float, runs: dict[str, ArmRun], requests: list[dict]) -> None
         print(f"simulator (same requests, the live swarm's geometry and speeds: iteration {fitted.step_ms:.0f} ms + "
               f"{fitted.decode_token_ms:.1f} ms per decoding request + {fitted.prefill_token_ms:.2f} ms per prompt "
               f"token, the client's work {fitted.client_token_ms:.0f} ms a token, a token's round trip "
-              f"{fitted.round_trip_ms:.0f} ms, hop {fitted.hop_ms:g} ms) against live, "
+              f"{fitted.round_trip_ms:.0f} ms, hop {fitted.hop_ms:g} ms, a client's try "
+              f"{fitted.attempt_s * 1000:.0f} ms) against live, "
               f"P99 TTFT:")
         for arm, dropping in (("no drop", False), ("KunServe blocking", True)):
             run = runs[arm]

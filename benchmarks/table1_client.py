@@ -8,10 +8,11 @@ Each request `{id, at_s, prompt_tokens, output_tokens}` starts `at_s` after the 
 (through the orchestrator's JFFC queue, or by routing over DHT records with Petals' retry and exponential backoff
 while no server has room, its delays stretched by the run's time dilation) and generates exactly `output_tokens`
 greedy tokens. One JSON line per request: `{id, arrival_s, arrival_wall, started_s, first_token_s, ended_s,
-closed_s, tokens, failovers, moves, first_route, route, spans, error}`: waiting = started - arrival, service =
-ended - started (its first token at first_token_s, its last at ended_s; the session closed, its servers and lease
-released, at closed_s); `tokens` the generated ids;
-`first_route` is the chain the session opened on, `route` the one it ended on; `spans` the client's timings per
+closed_s, tokens, failovers, moves, first_route, open_attempts, route, spans, error}`: waiting = started - arrival,
+service = ended - started (its first token at first_token_s, its last at ended_s; the session closed, its servers
+and lease released, at closed_s); `tokens` the generated ids;
+`first_route` is the chain the session opened on (`open_attempts`: how, as [kind, started_s, ended_s, peer_id,
+outcome] per route, `open` call and back-off), `route` the one it ended on; `spans` the client's timings per
 server (steps, summed round trips, and the compute time of the batches the server reported); `arrival_wall` is the
 arrival by the wall clock. With `--servers-out`, each server's batch statistics at the end.
 Prints `ready` once connected and `done` at the end.
@@ -79,6 +80,8 @@ def serve_request(model: DistributedModelForCausalLM, request: dict, started_at:
                 backoff_s = min(BACKOFF_MAX_S * dilation, backoff_s * 2)
         record["started_s"] = time.perf_counter() - started_at
         record["first_route"] = [span.peer_id for span in session.route]
+        record["open_attempts"] = [[a.kind, a.started_s - started_at, a.ended_s - started_at, a.peer_id, a.outcome]
+                                   for a in session.open_attempts]
         first_token = _FirstToken()
         with session:
             generated = model.generate(input_ids, session=session, max_new_tokens=output, min_new_tokens=output,

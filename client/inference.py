@@ -38,7 +38,7 @@ from swarm.errors import (
     SessionNotFound,
     SwarmError,
 )
-from swarm.records import NextHop
+from swarm.records import NextHop, ServerRecord
 from swarm.rpc import RpcConnection
 from swarm.wire import decode_tensor, encode_tensor
 
@@ -79,6 +79,22 @@ class SpanTimings:
     output_at_ms: float = 0.0
 
 
+@dataclass(frozen=True)
+class OpenAttempt:
+    """One try of a session to find a chain and open it (`time.perf_counter()` stamps): how a busy swarm's wait
+    splits into routing, refusals and back-off sleeps.
+
+    `kind` is "route" (a DHT lookup and RTT probes; `peer_id` None), "open" (an `open` call to `peer_id`) or
+    "backoff" (a sleep while every server was busy); `outcome` is "ok", the refusal's error type, "no route" or,
+    for a back-off, its planned length in seconds as text."""
+
+    kind: str
+    started_s: float
+    ended_s: float
+    peer_id: str | None = None
+    outcome: str = "ok"
+
+
 @dataclass
 class _SpanSession:
     """One server's session in the chain, plus every input sent to it (for replay elsewhere)."""
@@ -112,6 +128,7 @@ class RemoteInferenceSession:
         self._step_started_s = 0.0
         self.failovers = 0
         self.moves = 0  # spans that moved to another server with their KV (no replay)
+        self.open_attempts: list[OpenAttempt] = []  # every route, open and back-off of _open_chain, in order
         self.closed = False
         config = client.config
         self.checker = SpotChecker(config.verify_fraction, config.verify_seed) if config.verify_fraction else None
@@ -159,18 +176,27 @@ class RemoteInferenceSession:
         did; then the session waits, backing off, and asks them all again, for up to `ClientConfig.busy_wait_s`, as
         Petals' client waits for a full swarm (`busy`: servers known busy already). Other refusals ban the server
         for a while. Blocks that no online server covers (its servers restarting, say) are waited for up to
-        `ClientConfig.route_wait_s`, then NoRouteFound rises."""
+        `ClientConfig.route_wait_s`, then NoRouteFound rises. A round (until a back-off) routes every try on the
+        records it looked up at its start: a lookup costs several round trips to the DHT, and a refusal is news of
+        one server, which the round avoids."""
         config = self.client.config
         now = time.monotonic()
         deadline, backoff_s = now + config.busy_wait_s, BUSY_BACKOFF_FIRST_S
         missing_deadline = now + config.route_wait_s
         busy = set(busy or ())
         refusals = 0
+        attempts = self.open_attempts
+        servers: dict[str, ServerRecord] | None = None  # this round's records
         while refusals <= config.max_failovers:
+            started = time.perf_counter()
             try:
+                if servers is None:
+                    servers = await self.client.servers()
                 route = await self.client.route(start, end, max_length=self.max_length, batch=self.batch,
-                                                avoid=busy)
+                                                avoid=busy, servers=servers)
+                attempts.append(OpenAttempt("route", started, time.perf_counter()))
             except NoRouteFound:
+                attempts.append(OpenAttempt("route", started, time.perf_counter(), outcome="no route"))
                 missing = not busy and not await self._blocks_may_return(start, end)
                 if missing and time.monotonic() + backoff_s > missing_deadline:
                     raise
@@ -179,15 +205,20 @@ class RemoteInferenceSession:
                                      f"for {config.busy_wait_s:g} s") from None
                 log.info("%s blocks %d:%d; asking again in %.1f s",
                          "No online server covers" if missing else "Every server is busy for", start, end, backoff_s)
+                started = time.perf_counter()
                 await asyncio.sleep(backoff_s)
-                backoff_s, busy = min(BUSY_BACKOFF_MAX_S, 2 * backoff_s), set()
+                attempts.append(OpenAttempt("backoff", started, time.perf_counter(), outcome=f"{backoff_s:g}"))
+                backoff_s, busy, servers = min(BUSY_BACKOFF_MAX_S, 2 * backoff_s), set(), None
                 continue
             opened: list[_SpanSession] = []
             try:
                 for span in route:
+                    started = time.perf_counter()
                     opened.append(await self.open_span(span))
+                    attempts.append(OpenAttempt("open", started, time.perf_counter(), span.peer_id))
                 return opened
             except RECOVERABLE_AT_OPEN as error:
+                attempts.append(OpenAttempt("open", started, time.perf_counter(), span.peer_id, type(error).__name__))
                 log.warning("Server %s refused a session (%s: %s); rerouting", span.peer_id,
                             type(error).__name__, error.message)
                 if isinstance(error, ServerBusy | BlocksNotHosted):  # full, or the record it routed on is stale
@@ -702,6 +733,11 @@ class InferenceSession:
     def moves(self) -> int:
         """Gives how many times a span moved to another server with its KV cache (no replay)."""
         return self.remote.moves
+
+    @property
+    def open_attempts(self) -> list[OpenAttempt]:
+        """How the session found its first chain: every route, `open` call and back-off, in order."""
+        return self.remote.open_attempts
 
     @property
     def checks(self) -> CheckStats | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from hivemind.p2p import P2P
@@ -113,10 +113,12 @@ class SwarmClient:
         return rtt_ms
 
     async def route(self, start: int, end: int, *, max_length: int, batch: int = 1,
-                    avoid: Collection[str] = ()) -> list[Span]:
+                    avoid: Collection[str] = (), servers: Mapping[str, ServerRecord] | None = None) -> list[Span]:
         """Gives the min-latency chain for blocks [start, end), measuring RTTs of servers not measured recently;
-        the servers in `avoid` are left out, as banned ones are."""
-        servers = await self.servers()
+        the servers in `avoid` are left out, as banned ones are. `servers`: the records to route on (default: looked
+        up on the DHT now)."""
+        if servers is None:
+            servers = await self.servers()
         banned = self.banned() | set(avoid)
         candidates = [record for peer, record in sorted(servers.items()) if peer not in banned]
         results = await asyncio.gather(*(self.measure_rtt(r) for r in candidates), return_exceptions=True)

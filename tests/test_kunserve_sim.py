@@ -146,3 +146,18 @@ def test_a_request_holds_its_pages_until_its_client_has_closed_it() -> None:
     assert result.ttft_s[0] == pytest.approx(0.120)
     # only then does the second take the pages: its prompt computes by 0.5203, the client sees its first token 0.1 s on
     assert result.ttft_s[1] == pytest.approx(0.6203)
+
+
+def test_a_clients_try_takes_its_time_before_it_is_admitted_or_backs_off() -> None:
+    # one replica with room for one request of 32 pages at a time; clients back off 0.5 s, doubling, when refused
+    config = dataclasses.replace(CONFIG, replicas=1, dropping=False, retry_backoff_s=(0.5, 4.0))
+    requests = [SimRequest(0.0, 200, 4), SimRequest(0.0, 200, 4)]
+    instant = simulate(config, requests)
+    # the first computes its prompt by 0.020 s and closes at 0.0503; the second, refused at 0, tries again at 0.5
+    assert instant.ttft_s == pytest.approx([0.020, 0.520])
+    slow = simulate(dataclasses.replace(config, attempt_s=0.2), requests)
+    # each try is decided 0.2 s after it began: the first is admitted at 0.2; the second is refused then, backs off
+    # from 0.2 to 0.7 and is admitted at 0.9
+    assert slow.ttft_s == pytest.approx([0.220, 0.920])
+    with pytest.raises(ValueError, match="attempt_s"):
+        dataclasses.replace(config, attempt_s=-0.1)

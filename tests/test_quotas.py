@@ -4,6 +4,8 @@ before, with the local model's tokens."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,46 @@ def test_a_client_over_its_session_quota_gets_the_typed_refusal_and_another_clie
     finally:
         other.shutdown()
         greedy.shutdown()
+
+
+def test_a_session_that_finds_every_server_busy_looks_the_dht_up_once_a_round_and_opens_when_room_frees(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    swarm_factory.start_dht()
+    server = swarm_factory.start_server(tiny_llama, "0:8", "--client-max-sessions", "1")
+    local, remote = local_and_remote(swarm_factory, tiny_llama, busy_wait_s=60.0)
+    try:
+        client = remote.swarm
+        connection = client.run(client.connect(client.run(client.servers())[server.peer_id]))
+        client.run(connection.call("open", {"blocks": [0, 8], "max_length": 64}, timeout=30.0))  # the quota's one
+        lookups = 0
+        servers = client.servers
+
+        async def counted_servers():  # type: ignore[no-untyped-def]
+            nonlocal lookups
+            lookups += 1
+            return await servers()
+
+        client.servers = counted_servers  # type: ignore[method-assign]
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(remote.inference_session, max_length=32)
+            time.sleep(2.0)  # rounds at 0, 0.5 and 1.5 s find the server busy
+            assert not waiting.done()
+            client.run(connection.close())  # the quota's session closes
+            session = waiting.result(timeout=30.0)
+        kinds = [attempt.kind for attempt in session.open_attempts]
+        rounds = kinds.count("backoff") + 1
+        assert rounds >= 3 and kinds[-1] == "open" and session.open_attempts[-1].outcome == "ok"
+        refused = [attempt for attempt in session.open_attempts if attempt.kind == "open" and attempt.outcome != "ok"]
+        assert refused and {attempt.outcome for attempt in refused} == {"QuotaExceeded"}
+        assert {attempt.peer_id for attempt in refused} == {server.peer_id}
+        backoffs = [float(attempt.outcome) for attempt in session.open_attempts if attempt.kind == "backoff"]
+        assert backoffs == [0.5 * 2**i for i in range(len(backoffs))]  # doubling from 0.5 s
+        assert lookups == rounds  # one DHT lookup a round, however many servers refuse in it
+        with session:
+            input_ids = prompt(7, 12)
+            expected = local.generate(input_ids, max_new_tokens=8, do_sample=False)
+            generated = remote.generate(input_ids, session=session, max_new_tokens=8, do_sample=False)
+            assert generated.tolist() == expected.tolist()
+    finally:
+        remote.shutdown()

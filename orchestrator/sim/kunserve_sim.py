@@ -21,7 +21,8 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   fewest requests per member among those with room for it (`_place`). The dispatcher keeps one FCFS queue and admits
   its head as soon as it fits (head-of-line blocking, as Llumnix's dispatcher); with `retry_backoff_s`, as a swarm's
   clients do without an orchestrator, a request that finds no room tries again after its own exponential backoff
-  instead. Its pages return when its client's close reaches the unit: half a round trip after the client saw its
+  instead; each try takes `attempt_s` (the client's DHT lookup and `open` calls) before it is admitted or backs
+  off. Its pages return when its client's close reaches the unit: half a round trip after the client saw its
   last token (live servers free a session's pages on `close`, not at its last step).
 - TTFT = admission wait + the iterations that prefill the prompt; TBT = a request's mean time per output token after
   its first (the paper's metric).
@@ -87,12 +88,17 @@ class KunServeSimConfig:
     # admits its head as soon as it fits.
     retry_backoff_s: tuple[float, float] | None = None
     refused_window_s: float = 5.0
+    # A client's try (with `retry_backoff_s`): its DHT lookup and `open` calls. It is admitted, or starts its backoff,
+    # that long after it began, on the servers' state then.
+    attempt_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.params_pages % self.blocks or self.params_pages >= self.pages_total:
             raise ValueError("params_pages must be a multiple of blocks and below pages_total")
         if self.static_groups < 1 or self.replicas % self.static_groups:
             raise ValueError("static_groups must divide the replicas")
+        if self.attempt_s < 0:
+            raise ValueError("attempt_s must be >= 0")
 
     @property
     def params_pages_per_block(self) -> int:
@@ -204,6 +210,11 @@ class _Sim:
             if self.now > self.horizon_s:
                 break
             if kind == "arrive" and self.config.retry_backoff_s is not None:
+                if self.config.attempt_s > 0:
+                    self._push(self.now + self.config.attempt_s, "try", subject)
+                else:
+                    self._try(subject)
+            elif kind == "try":
                 self._try(subject)
             elif kind == "arrive":
                 self.queue.append(subject)
