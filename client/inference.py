@@ -128,7 +128,7 @@ class RemoteInferenceSession:
         self._step_started_s = 0.0
         self.failovers = 0
         self.moves = 0  # spans that moved to another server with their KV (no replay)
-        self.open_attempts: list[OpenAttempt] = []  # every route, open and back-off of _open_chain, in order
+        self.open_attempts: list[OpenAttempt] = []  # every route, open and back-off of `_open_chain`, in order
         self.closed = False
         config = client.config
         self.checker = SpotChecker(config.verify_fraction, config.verify_seed) if config.verify_fraction else None
@@ -736,7 +736,8 @@ class InferenceSession:
 
     @property
     def open_attempts(self) -> list[OpenAttempt]:
-        """How the session found its first chain: every route, `open` call and back-off, in order."""
+        """How the session routed by DHT records: every route, `open` call and back-off, in order (its first chain's,
+        then any replacement's)."""
         return self.remote.open_attempts
 
     @property
