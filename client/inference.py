@@ -145,7 +145,8 @@ class RemoteInferenceSession:
                 except RECOVERABLE_AT_OPEN as error:
                     log.warning("A server of the leased chain refused a session (%s: %s); routing by DHT records",
                                 type(error).__name__, error.message)
-            self.spans = await self._open_chain(0, self.client.num_blocks)
+            self.spans = await self._open_chain(0, self.client.num_blocks,
+                                                records_max_age_s=self.client.config.records_max_age_s)
         except BaseException:  # no session: the slot goes back now, not when its renewals would have stopped
             if self.lease is not None:
                 await self.lease.release(0)
@@ -168,7 +169,8 @@ class RemoteInferenceSession:
                 await span_session.connection.close()
             raise
 
-    async def _open_chain(self, start: int, end: int, *, busy: set[str] | None = None) -> list[_SpanSession]:
+    async def _open_chain(self, start: int, end: int, *, busy: set[str] | None = None,
+                          records_max_age_s: float = 0.0) -> list[_SpanSession]:
         """Gives open sessions on a min-latency chain over [start, end), routing around servers that refuse.
 
         A server that answers busy (no room now), or that no longer hosts the blocks its record in the DHT still
@@ -178,7 +180,9 @@ class RemoteInferenceSession:
         for a while. Blocks that no online server covers (its servers restarting, say) are waited for up to
         `ClientConfig.route_wait_s`, then NoRouteFound rises. A round (until a back-off) routes every try on the
         records it looked up at its start: a lookup costs several round trips to the DHT, and a refusal is news of
-        one server, which the round avoids."""
+        one server, which the round avoids. The first round may take the client's latest lookup instead, if it began
+        at most `records_max_age_s` ago (a new session: `ClientConfig.records_max_age_s`; a replacement looks up
+        anew, since something just changed); if those records give no chain, a round on fresh ones follows at once."""
         config = self.client.config
         now = time.monotonic()
         deadline, backoff_s = now + config.busy_wait_s, BUSY_BACKOFF_FIRST_S
@@ -187,6 +191,9 @@ class RemoteInferenceSession:
         refusals = 0
         attempts = self.open_attempts
         servers: dict[str, ServerRecord] | None = None  # this round's records
+        if records_max_age_s > 0:
+            servers = self.client.recent_servers(records_max_age_s)
+        recent = servers is not None  # this round routes on an earlier lookup's records
         while refusals <= config.max_failovers:
             started = time.perf_counter()
             try:
@@ -197,6 +204,9 @@ class RemoteInferenceSession:
                 attempts.append(OpenAttempt("route", started, time.perf_counter()))
             except NoRouteFound:
                 attempts.append(OpenAttempt("route", started, time.perf_counter(), outcome="no route"))
+                if recent:  # the records may be what is out of date: a round on fresh ones, at once
+                    servers, busy, recent = None, set(), False
+                    continue
                 missing = not busy and not await self._blocks_may_return(start, end)
                 if missing and time.monotonic() + backoff_s > missing_deadline:
                     raise

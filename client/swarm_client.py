@@ -34,6 +34,7 @@ class ClientConfig:
     ban_s: float = 30.0
     max_failovers: int = 8
     busy_wait_s: float = 60.0  # how long a session waits for room while every server that could serve it is busy
+    records_max_age_s: float = 1.0  # a new session may route on DHT records looked up this long ago (by any session)
     route_wait_s: float = 30.0  # how long a session waits for blocks that no online server covers (restarting ones)
     max_frame_bytes: int = 64 << 20
     compression: str | None = None
@@ -64,6 +65,7 @@ class SwarmClient:
         self._banned_until: dict[str, float] = {}
         self.step_frames = StepFrames()  # decode steps of this client's sessions, one frame per server
         self._orchestrator: tuple[OrchestratorRecord | None, float] | None = None  # (record, looked up at)
+        self._servers: tuple[dict[str, ServerRecord], float] | None = None  # the last lookup, and when it began
 
     def run(self, coroutine, timeout: float | None = None):  # type: ignore[no-untyped-def]
         """Runs a coroutine on the client's loop and gives its result."""
@@ -71,8 +73,20 @@ class SwarmClient:
 
     async def servers(self) -> dict[str, ServerRecord]:
         """Gives the online servers of the model found on the DHT now."""
+        started = time.monotonic()
         records = await lookup_async(self.dht, self.model_id, self.num_blocks, timeout_s=self.config.lookup_timeout_s)
-        return servers_of(records)
+        servers = servers_of(records)
+        if self._servers is None or self._servers[1] <= started:
+            self._servers = (servers, started)
+        return dict(servers)
+
+    def recent_servers(self, max_age_s: float) -> dict[str, ServerRecord] | None:
+        """Gives the servers of the latest lookup if it began at most `max_age_s` ago, else None. Servers announce
+        their records every few seconds, so a lookup a moment old is about as fresh as one now, and costs nothing:
+        a lookup takes several round trips to the DHT."""
+        if self._servers is None or time.monotonic() - self._servers[1] > max_age_s:
+            return None
+        return dict(self._servers[0])
 
     def ban(self, peer_id: str, seconds: float | None = None) -> None:
         """Avoids `peer_id` in routes for `seconds` (default `ban_s`: it failed us), or longer if already banned."""

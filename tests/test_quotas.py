@@ -51,16 +51,15 @@ def test_a_client_over_its_session_quota_gets_the_typed_refusal_and_another_clie
         greedy.shutdown()
 
 
-def test_a_session_that_finds_every_server_busy_looks_the_dht_up_once_a_round_and_opens_when_room_frees(
+def test_a_new_session_routes_on_a_recent_lookup_and_a_busy_one_looks_the_dht_up_once_a_round(
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:
     swarm_factory.start_dht()
     server = swarm_factory.start_server(tiny_llama, "0:8", "--client-max-sessions", "1")
-    local, remote = local_and_remote(swarm_factory, tiny_llama, busy_wait_s=60.0)
+    local, remote = local_and_remote(swarm_factory, tiny_llama, busy_wait_s=60.0, records_max_age_s=60.0)
     try:
         client = remote.swarm
-        connection = client.run(client.connect(client.run(client.servers())[server.peer_id]))
-        client.run(connection.call("open", {"blocks": [0, 8], "max_length": 64}, timeout=30.0))  # the quota's one
+        assert server.peer_id in client.run(client.servers())
         lookups = 0
         servers = client.servers
 
@@ -70,21 +69,24 @@ def test_a_session_that_finds_every_server_busy_looks_the_dht_up_once_a_round_an
             return await servers()
 
         client.servers = counted_servers  # type: ignore[method-assign]
+        first = remote.inference_session(max_length=32)  # the quota's one session
+        assert lookups == 0  # it routed on the lookup above, less than records_max_age_s ago
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(remote.inference_session, max_length=32)
             time.sleep(2.0)  # rounds at 0, 0.5 and 1.5 s find the server busy
             assert not waiting.done()
-            client.run(connection.close())  # the quota's session closes
+            first.close()
             session = waiting.result(timeout=30.0)
-        kinds = [attempt.kind for attempt in session.open_attempts]
-        rounds = kinds.count("backoff") + 1
-        assert rounds >= 3 and kinds[-1] == "open" and session.open_attempts[-1].outcome == "ok"
-        refused = [attempt for attempt in session.open_attempts if attempt.kind == "open" and attempt.outcome != "ok"]
-        assert refused and {attempt.outcome for attempt in refused} == {"QuotaExceeded"}
-        assert {attempt.peer_id for attempt in refused} == {server.peer_id}
-        backoffs = [float(attempt.outcome) for attempt in session.open_attempts if attempt.kind == "backoff"]
-        assert backoffs == [0.5 * 2**i for i in range(len(backoffs))]  # doubling from 0.5 s
-        assert lookups == rounds  # one DHT lookup a round, however many servers refuse in it
+        attempts = session.open_attempts
+        kinds = [attempt.kind for attempt in attempts]
+        # the recent records gave no chain (the server refused): a round on fresh ones at once, then the back-offs
+        assert kinds[:7] == ["route", "open", "route", "route", "open", "route", "backoff"]
+        assert kinds[-1] == "open" and attempts[-1].outcome == "ok" and attempts[-1].peer_id == server.peer_id
+        refused = [attempt for attempt in attempts if attempt.kind == "open" and attempt.outcome != "ok"]
+        assert {attempt.outcome for attempt in refused} == {"QuotaExceeded"}
+        backoffs = [float(attempt.outcome) for attempt in attempts if attempt.kind == "backoff"]
+        assert len(backoffs) >= 2 and backoffs == [0.5 * 2**i for i in range(len(backoffs))]  # doubling from 0.5 s
+        assert lookups == len(backoffs) + 1  # one DHT lookup a round, however many servers refuse in it
         with session:
             input_ids = prompt(7, 12)
             expected = local.generate(input_ids, max_new_tokens=8, do_sample=False)
