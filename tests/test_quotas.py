@@ -73,8 +73,10 @@ def test_a_new_session_routes_on_a_recent_lookup_and_a_busy_one_looks_the_dht_up
         assert lookups == 0  # it routed on the lookup above, less than records_max_age_s ago
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(remote.inference_session, max_length=32)
-            time.sleep(2.0)  # rounds at 0, 0.5 and 1.5 s find the server busy
-            assert not waiting.done()
+            deadline = time.monotonic() + 30.0
+            while lookups < 3 and time.monotonic() < deadline:  # a third fresh round: it has backed off twice
+                time.sleep(0.05)
+            assert lookups >= 3 and not waiting.done()
             first.close()
             session = waiting.result(timeout=30.0)
         attempts = session.open_attempts
