@@ -93,9 +93,10 @@ def test_batching_never_increases_migrations(kind, seed):
     sessions = random_sessions(seed)
     batched = simulate(sessions, PACKERS[kind](64), config(epoch_s=3.0)).summary
     one_by_one = simulate(sessions, PACKERS[kind](64), config(epoch_s=3.0, batching=False)).summary
-    assert batched.planned_moves <= batched.unbatched_moves == one_by_one.unbatched_moves
-    assert batched.migrations <= one_by_one.migrations
-    assert batched.peak_packed_bins == one_by_one.peak_packed_bins  # the packer's state does not depend on it
+    # within an epoch batching only removes moves; across epochs the runs part (exchanges leave other sessions on
+    # each bin), so one by one is a separate run of the same sessions
+    assert batched.planned_moves <= batched.unbatched_moves
+    assert batched.migrations < one_by_one.migrations
 
 
 class EpochRecorder:

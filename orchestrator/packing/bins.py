@@ -324,6 +324,35 @@ class BinPacker:
         self._known(session_id)
         return self._state.pages[session_id]
 
+    def unit_of(self, session_id: str) -> str:
+        """Gives the unit `session_id` moves with: itself, or its multi-item."""
+        self._known(session_id)
+        return self._state.unit_of[session_id]
+
+    def exchange(self, session_a: str, session_b: str) -> bool:
+        """Swaps the bins of the units holding two sessions on different bins, if each still fits where the other
+        was, this packer deems them interchangeable and the packing breaks nothing it did not break before; gives
+        whether it swapped. Used between operations (batching), never inside one."""
+        state = self._state
+        unit_a, unit_b = self.unit_of(session_a), self.unit_of(session_b)
+        bin_a, bin_b = state.bin_of_unit[unit_a], state.bin_of_unit[unit_b]
+        pages_a, pages_b = state.unit_pages[unit_a], state.unit_pages[unit_b]
+        if bin_a == bin_b or not self._interchangeable(unit_a, unit_b):
+            return False
+        if max(state.loads[bin_a] - pages_a + pages_b, state.loads[bin_b] - pages_b + pages_a) > state.capacity_pages:
+            return False
+        before = set(self.invariant_violations())
+        saved = state.copy()
+        state.take(unit_a)
+        state.take(unit_b)
+        state.put(unit_a, bin_b)
+        state.put(unit_b, bin_a)
+        if set(self.invariant_violations()) <= before:
+            return True
+        self._state = saved
+        self._restored()
+        return False
+
     def allocate(self, item: Item) -> list[Move]:
         """Places a new session; gives the moves of running sessions it causes."""
         self._state.check_new(item.item_id, item.pages)
@@ -348,6 +377,10 @@ class BinPacker:
 
     def _update(self, item_id: str, new_pages: int) -> None:
         raise NotImplementedError
+
+    def _interchangeable(self, unit_a: str, unit_b: str) -> bool:
+        """Tells whether two units may trade bins: for a packer with no structure beyond capacity, any two."""
+        return True
 
     def invariant_violations(self) -> list[str]:
         """Gives what breaks capacity or the bookkeeping (subclasses add their policy's properties)."""

@@ -15,8 +15,8 @@ Each epoch (`SegmentPacking.epoch`):
    still in flight, or its first step has not arrived yet (`settling`: a move would race the prompt, or the replay,
    that is filling its KV), or its destination really holds too much to take it now (sessions the packer does not
    manage count there, and so do the sessions moving to it now; the move is offered again the next epoch)
-   [chosen]. Batching prunes nothing more here: what the packer planned during the epoch is only visible as where
-   each session ends, one net move per session, as `batch_operations` gives.
+   [chosen]. Batching then trades same-class units between bins so that fewer sessions end away from the server
+   that reports them (`keep_in_place`, as `batch_operations` does), and what remains is one net move per session.
 3. `accepting`: servers the packer has sessions on take new ones, and so does one more (the first idle server in
    the packer's order), so that arrivals always find room; the others are standbys [chosen].
 
@@ -32,7 +32,15 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from orchestrator.packing.batching import Allocate, Depart, Operation, Update, apply_operation, epoch_order
+from orchestrator.packing.batching import (
+    Allocate,
+    Depart,
+    Operation,
+    Update,
+    apply_operation,
+    epoch_order,
+    keep_in_place,
+)
 from orchestrator.packing.migration_split import Migration
 from orchestrator.packing.records import Item, ItemTooLarge, NoFreeBin, Packer
 
@@ -95,6 +103,7 @@ class SegmentPacking:
         if packer is None:
             return SegmentEpoch([], {server: True for server in servers}, sorted(sessions))
         unmanaged = self._run_operations(packer, self._operations(packer, sessions))
+        keep_in_place(packer, {sid: moving.get(sid, sessions[sid].server) for sid in packer.assignment()})
         held = {server: 0 for server in servers}  # pages the servers really hold, unmanaged sessions included
         for report in sessions.values():
             held[report.server] += report.pages

@@ -93,10 +93,6 @@ class MellPacker(BinPacker):
         self._labels[bin_id] = (revision, label)
         return label
 
-    def unit_of(self, session_id: str) -> str:
-        """Gives the unit `session_id` moves with: itself, or its multi-item."""
-        return self._state.unit_of[session_id]
-
     def newest(self, label: SizeClass | str) -> str | None:
         """Gives the most recently activated bin labelled `label`, None if there is none."""
         return self._newest(SizeClass(label), _NONE)
@@ -146,6 +142,10 @@ class MellPacker(BinPacker):
 
     def _restored(self) -> None:
         self._labels.clear()
+
+    def _interchangeable(self, unit_a: str, unit_b: str) -> bool:
+        """Units of one class may trade bins: every bin keeps its label and its count of each class (Theorem 1)."""
+        return self._unit_class(unit_a) is self._unit_class(unit_b)
 
     # ---- the three operations
 

@@ -96,6 +96,12 @@ class Packer(Protocol):
     def pages_of(self, session_id: str) -> int:
         """Gives the pages `session_id` holds."""
 
+    def unit_of(self, session_id: str) -> str:
+        """Gives the unit `session_id` moves with (the `unit_id` of its moves)."""
+
+    def exchange(self, session_a: str, session_b: str) -> bool:
+        """Swaps the bins of the two sessions' units if the packing allows it; gives whether it did."""
+
     def allocate(self, item: Item) -> list[Move]:
         """Places an arriving session; gives the moves of running sessions this causes."""
 

@@ -17,9 +17,10 @@ and moves from `landed` to the packer's bin for it, as a live segment's packing 
 `orchestrator.packing.live_epoch`]; its other moves in the epoch of its arrival are folded into that one, and the
 move starts one epoch later at the earliest, as the live packing moves no session before its first step arrived.
 
-With `batching`, the epoch's moves are pruned as `batch_operations` prunes them; without it every operation's moves
-run, in the same order (the packer's state is the same either way, only the migrations differ). The epoch is run by
-`batch_operations`' own parts (`epoch_order`, `apply_operation`, `prune_moves`) so that an operation that raises
+With `batching`, the epoch's moves are pruned, and same-class units traded back in place, as `batch_operations`
+does; without it every operation's moves run, in the same order (the trades make later epochs differ: which
+sessions share a bin). The epoch is run by `batch_operations`' own parts (`epoch_order`, `apply_operation`,
+`settled_moves`) so that an operation that raises
 `NoFreeBin` can be skipped without losing the moves of the others; without failures the result is that of
 `batch_operations` (tested). On `NoFreeBin`, an arrival is REJECTED (counted, never queued) and a session that
 cannot grow is EVICTED (departed, counted) [chosen]; a departure that fails is retried at the next boundary.
@@ -38,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orchestrator.packing import Allocate, Depart, Item, ItemTooLarge, Move, NoFreeBin, Operation, Packer, Update
-from orchestrator.packing.batching import apply_operation, epoch_order, prune_moves
+from orchestrator.packing.batching import apply_operation, epoch_order, settled_moves
 from orchestrator.sim.packing_sim_moves import MigrationQueue, StartedCounts
 from orchestrator.sim.packing_sim_records import (
     EpochRecord,
@@ -204,7 +205,7 @@ class _Simulation:
         landings = self.landings(admitted)
         buffered = [m for m in buffered if m.session_id not in landings] + list(landings.values())
         if self.config.batching:
-            executed = prune_moves(buffered, departed, admitted - set(landings))
+            executed = settled_moves(packer, buffered, departed, admitted - set(landings))
             return executed, buffered, departed, rejected
         # one by one, an arrival's KV is where its Allocate put it, and its later moves in the epoch carry it on
         gone = set(departed)
