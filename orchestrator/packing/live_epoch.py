@@ -61,12 +61,16 @@ class ReportedSession:
 
 @dataclass(frozen=True)
 class SegmentEpoch:
-    """What one epoch decided for a segment: migrations to run, which servers take new sessions, and the sessions
-    the packer could not hold (left where they are)."""
+    """What one epoch decided for a segment: migrations to run, which servers take new sessions, the sessions the
+    packer could not hold (left where they are), the exchanges batching made, and the moves the packer wants that
+    wait: for room on their destination, or for their session's first step."""
 
     migrations: list[Migration]
     accepting: dict[str, bool]
     unmanaged: list[str] = field(default_factory=list)
+    exchanges: int = 0
+    no_room: int = 0
+    settling: int = 0
 
 
 class SegmentPacking:
@@ -103,7 +107,10 @@ class SegmentPacking:
         if packer is None:
             return SegmentEpoch([], {server: True for server in servers}, sorted(sessions))
         unmanaged = self._run_operations(packer, self._operations(packer, sessions))
-        keep_in_place(packer, {sid: moving.get(sid, sessions[sid].server) for sid in packer.assignment()})
+        # a session no server reports whose Depart found no bin (re-packing its neighbours needs one) stays packed
+        # until a later epoch's Depart succeeds; it is on no server, so it neither moves nor anchors an exchange
+        reported = [sid for sid in packer.assignment() if sid in sessions]
+        exchanges = keep_in_place(packer, {sid: moving.get(sid, sessions[sid].server) for sid in reported})
         held = {server: 0 for server in servers}  # pages the servers really hold, unmanaged sessions included
         for report in sessions.values():
             held[report.server] += report.pages
@@ -111,17 +118,24 @@ class SegmentPacking:
             if destination in held and destination != report.server:
                 held[destination] += report.pages
         migrations = []
+        no_room = settling = 0
         for session_id, bin_id in sorted(packer.assignment().items()):
-            report = sessions[session_id]
-            if bin_id == report.server or session_id in moving or report.settling:
+            report = sessions.get(session_id)
+            if report is None:
+                continue
+            if bin_id == report.server or session_id in moving:
+                continue
+            if report.settling:
+                settling += 1
                 continue
             if held[bin_id] + report.pages > capacities[bin_id]:
+                no_room += 1
                 continue  # not yet: what it holds now leaves no room (it is offered again next epoch)
             held[bin_id] += report.pages
             held[report.server] -= report.pages
             migrations.append(Migration(session_id, report.server, bin_id, report.tokens * self.kv_bytes_per_token,
                                         report.tokens))
-        return SegmentEpoch(migrations, self._accepting(packer), unmanaged)
+        return SegmentEpoch(migrations, self._accepting(packer), unmanaged, exchanges, no_room, settling)
 
     @staticmethod
     def _operations(packer: Packer, sessions: dict[str, ReportedSession]) -> list[Operation]:

@@ -147,7 +147,10 @@ class SegmentPackingLoop:
         self._accepting: dict[str, bool] = {}
         self._in_flight: dict[str, _Moving] = {}
         self.epochs = 0
-        self.moves = {"kv": 0, "replay": 0, "failed": 0, "deferred": 0}
+        # moves run by mode, failed, deferred by the budgets; and, summed over epochs, moves that waited for room or
+        # for their session's first step, and the exchanges batching made instead of moves
+        self.moves = {"kv": 0, "replay": 0, "failed": 0, "deferred": 0, "no_room": 0, "settling": 0, "exchanged": 0}
+        self.failed_epochs = 0  # epochs that raised something other than a SwarmError (logged with its traceback)
 
     @property
     def standby(self) -> set[str]:
@@ -162,6 +165,9 @@ class SegmentPackingLoop:
                 await self.epoch()
             except SwarmError as error:
                 log.info("packing epoch skipped: %s: %s", type(error).__name__, error.message)
+            except Exception:  # a bug must cost one epoch, not the segment's packing for the server's lifetime
+                self.failed_epochs += 1
+                log.exception("packing epoch failed")
             await asyncio.sleep(max(0.0, self.epoch_s - (time.monotonic() - started)))
 
     async def epoch(self) -> None:
@@ -187,6 +193,9 @@ class SegmentPackingLoop:
                                    in_flight={sid: moving.destination for sid, moving in self._in_flight.items()})
         self._accepting = plan.accepting
         self.epochs += 1
+        self.moves["no_room"] += plan.no_room
+        self.moves["settling"] += plan.settling
+        self.moves["exchanged"] += plan.exchanges
         migrations = plan.migrations
         if self._allow is not None:
             migrations = [migration for migration in migrations if self._allow(migration)]
@@ -245,5 +254,6 @@ class SegmentPackingLoop:
             return False
 
     def to_wire(self) -> dict[str, Any]:
-        return {"policy": self.policy, "epochs": self.epochs, "moves": dict(self.moves),
+        return {"policy": self.policy, "epochs": self.epochs, "failed_epochs": self.failed_epochs,
+                "moves": dict(self.moves),
                 "accepting": dict(self._accepting)}
