@@ -222,7 +222,7 @@ def replay_in_sim(live: LiveRun, requests: list[dict]) -> PackingSimResult:
         capacity_pages=capacity, tokens_per_page=first["kv_tokens_per_page"],
         kv_bytes_per_token=first["kv_bytes_per_token"] * blocks, decode_tokens_per_s=1.0,
         bandwidth_bytes_per_s=MBIT * 1e6 / 8, rtt_ms=RTT_MS, prefill_ms_per_token=prefill * blocks, epoch_s=EPOCH_S,
-        comm_budget_share=0.5, comp_budget_share=0.5, blocks=blocks,
+        comm_budget_share=0.5, comp_budget_share=0.5, blocks=blocks, moves_wait_for_room=True,
     )
     return simulate(sessions, PACKERS[live.policy](sorted(rows), capacity), config)
 

@@ -38,7 +38,7 @@ from orchestrator.packing import (
     size_class,
     split_migrations,
 )
-from orchestrator.packing.batching import apply_operation, epoch_order, prune_moves
+from orchestrator.packing.batching import apply_operation, epoch_order, prune_moves, settled_moves
 from orchestrator.packing.priority import PriorityWeights, bin_priority
 
 BINS = [f"gpu{i:02d}" for i in range(80)]
@@ -398,6 +398,18 @@ def test_batching_lets_an_arrival_take_the_hole_a_departure_would_refill_by_a_mo
     assert plan.unbatched_moves == [Move("s7", "gpu02", "gpu00", 30, "s7")]
     assert plan.moves == []  # the arrival fills the hole instead, and s7 stays where it runs
     assert packer.bin_of("s7") == "gpu02" and packer.bin_of("new") == "gpu00"
+    packer.check_invariants()
+
+
+def test_a_refill_that_has_not_started_yet_is_taken_back_when_an_arrival_can_fill_the_hole():
+    packer = mell(*((f"s{i}", 30) for i in range(1, 8)))
+    assert batch_operations(packer, [Depart("s1")]).moves == [Move("s7", "gpu02", "gpu00", 30, "s7")]
+    # the next epoch, s7 is still on gpu02 (its move waits for its budget) when a new S arrives
+    buffered = packer.allocate(Item("new", 30))
+    assert buffered == [] and packer.bin_of("new") == "gpu02"
+    moves = settled_moves(packer, buffered, arrived=["new"], present={"s7": "gpu02"})
+    assert moves == [Move("s7", "gpu00", "gpu02", 30, "s7")]  # back where it is: the waiting move is cancelled
+    assert packer.bin_of("new") == "gpu00"
     packer.check_invariants()
 
 

@@ -180,8 +180,12 @@ def batch_operations(packer: Packer, operations: Sequence[Operation]) -> EpochPl
 
 
 def settled_moves(packer: Packer, buffered: Sequence[Move], departed: Iterable[str] = (),
-                  arrived: Iterable[str] = ()) -> list[Move]:
-    """Gives the epoch's moves to execute: `buffered` pruned, after `keep_in_place` exchanged what it could."""
+                  arrived: Iterable[str] = (), present: Mapping[str, str] | None = None) -> list[Move]:
+    """Gives the epoch's moves to execute: `buffered` pruned, after `keep_in_place` exchanged what it could.
+
+    `present` names where sessions really are when that is not where the packer had them (a move planned in an
+    earlier epoch that has not started yet): the exchanges aim at those servers, and the moves stay relative to
+    the packer's bins (a move back cancels the waiting one)."""
     origins = origins_of(packer, buffered, departed, arrived)
-    keep_in_place(packer, origins)
+    keep_in_place(packer, origins | {s: where for s, where in (present or {}).items() if s in origins})
     return net_moves(packer, origins, [m.session_id for m in prune_moves(buffered, departed, arrived)])

@@ -139,7 +139,8 @@ class _Simulation:
             landing = move.session_id in admitted and self.running[move.session_id].spec.landed is not None
             self.moves.plan(move.session_id, move.src, move.dst,
                             not_before_s=now + self.config.epoch_s if landing else 0.0)
-        started = self.moves.start(now, lambda s: self.tokens(self.running[s], epoch))
+        room = (self.free_pages(), lambda s: self.running[s].pages) if self.config.moves_wait_for_room else None
+        started = self.moves.start(now, lambda s: self.tokens(self.running[s], epoch), room)
         totals = self.totals
         totals.kv += started.kv
         totals.replay += started.replay
@@ -205,11 +206,19 @@ class _Simulation:
         landings = self.landings(admitted)
         buffered = [m for m in buffered if m.session_id not in landings] + list(landings.values())
         if self.config.batching:
-            executed = settled_moves(packer, buffered, departed, admitted - set(landings))
+            executed = settled_moves(packer, buffered, departed, admitted - set(landings), self.moves.waiting_at())
             return executed, buffered, departed, rejected
         # one by one, an arrival's KV is where its Allocate put it, and its later moves in the epoch carry it on
         gone = set(departed)
         return [m for m in buffered if m.session_id not in gone], buffered, departed, rejected
+
+    def free_pages(self) -> dict[str, int]:
+        """Gives each bin's pages not held now by the KV on it (sessions there, moves into it running)."""
+        free = dict.fromkeys(self.packer.bins, self.config.capacity_pages)
+        for session_id, run in self.running.items():
+            for bin_id in self.moves.on(session_id, self.packer.bin_of(session_id)):
+                free[bin_id] -= run.pages
+        return free
 
     def landings(self, admitted: set[str]) -> dict[str, Move]:
         """Gives the move of each admitted session that landed on a bin other than the packer's for it."""

@@ -13,6 +13,7 @@ into a KV transfer or a token replay within the epoch's budgets (`split_migratio
   stays where it is meanwhile.
 - With batching, a new hop of a session whose last hop has not started yet is merged with it (a -> b, b -> c give
   a -> c; a -> b, b -> a give nothing), as `batch_operations` prunes within an epoch; one by one, hops only queue.
+- With a room rule (`start`'s `room`), a hop also waits while its destination lacks the pages for it.
 - While a hop runs, or waits, the session's pages are held at its source as well as at the packer's bin for it (and
   at the running hop's destination): `holdings` gives where and for which share of the epoch.
 """
@@ -69,6 +70,7 @@ class MigrationQueue:
         self._egress_free_s: dict[str, float] = {}
         self._ingress_free_s: dict[str, float] = {}
         self._replay_free_s: dict[str, float] = {}
+        self._room: tuple[dict[str, int], Callable[[str], int]] | None = None  # `start`'s, while it runs
 
     def sessions(self) -> Iterable[str]:
         return self.hops.keys()
@@ -104,12 +106,29 @@ class MigrationQueue:
     def idle(self) -> bool:
         return not self.hops
 
-    def start(self, now_s: float, tokens_of: Callable[[str], int]) -> StartedCounts:
+    def waiting_at(self) -> dict[str, str]:
+        """Gives, for each session whose next hop has not started, where its KV is (or lands) meanwhile."""
+        return {s: self._next_waiting(s).src for s, hops in self.hops.items() if not hops[-1].running}
+
+    def on(self, session_id: str, logical_bin: str) -> set[str]:
+        """Gives the bins the session's KV is on now: its source until a hop that takes it away ends, and the
+        destinations of its running hops (the packer's bin if it is not moving)."""
+        hops = self.hops.get(session_id)
+        if not hops:
+            return {logical_bin}
+        running = [hop for hop in hops if hop.running]
+        return {running[0].src, *(hop.dst for hop in running)} if running else {hops[0].src}
+
+    def start(self, now_s: float, tokens_of: Callable[[str], int],
+              room: tuple[dict[str, int], Callable[[str], int]] | None = None) -> StartedCounts:
         """Starts this epoch's hops: split by what is left of the budgets, timed on their NIC or prefill queue.
 
-        A session's next hop is offered once the one before it has started; it starts when that one ends.
+        A session's next hop is offered once the one before it has started; it starts when that one ends. With
+        `room` (free pages per bin now, pages of a session), a hop waits while its destination has no room for
+        the session, as a live segment's leader holds back such a move; the free pages shrink as hops start.
         """
         costs = self.costs
+        self._room = room
         used_bytes: dict[str, float] = {}
         used_tokens: dict[str, float] = {}
         counts = StartedCounts()
@@ -120,6 +139,9 @@ class MigrationQueue:
             for session_id in sorted(offered):
                 tokens = tokens_of(session_id)
                 hop = self._next_waiting(session_id)
+                if room is not None and room[0].get(hop.dst, 0) < room[1](session_id):
+                    counts.deferred += 1
+                    continue
                 waiting.append(Migration(session_id, hop.src, hop.dst, tokens * costs.kv_bytes_per_token, tokens))
             links = {m.dst: costs.link_budget_bytes - used_bytes.get(m.dst, 0.0) for m in waiting}
             computes = {m.dst: costs.replay_budget_tokens - used_tokens.get(m.dst, 0.0) for m in waiting}
@@ -179,6 +201,8 @@ class MigrationQueue:
             counts.replay += 1
         hop.mode, hop.start_s, hop.end_s = mode, start, end
         counts.seconds += end - now_s
+        if self._room is not None:
+            self._room[0][migration.dst] = self._room[0].get(migration.dst, 0) - self._room[1](migration.session_id)
 
     def holdings(self, session_id: str, logical_bin: str, now_s: float) -> dict[str, float]:
         """Gives each bin holding the session's pages during the epoch from `now_s`, with the share of it held.

@@ -45,6 +45,9 @@ class PackingSimConfig:
     check_invariants: bool = False  # the packer's own check after every epoch (slow; for tests)
     reserve_final: bool = False  # spec 5.2 phase 1: a session takes its final size at admission and never grows
     blocks: int = 1  # blocks a session's KV spans on a bin: each holds ceil(tokens / tokens_per_page) pages
+    # A move waits while its destination's KV (sessions on it now, moves into it running) leaves no room for it, as
+    # a live segment's leader holds it back; False: moves never wait for room (a bin may hold more than C meanwhile)
+    moves_wait_for_room: bool = False
 
     def __post_init__(self) -> None:
         if min(self.capacity_pages, self.tokens_per_page, self.kv_bytes_per_token, self.blocks) < 1:
