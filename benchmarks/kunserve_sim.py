@@ -2,7 +2,9 @@
 parameters take 34% of memory, under the burst of the Azure code trace, with the same drop and restore policies
 the live servers run (`orchestrator.sim.kunserve_sim`). Arms on the same arrivals: no drop (Llumnix (replication):
 replicas, one queue, head-of-line waits), a static pipeline (Llumnix (pipeline): groups of the size KunServe's first
-plan made, all the time) and KunServe. Target: P99 TTFT >= 10x lower than no drop (paper: 8.4-27.3x on Qwen-14B).
+plan made, all the time) and KunServe, with blocking exchange (victims wait for their KV) and with live exchange
+(remote attention: victims compute on while their KV follows, as the paper's KunServe does, Sec. 4.2). Target: P99
+TTFT >= 10x lower than no drop (paper: 8.4-27.3x on Qwen-14B), judged on the paper's KunServe (live exchange).
 
 The replica: Qwen-2.5-14B on an A800 80GB (48 blocks; 192 KB of KV a token, 4 KB per block; 1 MiB pages hold 256
 tokens of one block; 90% of 80 GB in pages; parameters 34% of them); an iteration takes 18 ms + 0.06 ms per prompt
@@ -159,10 +161,11 @@ def row(name: str, result: KunServeSimResult, baseline: KunServeSimResult | None
             f"{tbt_ratio:>10} {stalls} {result.drops:5d} {result.restores:5d} {result.largest_group:5d} {served:6d}")
 
 
-def run_arms(requests: list[SimRequest], heading: str) -> float:
-    """Runs no drop, KunServe and a static pipeline of KunServe's largest group on `requests`; prints their rows
-    under `heading`; gives KunServe's P99 TTFT gain over no drop."""
+def run_arms(requests: list[SimRequest], heading: str) -> tuple[float, float]:
+    """Runs no drop, a static pipeline of KunServe's largest group and KunServe with blocking and with live exchange
+    on `requests`; prints their rows under `heading`; gives KunServe's P99 TTFT gains over no drop (live, blocking)."""
     kunserve = simulate(PAPER, requests)
+    live = simulate(dataclasses.replace(PAPER, live_exchange=True), requests)
     no_drop = simulate(dataclasses.replace(PAPER, dropping=False), requests)
     group = max(2, kunserve.largest_group)
     while PAPER.replicas % group:
@@ -171,8 +174,10 @@ def run_arms(requests: list[SimRequest], heading: str) -> float:
     print(heading)
     print(row("  no drop (replication)", no_drop, None))
     print(row(f"  static pipeline x{group}", pipeline, no_drop))
-    print(row("  KunServe", kunserve, no_drop))
-    return no_drop.percentile(no_drop.ttft_s, 99) / kunserve.percentile(kunserve.ttft_s, 99)
+    print(row("  KunServe, blocking", kunserve, no_drop))
+    print(row("  KunServe, live exch.", live, no_drop))
+    tail = no_drop.percentile(no_drop.ttft_s, 99)
+    return tail / live.percentile(live.ttft_s, 99), tail / kunserve.percentile(kunserve.ttft_s, 99)
 
 
 def main() -> None:
@@ -196,7 +201,7 @@ def main() -> None:
     print(f"{'provisioning / arm':<26} {'TTFT p50':>9} {'TTFT p99':>9} {'p99 gain':>10} {'TBT p50':>8} {'TBT p99':>8} "
           f"{'TBT ratio':>10} {'stall mx':>8} {'stall mn':>8} {'drops':>5} {'rest.':>5} {'group':>5} {'served':>6}")
     print(f"{'':<26} {'s':>9} {'s':>9} {'':>10} {'ms':>8} {'ms':>8} {'':>10} {'s':>8} {'s':>8}")
-    gains: dict[str, float] = {}
+    gains: dict[str, tuple[float, float]] = {}
     for provisioning in args.provisioning:
         compress = calibrate(args.trace, args.lengths, PAPER, provisioning, means)
         requests = requests_of(args.trace, args.lengths, compress, means)
@@ -209,11 +214,12 @@ def main() -> None:
         heading = (f"burst peak {peak:g}x the KV pages ({len(requests)} requests of {BURST_WINDOW_S[0]:.0f}-"
                    f"{BURST_WINDOW_S[1]:.0f} s at the trace's time, rate x {multiplier:.2f})")
         gains[f"a {peak:g}x peak"] = run_arms(requests, heading)
-    best = max(gains.values(), default=math.nan)
-    print(f"target P99 TTFT >= 10x lower than no drop: "
-          f"{', '.join(f'{gain:.1f}x at {name}' for name, gain in gains.items())}: "
-          f"{'MET' if best >= 10 else 'NOT MET'} (paper 8.4-27.3x); ran in {time.perf_counter() - started:.0f} s")
-    if not all(math.isfinite(gain) for gain in gains.values()):
+    best = max((live for live, _ in gains.values()), default=math.nan)
+    listed = ", ".join(f"{live:.1f}x ({blocking:.1f}x) at {name}" for name, (live, blocking) in gains.items())
+    print(f"target P99 TTFT >= 10x lower than no drop, KunServe as the paper runs it (live exchange; blocking in "
+          f"brackets): {listed}: {'MET' if best >= 10 else 'NOT MET'} (paper 8.4-27.3x); ran in "
+          f"{time.perf_counter() - started:.0f} s")
+    if not all(math.isfinite(gain) for pair in gains.values() for gain in pair):
         sys.exit(1)
 
 

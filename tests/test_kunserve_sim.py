@@ -161,3 +161,21 @@ def test_a_clients_try_takes_its_time_before_it_is_admitted_or_backs_off() -> No
     assert slow.ttft_s == pytest.approx([0.220, 0.920])
     with pytest.raises(ValueError, match="attempt_s"):
         dataclasses.replace(config, attempt_s=-0.1)
+
+
+def test_live_exchange_keeps_a_victim_computing_while_its_kv_follows() -> None:
+    pair = dataclasses.replace(CONFIG, replicas=2, link_bytes_per_s=1e6)
+    exchange_s = 26 * 4 * 1536 / 1e6  # 26 tokens of KV for the 4 blocks its member dropped, over 1 MB/s
+    for live in (False, True):
+        sim = _Sim(dataclasses.replace(pair, live_exchange=live), [SimRequest(0.0, 16, 48)], horizon_s=10.0)
+        victim = _Running(0, sim.requests[0], 8, prefilled=16, produced=10)
+        next(iter(sim.units.values())).running.append(victim)
+        sim._drop(required=1)
+        (group,) = sim.units.values()
+        assert group.members == (0, 1) and group.running == [victim]
+        events = [(kind, when) for when, _, kind, _, _ in sim.events]
+        if live:  # no stall: it computes at once, each iteration one round trip (2 hops) per remote block longer
+            assert sim.stalls == [0.0] and victim.remote_until_s == pytest.approx(exchange_s)
+            assert events == [("step", pytest.approx((10.0 + 0.1 + (1 + 2 * 4) * 1.0) / 1000))]
+        else:  # blocking: it waits for its KV
+            assert sim.stalls == [pytest.approx(exchange_s)] and events == [("wake", pytest.approx(exchange_s))]

@@ -30,8 +30,10 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   `drop_trigger` asks for R pages, `plan_drop` merges the replicas still whole into groups (while dropped too, as the
   live segment loop: a burst that outgrows the first plan pairs more replicas; formed groups stay). Victims
   (requests running on a member when it drops) stall while their KV for the dropped blocks crosses
-  `link_bytes_per_s` (blocking exchange, smallest first, each member's link in parallel); the group's extra capacity
-  is usable at once [chosen: the exchange's transient (spec 5.2) is not modelled]. While dropped, `restore_trigger`
+  `link_bytes_per_s` (blocking exchange, smallest first, each member's link in parallel); with `live_exchange`
+  (remote attention, the paper's Sec. 4.2) they compute on meanwhile, and an iteration holding one pays a round
+  trip between members (2 x `hop_ms`) per block it attends remotely. The group's extra capacity is usable at once
+  [chosen: the exchange's transient (spec 5.2) is not modelled]. While dropped, `restore_trigger`
   splits every group back once their requests fit on the members (live restore: no stall).
 - `static_groups` k > 1 runs the static pipeline baseline (Llumnix (pipeline)): groups of k from the start, never
   restored; `dropping` False the no-drop baseline (Llumnix (replication)).
@@ -91,6 +93,9 @@ class KunServeSimConfig:
     # A client's try (with `retry_backoff_s`): its DHT lookup and `open` calls. It is admitted, or starts its backoff,
     # that long after it began, on the servers' state then.
     attempt_s: float = 0.0
+    # Live exchange (remote attention, spec 3.5): a victim goes on computing while its KV follows; until it has
+    # arrived, an iteration holding it pays one round trip between members per block it attends remotely
+    live_exchange: bool = False
 
     def __post_init__(self) -> None:
         if self.params_pages % self.blocks or self.params_pages >= self.pages_total:
@@ -117,6 +122,8 @@ class _Running:
     produced: int = 0
     first_token_s: float | None = None
     ready_s: float = 0.0  # its next step can compute from then: a victim's KV has arrived, its token's round trip
+    remote_until_s: float = 0.0  # live exchange: until then it attends over `remote_blocks` blocks remotely
+    remote_blocks: int = 0
     in_flight: bool = False  # in a batch computing now
     closing: bool = False  # its last token is on its way to the client, whose close frees its pages
 
@@ -309,8 +316,9 @@ class _Sim:
                 running.in_flight = True
             prefill = sum(count for running, count in batch if running.prefilled < running.request.prompt)
             decode = sum(1 for running, _ in batch if running.prefilled >= running.request.prompt)
+            remote = max((r.remote_blocks for r, _ in batch if r.remote_until_s > self.now), default=0)
             step_s = (c.step_ms + c.prefill_token_ms * prefill + c.decode_token_ms * decode
-                      + (slots - 1) * c.hop_ms) / 1000
+                      + (slots - 1 + 2 * remote) * c.hop_ms) / 1000
             unit.batches += 1
             self._push(self.now + step_s, "step", unit.uid, batch)
 
@@ -405,13 +413,18 @@ class _Sim:
 
     def _stall_victim(self, running: _Running, member: int, group_size: int) -> None:
         """Blocking exchange: the victim's KV for the blocks its replica dropped crosses that replica's link after
-        the smaller victims' KV (the caller goes smallest first); it computes nothing meanwhile."""
+        the smaller victims' KV (the caller goes smallest first); it computes nothing meanwhile. Live exchange: it
+        computes on, attending remotely over those blocks until its KV has crossed (no stall)."""
         c = self.config
         tokens = running.prefilled + running.produced
         moved_blocks = c.blocks - c.blocks // group_size
         seconds = tokens * moved_blocks * c.kv_bytes_per_token_block / c.link_bytes_per_s
         done = max(self.now, self.link_free_s.get(member, 0.0)) + seconds
         self.link_free_s[member] = done
+        if c.live_exchange:
+            running.remote_until_s, running.remote_blocks = done, moved_blocks
+            self.stalls.append(0.0)
+            return
         running.ready_s = done
         self.stalls.append(done - self.now)
 
