@@ -134,12 +134,12 @@ def keep_in_place(packer: Packer, origins: Mapping[str, str]) -> int:
     exchanges = 0
     while True:
         away = sorted(s for s, origin in origins.items() if packer.bin_of(s) != origin)
-        if not exchanges_one(packer, away, origins, cost, members_of):
+        if not _exchange_one(packer, away, origins, cost, members_of):
             return exchanges
         exchanges += 1
 
 
-def exchanges_one(packer: Packer, away: Sequence[str], origins: Mapping[str, str],
+def _exchange_one(packer: Packer, away: Sequence[str], origins: Mapping[str, str],
                   cost: Callable[[Sequence[str], str], int], members_of: Callable[[str], tuple[str, ...]]) -> bool:
     """Makes the first exchange that lowers the moves, trying the sessions `away` in order; tells whether it did."""
     for session_id in away:
