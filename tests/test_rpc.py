@@ -296,11 +296,12 @@ def test_notifications_run_in_order_and_get_no_reply_not_even_an_error() -> None
             with pytest.raises(PeerUnreachable, match="closed"):
                 await connection.notify("record", {"n": 5}, timeout=WAIT_S)
 
-            # A stream the server ended is noticed by the next notification, not written into forever.
+            # A stream the server ended is noticed by the next notification, not written into forever. Which sign
+            # comes first is a race: the stream's end read, the transport closing, or a write that found it gone.
             connection = await RpcConnection.open(client_p2p, server_p2p.peer_id, timeout=WAIT_S)
             await connection.call("echo", {}, timeout=WAIT_S)
             await server.stop()
-            with pytest.raises(PeerUnreachable, match=r"ended|lost"):
+            with pytest.raises(PeerUnreachable, match=r"ended|lost|closing"):
                 for _ in range(int(WAIT_S / 0.01)):
                     await connection.notify("record", {"n": 6}, timeout=WAIT_S)
                     await asyncio.sleep(0.01)
