@@ -97,14 +97,17 @@ SCALES = (1.0, 4.0, 10.0)
 # migrations): a server that never moves a session must hold its growth from the start, so they reserve each
 # session's final size (the least a client's max_length can be). "bf+moves" and "wf+moves" grow on demand and move a
 # session that overflows its bin (the packers' own rule): stronger baselines than the paper's, printed beside them.
+# LB (Llumnix) runs its moves as each operation plans them: operation batching, the exchanges included, is MELL's
+# (Sec. VI-C); "lb+batching" gives LB our batching too, beside it.
 PACKERS: dict[str, tuple[str, bool, bool]] = {
     "mell": ("mell", True, False),
     "mell-1by1": ("mell", False, False),
     "bf": ("bf", True, True),
     "wf": ("wf", True, True),
-    "lb": ("lb", True, False),
+    "lb": ("lb", False, False),
     "bf+moves": ("bf", True, False),
     "wf+moves": ("wf", True, False),
+    "lb+batching": ("lb", True, False),
 }
 POOL_BINS = 1500  # bins a packer may activate; none of the default runs needs this many (rejections are printed)
 PAPER = {  # spec section 4
