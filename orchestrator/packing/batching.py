@@ -83,25 +83,6 @@ def apply_operation(packer: Packer, operation: Operation) -> list[Move]:
     return packer.update(operation.item_id, operation.new_pages)
 
 
-def prune_moves(moves: Sequence[Move], departed: Iterable[str] = (), arrived: Iterable[str] = ()) -> list[Move]:
-    """Gives one net move per session (first source to last destination), in the order sessions first moved.
-
-    Drops sessions that end where they began, and those in `departed` or `arrived`.
-    """
-    dropped = set(departed) | set(arrived)
-    first: dict[str, Move] = {}
-    last: dict[str, Move] = {}
-    for move in moves:
-        first.setdefault(move.session_id, move)
-        last[move.session_id] = move
-    net = []
-    for session_id, start in first.items():
-        end = last[session_id]
-        if session_id not in dropped and start.src != end.dst:
-            net.append(Move(session_id, start.src, end.dst, end.pages, start.unit_id))
-    return net
-
-
 def origins_of(packer: Packer, moves: Sequence[Move], departed: Iterable[str] = (), arrived: Iterable[str] = ()
                ) -> dict[str, str]:
     """Gives where each running session was when the epoch began: the source of its first move, else its bin.
@@ -159,8 +140,11 @@ def _exchange_one(packer: Packer, away: Sequence[str], origins: Mapping[str, str
 
 
 def net_moves(packer: Packer, origins: Mapping[str, str], order: Sequence[str] = ()) -> list[Move]:
-    """Gives one move per session that ends away from its origin: the sessions in `order` first, then by id."""
-    rank = {session_id: i for i, session_id in enumerate(order)}
+    """Gives one move per session that ends away from its origin (a chain a -> b -> c is one move a -> c, a round
+    trip none): the sessions in the order they first appear in `order`, then the others by id."""
+    rank: dict[str, int] = {}
+    for session_id in order:
+        rank.setdefault(session_id, len(rank))
     away = [s for s, origin in origins.items() if packer.bin_of(s) != origin]
     return [Move(s, origins[s], packer.bin_of(s), packer.pages_of(s), packer.unit_of(s))
             for s in sorted(away, key=lambda s: (rank.get(s, len(rank)), s))]
@@ -181,11 +165,12 @@ def batch_operations(packer: Packer, operations: Sequence[Operation]) -> EpochPl
 
 def settled_moves(packer: Packer, buffered: Sequence[Move], departed: Iterable[str] = (),
                   arrived: Iterable[str] = (), present: Mapping[str, str] | None = None) -> list[Move]:
-    """Gives the epoch's moves to execute: `buffered` pruned, after `keep_in_place` exchanged what it could.
+    """Gives the epoch's moves to execute: each session's net move from where it began the epoch, after
+    `keep_in_place` exchanged what it could; sessions that departed or arrived in the epoch move nowhere.
 
     `present` names where sessions really are when that is not where the packer had them (a move planned in an
     earlier epoch that has not started yet): the exchanges aim at those servers, and the moves stay relative to
     the packer's bins (a move back cancels the waiting one)."""
     origins = origins_of(packer, buffered, departed, arrived)
     keep_in_place(packer, origins | {s: where for s, where in (present or {}).items() if s in origins})
-    return net_moves(packer, origins, [m.session_id for m in prune_moves(buffered, departed, arrived)])
+    return net_moves(packer, origins, [m.session_id for m in buffered])
