@@ -154,6 +154,41 @@ def test_a_segments_leader_runs_the_packer_on_its_members_reports_and_moves_with
     assert follower.epochs == 0  # only the leader packs
 
 
+def test_a_leaders_loop_outlives_an_epoch_that_fails_with_a_bug_and_counts_it():
+    members = {peer: record(peer, start=0, end=10, pages_total=1000) for peer in ("a", "b")}
+    calls = 0
+
+    async def group() -> list[ServerRecord]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise KeyError("a bug in an epoch")
+        return group_of(members, 0, 10)
+
+    async def report(peer: str, accepting: bool) -> Report:
+        return Report(1000, [])
+
+    async def migrate(source: str, session_id: str, destination: str, mode: str) -> None:
+        raise AssertionError("nothing to move")
+
+    async def run() -> SegmentPackingLoop:
+        loop = SegmentPackingLoop("mell", peer_id="a", epoch_s=0.01, kv_bytes_per_token=lambda blocks: 1536 * blocks,
+                                  group=group, report=report, migrate=migrate)
+        task = asyncio.create_task(loop.run())
+        for _ in range(500):  # at most 5 s
+            await asyncio.sleep(0.01)
+            if loop.epochs >= 2:
+                break
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return loop
+
+    loop = asyncio.run(run())
+    assert loop.failed_epochs == 1 and loop.epochs >= 2  # the failed epoch cost one epoch, not the loop
+    assert loop.to_wire()["failed_epochs"] == 1
+
+
 def test_a_leader_prices_kv_moves_with_the_bandwidth_its_members_measured():
     members = {peer: record(peer, start=0, end=10, pages_total=1000).model_copy(
         update={"network_mbps": 10.0, "block_prefill_ms_per_token": 0.2}) for peer in ("a", "b")}

@@ -247,6 +247,21 @@ def test_hops_share_the_budget_of_their_destination_chain_within_an_epoch_and_me
     assert batched.idle()
 
 
+def test_with_a_room_rule_a_hop_waits_until_its_destination_has_the_pages_and_a_started_one_takes_them():
+    queue = MigrationQueue(MigrationCosts(1000, 1e6, 0.0, 0.01, 1.0), merge=True)
+    queue.plan("p", "a", "c")
+    queue.plan("q", "b", "c")
+    assert queue.waiting_at() == {"p": "a", "q": "b"}
+    pages = {"p": 6, "q": 5}.__getitem__
+    free = {"c": 5}
+    started = queue.start(0.0, lambda s: 100, (free, pages))
+    assert (started.kv, started.deferred) == (1, 1) and free == {"c": 0}  # q fits, p (6 pages) waits
+    assert queue.waiting_at() == {"p": "a"} and queue.on("q", "c") == {"b", "c"}  # q held on both sides meanwhile
+    queue.finish(1.0)
+    free = {"c": 6}
+    assert queue.start(1.0, lambda s: 100, (free, pages)).kv == 1 and free == {"c": 0} and queue.waiting_at() == {}
+
+
 def test_lengths_scale_and_clip_to_a_bin_and_the_histogram_counts_final_sizes():
     assert scaled_lengths(100, 20, 4, 10_000) == (400, 80, False)
     assert scaled_lengths(3000, 500, 10, 20_000) == (15_000, 5000, True)  # the prompt loses its start

@@ -70,7 +70,6 @@ class MigrationQueue:
         self._egress_free_s: dict[str, float] = {}
         self._ingress_free_s: dict[str, float] = {}
         self._replay_free_s: dict[str, float] = {}
-        self._room: tuple[dict[str, int], Callable[[str], int]] | None = None  # `start`'s, while it runs
 
     def sessions(self) -> Iterable[str]:
         return self.hops.keys()
@@ -128,7 +127,6 @@ class MigrationQueue:
         the session, as a live segment's leader holds back such a move; the free pages shrink as hops start.
         """
         costs = self.costs
-        self._room = room
         used_bytes: dict[str, float] = {}
         used_tokens: dict[str, float] = {}
         counts = StartedCounts()
@@ -162,6 +160,11 @@ class MigrationQueue:
                     ran.add(migration.session_id)
                 else:
                     counts.deferred += 1
+            if room is not None:  # the hops that started take their pages on their destinations
+                free, pages_of = room
+                for migration in (*kv_moves, *replay_moves, *deferred):
+                    if migration.session_id in ran:
+                        free[migration.dst] = free.get(migration.dst, 0) - pages_of(migration.session_id)
             offered = {s for s in ran if not self.hops[s][-1].running and self._next_waiting(s).not_before_s <= now_s}
         return counts
 
@@ -201,8 +204,6 @@ class MigrationQueue:
             counts.replay += 1
         hop.mode, hop.start_s, hop.end_s = mode, start, end
         counts.seconds += end - now_s
-        if self._room is not None:
-            self._room[0][migration.dst] = self._room[0].get(migration.dst, 0) - self._room[1](migration.session_id)
 
     def holdings(self, session_id: str, logical_bin: str, now_s: float) -> dict[str, float]:
         """Gives each bin holding the session's pages during the epoch from `now_s`, with the share of it held.
