@@ -7,7 +7,9 @@ logged, never raised. Pushes are RPC notifications: the next server answers noth
 crosses the link (and wakes both servers) while the next server starts its step.
 
 Clients name the next hops, so a server only dials a peer that the DHT says hosts the block where the hop
-begins, at the addresses it announced there; the addresses a client sends are not used.
+begins, at the addresses it announced there; the addresses a client sends are not used. A next hop on this server
+itself (a client's failover put two adjacent spans of its chain here) is handed over in process: a server cannot
+dial itself.
 """
 
 from __future__ import annotations
@@ -53,10 +55,14 @@ class Pusher:
         *,
         timeout_s: float,
         max_frame_bytes: int,
+        own_peer_id: str | None = None,
+        push_here: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         """`announced_addrs(peer_id, block)` gives the addresses `peer_id` announced for `block`, None if it did
-        not announce that block."""
+        not announce that block; `push_here(frame)` takes a push frame bound for `own_peer_id`, this server."""
         self.p2p = p2p
+        self.own_peer_id = own_peer_id
+        self.push_here = push_here
         self.announced_addrs = announced_addrs
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
@@ -99,6 +105,12 @@ class Pusher:
             self._push_frame(peer_id, block, payloads)
 
     def _push_frame(self, peer_id: str, block: int, payloads: list[dict[str, Any]]) -> None:
+        frame = payloads[0] if len(payloads) == 1 else {"steps": payloads}
+        if peer_id == self.own_peer_id and self.push_here is not None:
+            # after the batch that finished these steps, as a frame from another server would come
+            asyncio.get_running_loop().call_soon(self.push_here, frame)
+            self.sent += len(payloads)
+            return
         failed_at = self._failed_at.get(peer_id)
         if failed_at is not None and time.monotonic() - failed_at < DIAL_BACKOFF_S:
             self.dropped += len(payloads)
@@ -107,7 +119,6 @@ class Pusher:
             log.debug("push to %s dropped (%d in flight)", peer_id, len(self._tasks))
             self.dropped += len(payloads)
             return
-        frame = payloads[0] if len(payloads) == 1 else {"steps": payloads}
         if self._send_now(peer_id, block, frame, len(payloads)):
             return
         task = asyncio.create_task(self._send(peer_id, block, frame, len(payloads)), name=f"push-{peer_id[-8:]}")

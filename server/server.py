@@ -239,7 +239,7 @@ class SwarmServer:
             self.rpc.add_method(name, method)
         self.pusher = Pusher(
             p2p, self.announced_addrs, timeout_s=self.config.push_timeout_s,
-            max_frame_bytes=self.config.max_frame_bytes,
+            max_frame_bytes=self.config.max_frame_bytes, own_peer_id=self.peer_id, push_here=self._pushed_here,
         )
         await self.rpc.start()
         self.scheduler.start()
@@ -573,12 +573,23 @@ class SwarmServer:
     async def _push(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         """Accepts steps pushed by the previous server of a chain (a notification: its reply is not sent) and
         computes them in the background: one step, or `steps`, a list of them that a batch there finished."""
+        self._accept_pushed(payload, ctx)
+        return {}
+
+    def _pushed_here(self, payload: dict[str, Any]) -> None:
+        """Accepts steps this server pushed to itself: the next span of their chains is on this server too."""
+        try:
+            self._accept_pushed(payload, CallContext(self.peer_id, -1))
+        except SwarmError as error:  # as for a push from another server: the client's own copy of the step follows
+            log.debug("pushed step refused: %s: %s", type(error).__name__, error.message)
+
+    def _accept_pushed(self, payload: dict[str, Any], ctx: CallContext) -> None:
         steps = payload.get("steps")
         self.pushes_received += len(steps) if isinstance(steps, list) else 1
         if "steps" not in payload:
             validate_compression(field(payload, "compression", str, optional=True))
             self._admit_step(payload, ctx)
-            return {}
+            return
         for step in _step_list(payload):  # each on its own: one that cannot run does not keep the others from running
             try:
                 if not isinstance(step, dict):
@@ -587,7 +598,6 @@ class SwarmServer:
                 self._admit_step(step, ctx)
             except SwarmError as error:
                 log.debug("pushed step refused: %s: %s", type(error).__name__, error.message)
-        return {}
 
     def _known_step(self, session: Session, step_id: str | None) -> asyncio.Future[StepResult] | None:
         """Gives the result of step `step_id` if the session has done it or is running it now, else None."""

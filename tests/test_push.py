@@ -188,6 +188,31 @@ def test_a_hop_that_does_not_host_the_next_block_gets_no_push(spans: tuple[Span,
 
 
 
+def test_a_next_span_on_the_same_server_gets_the_push_in_process(spans: tuple[Span, Span], tiny_llama: Path) -> None:
+    """A chain may hold two adjacent spans on one server (a failover put the replacement of a span where its
+    neighbour runs). The server cannot dial itself; it hands the push over in process, so the second span's step
+    is there for a request that sends no input (before, each such step waited out the client's push wait)."""
+    first, _ = spans
+    source = resolve_model(str(tiny_llama))
+    head, tail = ReferenceBlocks(source, 0, 2), ReferenceBlocks(source, 2, 4)
+    lower = first.call("open", {"blocks": [0, 2], "max_length": 8})["session_id"]
+    upper = first.call("open", {"blocks": [2, 4], "max_length": 8})["session_id"]
+    hop = NextHop(peer_id=first.record.peer_id, session_id=upper, addrs=first.record.addrs, start=2, end=4).to_wire()
+    try:
+        for position, seed in ((0, 12), (3, 13)):
+            hidden = torch.randn(1, 3 if position == 0 else 1, HIDDEN, generator=torch.Generator().manual_seed(seed))
+            reply = first.call("step", {"session_id": lower, "step_id": f"{position}", "position": position,
+                                        "hidden": encode_tensor(hidden), "next": [hop]})
+            middle = head(hidden)
+            torch.testing.assert_close(decode_tensor(reply["hidden"]), middle, rtol=1e-5, atol=1e-5)
+            pushed = first.call("step", {"session_id": upper, "step_id": f"{position}", "wait_ms": 5_000})
+            torch.testing.assert_close(decode_tensor(pushed["hidden"]), tail(middle), rtol=1e-5, atol=1e-5)
+            assert pushed["position"] == position + hidden.shape[1]
+    finally:
+        first.call("close", {"session_id": lower})
+        first.call("close", {"session_id": upper})
+
+
 def recording_pusher(max_frame_bytes: int, frames: list[tuple[str, int, int]]) -> Pusher:
     """Gives a pusher that sends nothing and records each frame it would send: (peer, block, steps)."""
     pusher = Pusher(None, None, timeout_s=1.0, max_frame_bytes=max_frame_bytes)  # type: ignore[arg-type]
