@@ -130,6 +130,7 @@ class RemoteInferenceSession:
         self.moves = 0  # spans that moved to another server with their KV (no replay)
         self.open_attempts: list[OpenAttempt] = []  # every route, open and back-off of `_open_chain`, in order
         self.closed = False
+        self._on_wait: Callable[[], None] | None = None  # the running step's, while it may back off for room
         config = client.config
         self.checker = SpotChecker(config.verify_fraction, config.verify_seed) if config.verify_fraction else None
 
@@ -170,7 +171,7 @@ class RemoteInferenceSession:
             raise
 
     async def _open_chain(self, start: int, end: int, *, busy: set[str] | None = None,
-                          records_max_age_s: float = 0.0) -> list[_SpanSession]:
+                          records_max_age_s: float = 0.0, wait_for_room: bool = True) -> list[_SpanSession]:
         """Gives open sessions on a min-latency chain over [start, end), routing around servers that refuse.
 
         A server that answers busy (no room now), or that no longer hosts the blocks its record in the DHT still
@@ -182,13 +183,15 @@ class RemoteInferenceSession:
         records it looked up at its start: a lookup costs several round trips to the DHT, and a refusal is news of
         one server, which the round avoids. The first round may take the client's latest lookup instead, if it began
         at most `records_max_age_s` ago (a new session: `ClientConfig.records_max_age_s`; a replacement looks up
-        anew, since something just changed); if those records give no chain, a round on fresh ones follows at once."""
+        anew, since something just changed); if those records give no chain, a round on fresh ones follows at once.
+        Without `wait_for_room`, a round that a server refused as busy raises ServerBusy instead of backing off."""
         config = self.client.config
         now = time.monotonic()
         deadline, backoff_s = now + config.busy_wait_s, BUSY_BACKOFF_FIRST_S
         missing_deadline = now + config.route_wait_s
         busy = set(busy or ())
         refusals = 0
+        answered_busy = False  # a server refused this call for room (not only avoided from an earlier refusal)
         attempts = self.open_attempts
         servers: dict[str, ServerRecord] | None = None  # this round's records
         if records_max_age_s > 0:
@@ -210,11 +213,17 @@ class RemoteInferenceSession:
                 missing = not busy and not await self._blocks_may_return(start, end)
                 if missing and time.monotonic() + backoff_s > missing_deadline:
                     raise
+                if not missing and answered_busy and not wait_for_room:
+                    raise ServerBusy(f"every server of blocks {start}:{end} that could take this session is "
+                                     f"busy") from None
                 if not missing and time.monotonic() + backoff_s > deadline:
                     raise ServerBusy(f"every server of blocks {start}:{end} that could take this session was busy "
                                      f"for {config.busy_wait_s:g} s") from None
                 log.info("%s blocks %d:%d; asking again in %.1f s",
                          "No online server covers" if missing else "Every server is busy for", start, end, backoff_s)
+                if self._on_wait is not None:
+                    on_wait, self._on_wait = self._on_wait, None
+                    on_wait()
                 started = time.perf_counter()
                 await asyncio.sleep(backoff_s)
                 attempts.append(OpenAttempt("backoff", started, time.perf_counter(), outcome=f"{backoff_s:g}"))
@@ -233,6 +242,7 @@ class RemoteInferenceSession:
                             type(error).__name__, error.message)
                 if isinstance(error, ServerBusy | BlocksNotHosted):  # full, or the record it routed on is stale
                     busy.add(span.peer_id)
+                    answered_busy |= isinstance(error, ServerBusy)
                 else:
                     self.client.ban(span.peer_id)
                     refusals += 1
@@ -280,11 +290,20 @@ class RemoteInferenceSession:
         )
         return _SpanSession(span, connection, str(reply["session_id"]))
 
-    async def step(self, hidden: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+    async def step(self, hidden: torch.Tensor, *, last_only: bool = False,
+                   on_wait: Callable[[], None] | None = None) -> torch.Tensor:
         """Gives the hidden states after the last block for `hidden` ([batch, new tokens, hidden]); with `last_only`,
-        for its last token only (the last server sends back one row per sequence, not a prompt's every row)."""
+        for its last token only (the last server sends back one row per sequence, not a prompt's every row).
+        `on_wait` is called once if the step backs off waiting for room."""
         if self.closed:
             raise SessionNotFound("this inference session is closed")
+        self._on_wait = on_wait
+        try:
+            return await self._step(hidden, last_only=last_only)
+        finally:
+            self._on_wait = None
+
+    async def _step(self, hidden: torch.Tensor, *, last_only: bool) -> torch.Tensor:
         new_tokens = hidden.shape[1]
         index = 0
         self._step_started_s = time.perf_counter()
@@ -589,28 +608,51 @@ class RemoteInferenceSession:
         back to one that has it, whose saved inputs the replay sends; those spans already ran the current step
         (`hidden` is the failed span's input), so the step goes on from the first replacement with the first
         span's input for it. With `through`, the spans after `index` up to that one are replaced too (a span caught
-        returning wrong outputs: their KV was built from its outputs). Gives the index and input to go on with."""
+        returning wrong outputs: their KV was built from its outputs). Gives the index and input to go on with.
+
+        A session never waits for room while it holds pages elsewhere: sessions that each hold part of their chain
+        and wait for the room another one holds would wait for each other (a buddy left, and the server that loads
+        its blocks back has room for fewer sessions than hold spans on it). If every server that could take the
+        blocks is busy, the session lets its other spans go too and waits for a chain over all its blocks, which
+        the first span's saved inputs rebuild."""
         first, last = index, index if through is None else through
         while first > 0 and not self.spans[first].complete:
             first -= 1
-        failed, head = self.spans[index], self.spans[first]
+        failed = self.spans[index]
         if not busy:
             self.client.ban(failed.peer_id)
-        for span_session in self.spans[first : last + 1]:
-            if span_session is not failed:  # a healthy server: its part of the session goes back to its pool now
-                await self._close_remote(span_session)
-            await span_session.connection.close()
+        await self._let_go(self.spans[first : last + 1], failed)
         self.failovers += 1
+        avoid = {failed.peer_id} if busy else None
+        whole = first == 0 and last == len(self.spans) - 1
+        try:
+            replacements = await self._open_chain(self.spans[first].span.start, self.spans[last].span.end,
+                                                  busy=avoid, wait_for_room=whole)
+        except ServerBusy:
+            log.info("Every server that could take blocks %d:%d is busy; letting the session's other spans go "
+                     "while it waits", self.spans[first].span.start, self.spans[last].span.end)
+            await self._let_go(self.spans[:first] + self.spans[last + 1 :], failed)
+            first, last = 0, len(self.spans) - 1
+            replacements = None
+        head = self.spans[first]
         if first < index:  # the step's input to the first span goes again, after the replay of what came before
             hidden = head.history.pop()
             head.position -= hidden.shape[1]
         end = self.spans[last].span.end
-        replacements = await self._open_chain(head.span.start, end, busy={failed.peer_id} if busy else None)
+        if replacements is None:
+            replacements = await self._open_chain(head.span.start, end, busy=avoid)
         await self._replay_onto(head, replacements)
         log.info("Replaced %s (blocks %d:%d) by %s", failed.peer_id, head.span.start, end,
                  " -> ".join(f"{r.peer_id}[{r.span.start}:{r.span.end}]" for r in replacements))
         self.spans[first : last + 1] = replacements
         return first, hidden
+
+    async def _let_go(self, span_sessions: list[_SpanSession], failed: _SpanSession) -> None:
+        """Closes `span_sessions` (the pages of those on healthy servers go back to their pools now)."""
+        for span_session in span_sessions:
+            if span_session is not failed:
+                await self._close_remote(span_session)
+            await span_session.connection.close()
 
     async def _close_remote(self, span_session: _SpanSession) -> None:
         try:
@@ -771,18 +813,20 @@ class InferenceSession:
         *,
         on_output: Callable[[], None] | None = None,
         before_send: Callable[[], Awaitable[None]] | None = None,
+        on_wait: Callable[[], None] | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
         """Gives the hidden states after the last block for the new tokens' input hidden states (with `last_only`,
-        for the last token only). On the client's loop, `before_send` is awaited before the step is sent, and
-        `on_output` runs the moment the output arrives, before this thread wakes up."""
-        if on_output is None and before_send is None:
+        for the last token only). On the client's loop, `before_send` is awaited before the step is sent,
+        `on_output` runs the moment the output arrives, before this thread wakes up, and `on_wait` once if the step
+        has to wait for room (a failover found every server busy)."""
+        if on_output is None and before_send is None and on_wait is None:
             return self.client.run(self.remote.step(hidden, last_only=last_only))
 
         async def step_on_loop() -> torch.Tensor:
             if before_send is not None:
                 await before_send()
-            output = await self.remote.step(hidden, last_only=last_only)
+            output = await self.remote.step(hidden, last_only=last_only, on_wait=on_wait)
             if on_output is not None:
                 on_output()
             return output

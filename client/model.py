@@ -128,22 +128,29 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         chain in step."""
         if new_ids.shape[1] != 1:
             return session.step(self.head.embed(new_ids), last_only=last_only), None
-        returned = False
+        returned = withdrawn = False
         group = chain_of(session)
 
         def on_output() -> None:
             nonlocal returned
             returned = True
-            self.batched_head.step_returned(group)
+            if not withdrawn:
+                self.batched_head.step_returned(group)
+
+        def on_wait() -> None:  # it failed over and waits for room: the chain's other sessions do not wait for it
+            nonlocal withdrawn
+            withdrawn = True
+            self.batched_head.step_failed(group, returned=False)
 
         gate = self.batched_head.step_sent(group)
         try:
-            hidden = session.step(self.head.embed(new_ids), on_output=on_output,
+            hidden = session.step(self.head.embed(new_ids), on_output=on_output, on_wait=on_wait,
                                   before_send=gate.wait if gate is not None else None)
         except BaseException:
-            self.batched_head.step_failed(group, returned=returned)
+            if not withdrawn:
+                self.batched_head.step_failed(group, returned=returned)
             raise
-        return hidden, group
+        return hidden, None if withdrawn else group
 
     def generate(  # type: ignore[override]
         self, inputs: torch.Tensor | None = None, *, session: InferenceSession | None = None, **kwargs: object

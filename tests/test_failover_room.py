@@ -1,0 +1,83 @@
+"""A failover that finds no room: a session never waits for room while it holds pages, so sessions that each hold
+part of their chain on a full server, and need more of it, cannot wait for one another."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from client import ClientConfig, SwarmClient
+from client.inference import RemoteInferenceSession
+from client.routing import Span
+from swarm.local_swarm import SwarmProcesses
+from swarm.model import resolve_model
+from tests.reference import ReferenceBlocks
+from tests.test_dropping import POOL, SMALL_SESSIONS
+
+pytestmark = pytest.mark.slow
+HIDDEN = 64
+MAX_LENGTH = 32
+
+
+def test_sessions_whose_failover_needs_the_room_they_hold_on_a_full_server_let_go_and_end_exact(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    """Two sessions run X[0:4] -> Y[4:8]; two idle sessions fill the rest of X's pages. Y dies, and X is the only
+    server left for blocks 4:8, with no page free: each session holds the four pages that the other needs. Waiting
+    while holding them, both would wait until `busy_wait_s` ran out. Each lets its span on X go instead, and waits
+    for a chain over all eight blocks, which its saved inputs rebuild: one runs as soon as both let go, the other
+    once the first closed. Both give the reference's outputs, and X's pool ends where it began."""
+    swarm_factory.start_dht()
+    x = swarm_factory.start_server(tiny_llama, "0:8", *POOL, *SMALL_SESSIONS)
+    y = swarm_factory.start_server(tiny_llama, "4:8", *SMALL_SESSIONS)
+    source = resolve_model(str(tiny_llama))
+    client = SwarmClient(source.model_id, source.num_blocks, swarm_factory.initial_peers,
+                         ClientConfig(busy_wait_s=15.0, request_timeout_s=30.0))
+    try:
+        records = client.run(client.servers())
+        on_x, on_y = records[x.peer_id], records[y.peer_id]
+        connection = client.run(client.connect(on_x))
+
+        def pages_free() -> int:
+            return client.run(connection.call("info", {}, timeout=30.0))["record"]["pages_free"]
+
+        baseline = pages_free()
+        sessions = [RemoteInferenceSession(client, max_length=MAX_LENGTH) for _ in range(2)]
+        for session in sessions:
+            session.spans = [client.run(session.open_span(Span(x.peer_id, 0, 4, on_x))),
+                             client.run(session.open_span(Span(y.peer_id, 4, 8, on_y)))]
+        fillers = [client.run(connection.call("open", {"blocks": blocks, "max_length": MAX_LENGTH}, timeout=30.0))
+                   for blocks in ([0, 8], [0, 4])]
+        assert pages_free() == 0, "the scenario needs X full"
+
+        generator = torch.Generator().manual_seed(0)
+        references = [ReferenceBlocks(source, 0, 8) for _ in sessions]
+        prompts = [torch.randn(1, 5, HIDDEN, generator=generator) for _ in sessions]
+        for session, reference, hidden in zip(sessions, references, prompts, strict=True):
+            torch.testing.assert_close(client.run(session.step(hidden)), reference(hidden), rtol=1e-4, atol=1e-4)
+
+        swarm_factory.kill(y)
+        nexts = [torch.randn(1, 1, HIDDEN, generator=generator) for _ in sessions]
+
+        async def step_and_close(session: RemoteInferenceSession, hidden: torch.Tensor) -> torch.Tensor:
+            try:
+                return await session.step(hidden)
+            finally:
+                await session.close()
+
+        async def both() -> list[torch.Tensor]:
+            return list(await asyncio.gather(*(step_and_close(s, h) for s, h in zip(sessions, nexts, strict=True))))
+
+        outputs = client.run(both(), timeout=120.0)
+        for output, reference, hidden in zip(outputs, references, nexts, strict=True):
+            torch.testing.assert_close(output, reference(hidden), rtol=1e-4, atol=1e-4)
+        assert all(len(session.spans) == 1 and session.spans[0].peer_id == x.peer_id for session in sessions)
+
+        for filler in fillers:
+            client.run(connection.call("close", {"session_id": filler["session_id"]}, timeout=30.0))
+        assert pages_free() == baseline
+    finally:
+        client.shutdown()
