@@ -351,15 +351,18 @@ def test_a_member_that_dies_while_its_group_is_dropped_leaves_no_block_without_a
         wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
         prompts = [prompt(seed, 20) for seed in range(8)]
         expected = [local.generate(ids, max_new_tokens=40, do_sample=False).tolist() for ids in prompts]
-        generation = Generation(remote, prompts, new_tokens=40)
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline and not all(
-            info["dropping"]["restorable"] for info in infos(client).values()
-        ):
-            time.sleep(0.05)
-        assert all(info["dropping"]["restorable"] for info in infos(client).values()), "the group never dropped"
-        swarm_factory.kill(doomed)
+        dropped_at_kill: list[bool] = []
+
+        def kill_doomed() -> None:  # every session is open, so the group has dropped: the undropped pools hold four
+            dropped_at_kill.append(all(info["dropping"]["restorable"] for info in infos(client).values()))
+            swarm_factory.kill(doomed)
+
+        # the eight sessions wait after their first token until all are open, and the buddy dies before any goes
+        # on: every session still has 39 tokens to go through the broken group
+        all_open = threading.Barrier(len(prompts), action=kill_doomed, timeout=TIMEOUT_S * 2)
+        generation = Generation(remote, prompts, new_tokens=40, after_first_token=all_open.wait)
         generation.join()
+        assert dropped_at_kill == [True], "the group had not dropped when all eight sessions were open"
         assert generation.errors == [] and generation.outputs == expected
         info = info_of(client, survivor.peer_id)  # the dead member's record may not have expired yet
         assert (info["record"]["block_start"], info["record"]["block_end"]) == (0, 8)
