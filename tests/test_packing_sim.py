@@ -251,15 +251,18 @@ def test_with_a_room_rule_a_hop_waits_until_its_destination_has_the_pages_and_a_
     queue = MigrationQueue(MigrationCosts(1000, 1e6, 0.0, 0.01, 1.0), merge=True)
     queue.plan("p", "a", "c")
     queue.plan("q", "b", "c")
-    assert queue.waiting_at() == {"p": "a", "q": "b"}
-    pages = {"p": 6, "q": 5}.__getitem__
+    queue.plan("r", "d", "c")
+    assert queue.waiting_at() == {"p": "a", "q": "b", "r": "d"}
+    pages = {"p": 6, "q": 5, "r": 5}.__getitem__
     free = {"c": 5}
     started = queue.start(0.0, lambda s: 100, (free, pages))
-    assert (started.kv, started.deferred) == (1, 1) and free == {"c": 0}  # q fits, p (6 pages) waits
-    assert queue.waiting_at() == {"p": "a"} and queue.on("q", "c") == {"b", "c"}  # q held on both sides meanwhile
+    # q fits, and takes c's pages at once (the leader's count): r, as large, and p (6 pages) wait
+    assert (started.kv, started.deferred) == (1, 2) and free == {"c": 0, "b": 5}
+    assert queue.waiting_at() == {"p": "a", "r": "d"} and queue.on("q", "c") == {"b", "c"}  # q held on both sides
     queue.finish(1.0)
     free = {"c": 6}
-    assert queue.start(1.0, lambda s: 100, (free, pages)).kv == 1 and free == {"c": 0} and queue.waiting_at() == {}
+    assert queue.start(1.0, lambda s: 100, (free, pages)).kv == 1 and free == {"c": 0, "a": 6}
+    assert queue.waiting_at() == {"r": "d"}
 
 
 def test_lengths_scale_and_clip_to_a_bin_and_the_histogram_counts_final_sizes():

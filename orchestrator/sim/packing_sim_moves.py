@@ -124,7 +124,9 @@ class MigrationQueue:
 
         A session's next hop is offered once the one before it has started; it starts when that one ends. With
         `room` (free pages per bin now, pages of a session), a hop waits while its destination has no room for
-        the session, as a live segment's leader holds back such a move; the free pages shrink as hops start.
+        the session, as a live segment's leader holds back such a move: as the leader counts them
+        (`SegmentPacking.epoch`), a hop offered takes its pages on its destination and gives them back on its source at
+        once, whether or not the budgets then let it start this epoch.
         """
         costs = self.costs
         used_bytes: dict[str, float] = {}
@@ -137,9 +139,13 @@ class MigrationQueue:
             for session_id in sorted(offered):
                 tokens = tokens_of(session_id)
                 hop = self._next_waiting(session_id)
-                if room is not None and room[0].get(hop.dst, 0) < room[1](session_id):
-                    counts.deferred += 1
-                    continue
+                if room is not None:
+                    free, pages = room[0], room[1](session_id)
+                    if free.get(hop.dst, 0) < pages:
+                        counts.deferred += 1
+                        continue
+                    free[hop.dst] = free.get(hop.dst, 0) - pages
+                    free[hop.src] = free.get(hop.src, 0) + pages
                 waiting.append(Migration(session_id, hop.src, hop.dst, tokens * costs.kv_bytes_per_token, tokens))
             links = {m.dst: costs.link_budget_bytes - used_bytes.get(m.dst, 0.0) for m in waiting}
             computes = {m.dst: costs.replay_budget_tokens - used_tokens.get(m.dst, 0.0) for m in waiting}
@@ -160,11 +166,6 @@ class MigrationQueue:
                     ran.add(migration.session_id)
                 else:
                     counts.deferred += 1
-            if room is not None:  # the hops that started take their pages on their destinations
-                free, pages_of = room
-                for migration in (*kv_moves, *replay_moves, *deferred):
-                    if migration.session_id in ran:
-                        free[migration.dst] = free.get(migration.dst, 0) - pages_of(migration.session_id)
             offered = {s for s in ran if not self.hops[s][-1].running and self._next_waiting(s).not_before_s <= now_s}
         return counts
 
