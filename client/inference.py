@@ -294,7 +294,7 @@ class RemoteInferenceSession:
                    on_wait: Callable[[], None] | None = None) -> torch.Tensor:
         """Gives the hidden states after the last block for `hidden` ([batch, new tokens, hidden]); with `last_only`,
         for its last token only (the last server sends back one row per sequence, not a prompt's every row).
-        `on_wait` is called once if the step backs off waiting for room."""
+        `on_wait` is called once if the step backs off (waiting for room, or for blocks no server covers)."""
         if self.closed:
             raise SessionNotFound("this inference session is closed")
         self._on_wait = on_wait
@@ -819,7 +819,7 @@ class InferenceSession:
         """Gives the hidden states after the last block for the new tokens' input hidden states (with `last_only`,
         for the last token only). On the client's loop, `before_send` is awaited before the step is sent,
         `on_output` runs the moment the output arrives, before this thread wakes up, and `on_wait` once if the step
-        has to wait for room (a failover found every server busy)."""
+        backs off (a failover found every server busy, or no server for some blocks)."""
         if on_output is None and before_send is None and on_wait is None:
             return self.client.run(self.remote.step(hidden, last_only=last_only))
 

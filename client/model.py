@@ -137,7 +137,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             if not withdrawn:
                 self.batched_head.step_returned(group)
 
-        def on_wait() -> None:  # it failed over and waits for room: the chain's other sessions do not wait for it
+        def on_wait() -> None:  # it failed over and backs off: the chain's other sessions do not wait for it
             nonlocal withdrawn
             withdrawn = True
             self.batched_head.step_failed(group, returned=False)

@@ -89,24 +89,6 @@ def test_a_failed_step_is_not_waited_for(head: BatchedHead, monkeypatch: pytest.
     assert isinstance(in_threads(1, lambda _: head.logits(torch.ones(1, 1, 64), sent=True))[0], torch.Tensor)
 
 
-def test_a_step_that_waits_for_room_is_withdrawn_and_its_late_row_neither_waits_nor_is_waited_for(
-    head: BatchedHead, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A session's step failed over and waits for room (`DistributedModelForCausalLM._step`'s `on_wait`): it is
-    taken back, so its chain's other session computes at once; when its output comes at last, its row is no longer
-    counted (asked with sent=False) and the head is left expecting nothing."""
-    monkeypatch.setattr(batched_head, "MAX_GANG_WAIT_S", 600.0)  # a wait would hold the calls past the joins below
-    group = ("chain",)
-    head.step_sent(group)
-    head.step_sent(group)
-    head.step_failed(group, returned=False)  # the first one's on_wait
-    head.step_returned(group)  # the second one's output
-    assert isinstance(in_threads(1, lambda _: head.logits(torch.ones(1, 1, 64), group, sent=True))[0], torch.Tensor)
-    # the first one's output arrives after its wait: on_output no longer reports it, and its row is not "sent"
-    assert isinstance(in_threads(1, lambda _: head.logits(torch.ones(1, 1, 64), group))[0], torch.Tensor)
-    assert not head._expects(group) and head.passes == 2
-
-
 def test_a_failing_pass_fails_every_caller_in_it(head: BatchedHead, monkeypatch: pytest.MonkeyPatch) -> None:
     for _ in range(3):
         head.step_sent()

@@ -4,18 +4,22 @@ part of their chain on a full server, and need more of it, cannot wait for one a
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from client import ClientConfig, SwarmClient
+from client import ClientConfig, DistributedModelForCausalLM, SwarmClient, batched_head
 from client.inference import RemoteInferenceSession
 from client.routing import Span
 from swarm.local_swarm import SwarmProcesses
 from swarm.model import resolve_model
 from tests.reference import ReferenceBlocks
 from tests.test_dropping import POOL, SMALL_SESSIONS
+from tests.test_swarm_generate import prompt
 
 pytestmark = pytest.mark.slow
 HIDDEN = 64
@@ -85,3 +89,66 @@ def test_sessions_whose_failover_needs_the_room_they_hold_on_a_full_server_let_g
         assert pages_free() == baseline
     finally:
         client.shutdown()
+
+
+def test_a_step_that_waits_for_a_route_does_not_hold_up_its_chains_other_session(
+    swarm_factory: SwarmProcesses, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sessions of one client decode on the same chain, whose rows the batched head computes together. One
+    loses its server session and waits for a route (its only server is banned), backing off: its step is taken out
+    of the head's count (`on_wait`), so the other decodes its tokens meanwhile. Counted still, it would hold every
+    pass of the other for up to `MAX_GANG_WAIT_S` (set long here), until the waiting step failed."""
+    monkeypatch.setattr(batched_head, "MAX_GANG_WAIT_S", 600.0)
+    swarm_factory.start_dht()
+    x = swarm_factory.start_server(tiny_llama, "0:8")
+    local = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    remote = DistributedModelForCausalLM.from_pretrained(
+        str(tiny_llama), initial_peers=swarm_factory.initial_peers,
+        client_config=ClientConfig(ban_s=600.0, route_wait_s=10.0, request_timeout_s=30.0))
+    client = remote.swarm
+    try:
+        waiting, going = (remote.inference_session(max_length=MAX_LENGTH) for _ in range(2))
+        ids = prompt(0, 6)
+        with remote.use_session(waiting):  # both run on the same chain, X[0:8]
+            remote(ids)
+        connection = client.run(client.connect(client.run(client.servers())[x.peer_id]))
+        client.run(connection.call("close", {"session_id": waiting.remote.spans[0].session_id}, timeout=30.0))
+
+        ended: list[str] = []
+        errors: list[BaseException] = []
+
+        def step_the_waiting_one() -> None:  # its server session is gone: SessionNotFound, X banned, no route
+            try:
+                with remote.use_session(waiting):  # it holds the prompt: one more token
+                    remote(ids[:, -1:])
+            except BaseException as error:  # expected once route_wait_s ran out
+                errors.append(error)
+            ended.append("waiting")
+
+        def decode_the_other() -> None:  # its prompt, then seven tokens
+            with remote.use_session(going):
+                going_ids = ids
+                for _ in range(8):
+                    logits = remote(going_ids).logits
+                    going_ids = torch.cat([going_ids, logits[:, -1:].argmax(-1)], dim=1)
+            ended.append("going")
+            results.append(going_ids)
+
+        results: list[torch.Tensor] = []
+        first = threading.Thread(target=step_the_waiting_one, daemon=True)
+        first.start()
+        for _ in range(200):  # at most 10 s: until it backs off
+            if any(attempt.kind == "backoff" for attempt in waiting.remote.open_attempts):
+                break
+            time.sleep(0.05)
+        assert any(attempt.kind == "backoff" for attempt in waiting.remote.open_attempts)
+        second = threading.Thread(target=decode_the_other, daemon=True)
+        second.start()
+        second.join(60.0)
+        first.join(60.0)
+        assert ended == ["going", "waiting"], "the other session waited for the step that waited for a route"
+        assert len(errors) == 1
+        expected = local.generate(ids, max_new_tokens=8, do_sample=False)
+        assert results[0].tolist() == expected.tolist()
+    finally:
+        remote.shutdown()
