@@ -19,14 +19,17 @@ from orchestrator.buddy import (
     drop_trigger,
     exchange_mode,
     exchange_order,
+    groups_of,
     plan_buddy_groups,
     plan_drop,
+    plan_merge,
     restore_trigger,
     segments,
     slice_group,
     victim_moves,
 )
 from orchestrator.buddy.exchange import VictimMove
+from orchestrator.buddy.groups import _refined_slices
 from orchestrator.packing import MigrationCosts
 
 SMOLLM_PARAMS_PAGES = 14  # one SmolLM2-135M block in float32, in pages of 1 MiB (spec 5.2)
@@ -153,6 +156,71 @@ def test_with_alike_servers_both_variants_make_the_fewest_merges_that_cover_the_
         if balanced:
             sizes = [g.size for g in groups]
             assert max(sizes) - min(sizes) <= 1
+
+
+# ---- a deeper drop: Alg. 1 continued from the groups formed earlier ----
+
+def test_two_pairs_merge_into_four_whose_slices_halve_what_each_member_kept():
+    group = replicas(4)
+    kept = {"peer-00": (0, 15), "peer-01": (15, 30), "peer-02": (0, 15), "peer-03": (15, 30)}
+    assert groups_of(group, kept) == [["peer-00", "peer-01"], ["peer-02", "peer-03"]]
+    plan = plan_merge(group, groups_of(group, kept), kept, required_pages=1)
+    check_plan(plan, group)
+    assert [g.members for g in plan.groups] == [("peer-00", "peer-02", "peer-01", "peer-03")]
+    assert plan.kept == {"peer-00": (0, 8), "peer-02": (8, 15), "peer-01": (15, 23), "peer-03": (23, 30)}
+    assert plan.total_freed_pages == 3 * 30 * SMOLLM_PARAMS_PAGES  # one copy kept of four
+
+
+def test_a_pair_and_a_whole_server_merge_into_three_without_loading_a_dropped_block():
+    group = replicas(3)
+    kept = {"peer-00": (0, 15), "peer-01": (15, 30), "peer-02": (0, 30)}
+    plan = plan_merge(group, groups_of(group, kept), kept, required_pages=1)
+    check_plan(plan, group)
+    assert plan.kept == {"peer-00": (0, 10), "peer-02": (10, 20), "peer-01": (20, 30)}
+
+
+def test_a_merge_stops_once_it_frees_the_requirement_and_when_no_two_groups_fit_in_one():
+    group = replicas(8, end=48)
+    kept = {f"peer-{index:02d}": ((0, 24) if index % 2 == 0 else (24, 48)) for index in range(8)}
+    one_more = plan_merge(group, groups_of(group, kept), kept, required_pages=1)
+    assert sorted(g.size for g in one_more.groups) == [2, 2, 4]  # one merge frees one more copy
+    everything = plan_merge(group, groups_of(group, kept), kept, required_pages=10**6)
+    assert [g.size for g in everything.groups] == [8] and not everything.meets_requirement
+    three_blocks = replicas(4, end=3)
+    small = {"peer-00": (0, 2), "peer-01": (2, 3), "peer-02": (0, 2), "peer-03": (2, 3)}
+    assert [g.size for g in plan_merge(three_blocks, groups_of(three_blocks, small), small, 10**6).groups] == [2, 2]
+
+
+def test_slices_that_tile_no_chain_give_no_groups():
+    group = replicas(3)
+    assert groups_of(group, {"peer-00": (0, 15), "peer-01": (0, 15), "peer-02": (15, 30)}) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 12), st.integers(1, 32), st.integers(1, 5000), st.integers(0, 5000), st.booleans(),
+       st.randoms(use_true_random=False))
+def test_a_deeper_plan_refines_every_members_slice_and_keeps_every_invariant(count, length, first, more, balanced,
+                                                                            rng):
+    group = replicas(count, start=3, end=3 + length)
+    earlier = plan_drop(group, first, balanced=balanced)
+    found = groups_of(group, earlier.kept)
+    assert found is not None and sorted(peer for g in found for peer in g) == sorted(earlier.kept)
+    for chain in found:  # each a chain of slices that tiles the segment (maybe pairing other servers than the plan)
+        assert [earlier.kept[peer][0] for peer in chain[1:]] == [earlier.kept[peer][1] for peer in chain[:-1]]
+        assert (earlier.kept[chain[0]][0], earlier.kept[chain[-1]][1]) == (earlier.block_start, earlier.block_end)
+    shuffled = list(group)
+    rng.shuffle(shuffled)
+    plan = plan_merge(shuffled, found, earlier.kept, more)
+    assert plan == plan_merge(group, found, dict(earlier.kept), more)  # a pure function of the records
+    check_plan(plan, group)
+    for peer, (start, end) in plan.kept.items():
+        before = earlier.kept[peer]
+        assert before[0] <= start < end <= before[1]  # nothing dropped comes back
+    gained = plan.total_freed_pages - earlier.total_freed_pages
+    if gained < more and len(plan.groups) > 1:  # it merged as far as it could: the two smallest cannot merge
+        first, second = sorted(plan.groups, key=lambda g: (g.size, g.members[0]))[:2]
+        members = [replica for replica in group if replica.peer_id in first.members + second.members]
+        assert first.size + second.size > length or _refined_slices(members, plan.kept) is None
 
 
 def test_a_plan_never_leans_on_a_draining_server():

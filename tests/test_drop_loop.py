@@ -145,6 +145,35 @@ def test_a_burst_that_outgrows_the_first_plan_merges_the_servers_still_whole() -
     asyncio.run(body())
 
 
+def test_once_no_two_servers_are_whole_a_deeper_burst_merges_the_pairs_into_a_group_of_four() -> None:
+    async def body() -> None:
+        pairs = [("a", 0), ("b", 4), ("c", 0), ("d", 4)]
+
+        def records(kv: int, *, c_lags: bool = False) -> list[ServerRecord]:
+            return [record(peer, 0, 8, kv=kv - 20) if c_lags and peer == "c" else
+                    record(peer, start, start + 4, kv=kv, restorable=(0, 8)) for peer, start in pairs]
+
+        segment = Segment(records(60, c_lags=True))
+        leader = segment.loop("a")
+        leader.dropped_peers.update("abcd")  # it told all four to drop; c's record does not show it yet
+        leader.dropped_since_s = 0.0
+        await leader.tick(0.0)
+        segment.records = records(75, c_lags=True)
+        await leader.tick(0.5)  # the demand rises, but c looks whole, which it is not: nothing is planned on that
+        assert segment.calls == []
+        # demand 300 rising 120/s against 320 pages: 100 short; merging the pairs frees 40 more, all there is
+        segment.records = records(60)
+        await leader.tick(1.0)
+        segment.records = records(75)
+        await leader.tick(1.5)
+        assert segment.calls == [("drop", "a", "0:2"), ("drop", "b", "4:6"), ("drop", "c", "2:4"),
+                                 ("drop", "d", "6:8")]
+        assert leader.last_plan is not None and [g.members for g in leader.last_plan.groups] == [("a", "c", "b", "d")]
+        assert leader.drops == 1
+
+    asyncio.run(body())
+
+
 def test_no_deeper_drop_is_planned_while_an_exchange_runs() -> None:
     async def body() -> None:
         segment = Segment([record(peer, 0, 8, kv=20) for peer in "abcd"])

@@ -15,6 +15,7 @@ import torch
 
 from client import ClientConfig, DistributedModelForCausalLM
 from client.swarm_client import SwarmClient
+from orchestrator.buddy import SegmentReplica, groups_of, plan_merge
 from swarm.errors import AssignmentRefused
 from swarm.local_swarm import Proc, SwarmProcesses
 from tests.test_failover import ActAfterTokens
@@ -473,4 +474,86 @@ def test_a_burst_that_outgrows_the_first_pair_pairs_the_servers_still_whole_and_
         assert loop["restores"] >= 1 and loop["drops"] >= 2 and not loop["dropped"], loop
     finally:
         release.set()
+        remote.shutdown()
+
+
+def test_two_pairs_merge_into_a_group_of_four_mid_generation_and_a_restore_takes_every_block_back(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    """A deeper drop (`plan_merge`): two pairs become one group of four, each member keeping half of its slice; the
+    running session's KV for the blocks its servers gave up moves to the members that keep them, and it goes on
+    through four servers without a replay; the restore brings every block back, takes parts of the session back
+    and, once it closed, every page is back in its pool."""
+    swarm_factory.start_dht()
+    local, remote = local_and_remote(swarm_factory, tiny_llama)
+    client = remote.swarm
+    orchestrator = client.p2p.peer_id.to_base58()
+    try:
+        servers = [swarm_factory.start_server(tiny_llama, "0:8", "--orchestrator", orchestrator, "--kv-exchange",
+                                              "blocking", wait=False) for _ in range(4)]
+        for server in servers:
+            swarm_factory.wait_ready(server)
+        peers = [server.peer_id for server in servers]
+        wait_for_ranges(client, {peer: (0, 8) for peer in peers})
+        baseline = {peer: info["record"] for peer, info in infos(client).items() if peer in peers}
+        input_ids = prompt(6, 20)
+        expected = local.generate(input_ids, max_new_tokens=20, do_sample=False)
+        kept: dict[str, tuple[int, int]] = {}
+
+        with remote.inference_session(max_length=64) as session:
+
+            def drop(ranges: dict[str, tuple[int, int]]) -> None:
+                for peer, blocks in sorted(ranges.items()):
+                    call(client, peer, "drop", {"blocks": list(blocks)})
+                kept.update(ranges)
+                wait_for_ranges(client, dict(kept))
+                wait_until_reshaped(client, peers)
+
+            def into_pairs() -> None:
+                first = session.route[0].peer_id  # the session runs here
+                others = sorted(set(peers) - {first})
+                drop({first: (0, 4), others[0]: (4, 8), others[1]: (0, 4), others[2]: (4, 8)})
+
+            def into_four() -> None:
+                replicas = [SegmentReplica(peer, 0, 8, 1) for peer in peers]
+                plan = plan_merge(replicas, groups_of(replicas, kept), kept, required_pages=1)
+                assert [group.size for group in plan.groups] == [4]
+                drop(dict(plan.kept))
+
+            def restore_all() -> None:
+                # the session went on through the four members, each over the slice it keeps
+                assert [(span.start, span.end) for span in session.route] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+                assert [kept[span.peer_id] for span in session.route] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+                for peer in peers:
+                    call(client, peer, "restore", {})
+                kept.clear()
+                wait_for_ranges(client, {peer: (0, 8) for peer in peers})
+
+            def pause() -> None:  # a user reading: the merges after the restore run meanwhile
+                time.sleep(0.3)
+
+            acts: dict[int, Callable[[], None]] = {3: into_pairs, 6: into_four, 9: restore_all}
+            acts.update({count: pause for count in range(10, 20)})
+            actual = remote.generate(input_ids, session=session, max_new_tokens=20, do_sample=False,
+                                     streamer=ActAfterTokens(acts))
+            assert session.failovers == 0  # every move carried the KV: no replay
+            # the restore's merge pass took parts back into the servers before them (one pass: a chain of four
+            # becomes two or three spans, each on a server that hosts all of 0:8 again)
+            assert len(session.route) <= 3
+        assert actual.tolist() == expected.tolist()
+
+        for info in wait_until_reshaped(client, peers).values():
+            record = info["record"]
+            assert (record["block_start"], record["block_end"]) == (0, 8) and record["restorable_start"] is None
+            assert info["dropping"]["drops"] in (1, 2) and info["dropping"]["restores"] == 1
+            assert info["dropping"]["exchange"]["replayed"] == 0
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:  # the session closed: every page is back in its pool
+            records = {peer: info["record"] for peer, info in infos(client).items() if peer in peers}
+            if all(records[peer]["pages_free"] == baseline[peer]["pages_free"] for peer in peers):
+                break
+            time.sleep(0.2)
+        assert {peer: records[peer]["pages_free"] for peer in peers} == {
+            peer: baseline[peer]["pages_free"] for peer in peers}
+    finally:
         remote.shutdown()

@@ -93,18 +93,19 @@ def test_a_tokens_round_trip_delays_it_but_leaves_its_server_free_for_other_requ
     assert np.isfinite(both.tbt_s).all()
 
 
-def test_a_burst_that_outgrows_the_first_plan_merges_the_replicas_still_whole() -> None:
+def test_a_burst_that_outgrows_the_first_plan_merges_the_replicas_still_whole_then_the_pairs() -> None:
     requests = [SimRequest(0.5 * i, 16, 48) for i in range(10)]
     for step in range(1, 7):  # the rate climbs for 3 s: 12, 24, .. 72 requests a second
         requests += [SimRequest(5.0 + 0.5 * (step - 1) + 0.5 * j / (6 * step), 16, 48) for j in range(6 * step)]
     requests += [SimRequest(9.0 + 0.5 * i, 16, 48) for i in range(20)]
     requests.sort(key=lambda r: r.arrival_s)
     result = simulate(CONFIG, requests)
-    # the first drop pairs two replicas (+40 pages), the second the two still whole; one restore takes all back
-    assert (result.drops, result.restores, result.largest_group) == (2, 1, 2)
+    # the first drop pairs two replicas (+40 pages), the second the two still whole, the third merges the pairs
+    # into a group of four (plan_merge: +40 more); one restore takes all back
+    assert (result.drops, result.restores, result.largest_group) == (3, 1, 4)
     capacities = [capacity for _, _, capacity in result.samples]
     changes = [capacity for before, capacity in itertools.pairwise(capacities) if capacity != before]
-    assert changes == [280, 320, 240]
+    assert changes == [280, 320, 360, 240]
     assert np.isfinite(result.ttft_s).all()
 
 
@@ -179,3 +180,20 @@ def test_live_exchange_keeps_a_victim_computing_while_its_kv_follows() -> None:
             assert events == [("step", pytest.approx((10.0 + 0.1 + (1 + 2 * 4) * 1.0) / 1000))]
         else:  # blocking: it waits for its KV
             assert sim.stalls == [pytest.approx(exchange_s)] and events == [("wake", pytest.approx(exchange_s))]
+
+
+def test_merging_two_pairs_moves_each_victims_kv_for_the_blocks_its_members_no_longer_keep_in_parallel() -> None:
+    sim = _Sim(CONFIG, [], horizon_s=1.0)
+    sim.units = {}
+    first, second = sim._add_unit((0, 1)), sim._add_unit((2, 3))
+    sim.kept.update({0: (0, 4), 1: (4, 8), 2: (0, 4), 3: (4, 8)})
+    victim = _Running(0, SimRequest(0.0, 64, 16), 8, prefilled=64)
+    first.running.append(victim)
+    second.running.append(_Running(1, SimRequest(0.0, 16, 16), 8, prefilled=16))
+    sim._drop(1)
+    (merged,) = sim.units.values()
+    assert merged.members == (0, 2, 1, 3) and merged.capacity == 4 * 100 - 40
+    assert sim.kept == {0: (0, 2), 2: (2, 4), 1: (4, 6), 3: (6, 8)}  # each keeps half of its slice
+    # members 0 and 1 each send 2 blocks of the victim's 64 tokens at once: the stall is one member's share
+    assert victim.ready_s == pytest.approx(64 * 2 * CONFIG.kv_bytes_per_token_block / CONFIG.link_bytes_per_s)
+    assert sim.largest_group == 4 and sim.drops == 1

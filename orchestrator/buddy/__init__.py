@@ -6,13 +6,22 @@ KV at once. The live servers, the orchestrator and the simulator call the same f
 - `triggers`: when to drop (`drop_trigger`, Sec. 3.1's 1-s forecast) and when to restore (`restore_trigger`,
   with hysteresis);
 - `groups`: Alg. 1 and its balanced variant (`plan_buddy_groups`), the slices each member keeps (`slice_group`),
-  the whole plan of a segment (`plan_drop`) and its invariants (`check_plan`);
+  the whole plan of a segment (`plan_drop`), Alg. 1 continued from groups formed earlier (`plan_merge`) and the
+  invariants of a plan (`check_plan`);
 - `exchange`: the victims' moves of a plan (`victim_moves`), their order and their mode (`exchange_mode`).
 Pure: no I/O, no clocks, no randomness.
 """
 
 from orchestrator.buddy.exchange import ExchangeMode, VictimMove, exchange_mode, exchange_order, victim_moves
-from orchestrator.buddy.groups import check_plan, plan_buddy_groups, plan_drop, segments, slice_group
+from orchestrator.buddy.groups import (
+    check_plan,
+    groups_of,
+    plan_buddy_groups,
+    plan_drop,
+    plan_merge,
+    segments,
+    slice_group,
+)
 from orchestrator.buddy.records import BuddyGroup, DropPlan, PlanError, PlanViolation, SegmentReplica
 from orchestrator.buddy.triggers import Samples, drop_trigger, latest_rate, restore_trigger
 
@@ -29,9 +38,11 @@ __all__ = [
     "drop_trigger",
     "exchange_mode",
     "exchange_order",
+    "groups_of",
     "latest_rate",
     "plan_buddy_groups",
     "plan_drop",
+    "plan_merge",
     "restore_trigger",
     "segments",
     "slice_group",

@@ -166,6 +166,114 @@ def plan_drop(
     return DropPlan(start, end, tuple(groups), kept, freed, required_pages, epoch, dropped)
 
 
+def groups_of(replicas: Sequence[SegmentReplica], kept: Mapping[str, tuple[int, int]]) -> list[list[str]] | None:
+    """Gives the buddy groups that the kept ranges of one segment's servers form, each in slice order: a server that
+    keeps the whole segment alone, the others as chains of slices that tile it (the next slice taken from the server
+    with the smallest peer id that starts where the chain ends). None when the slices tile no set of chains (records
+    that lag behind a drop). Which servers a chain pairs does not matter: a session's KV is wherever its blocks
+    are, so any tiling is a valid grouping for a further merge."""
+    replicas = _one_segment(replicas)
+    if not replicas:
+        return []
+    start, end = replicas[0].segment
+    groups = [[replica.peer_id] for replica in replicas if kept[replica.peer_id] == (start, end)]
+    slices = sorted((kept[r.peer_id], r.peer_id) for r in replicas if kept[r.peer_id] != (start, end))
+    while slices:
+        chain, cursor = [], start
+        while cursor < end:
+            found = next((index for index, ((first, _), _) in enumerate(slices) if first == cursor), None)
+            if found is None:
+                return None
+            (_, cursor), peer = slices.pop(found)
+            chain.append(peer)
+        groups.append(chain)
+    return sorted(groups, key=lambda group: group[0])
+
+
+def plan_merge(
+    replicas: Sequence[SegmentReplica], groups: Sequence[Sequence[str]], kept: Mapping[str, tuple[int, int]],
+    required_pages: int, *, epoch: int = 0,
+) -> DropPlan:
+    """Gives the plan of a deeper drop: Alg. 1 continued from the groups a segment's servers form now (`groups`,
+    each in slice order, whole servers alone, `kept` their ranges). It merges the two smallest groups (ties: the
+    first members' peer ids) until the merges free `required_pages` more than the groups free now, or until the two
+    smallest would not fit in one (every member keeps a block) or a member would need a block it dropped. Members
+    of a merged group keep a part of what they keep now, so that no block has to be loaded back: the new slices
+    refine the old ones (`_refined_slices`), equal as far as that allows. Groups with a draining server are left as
+    they are. The plan's kept ranges, freed pages and dropped ranges count from the whole segment, as `plan_drop`'s
+    do [chainswarm: the paper plans once per burst from whole instances; in a swarm a burst that outgrows every
+    pair would otherwise queue although merging pairs frees one more copy per merge]."""
+    replicas = _one_segment(replicas)
+    if not replicas:
+        raise PlanError("a merge plan needs at least one replica")
+    by_peer = {replica.peer_id: replica for replica in replicas}
+    if sorted(peer for group in groups for peer in group) != sorted(by_peer):
+        raise PlanError("the groups must hold every replica of the segment exactly once")
+    kept = dict(kept)
+    mergeable = [list(group) for group in groups if not any(by_peer[peer].draining for peer in group)]
+    fixed = [list(group) for group in groups if any(by_peer[peer].draining for peer in group)]
+    blocks = replicas[0].blocks
+    freed_before = _freed_of(kept, by_peer)
+    heap = [(len(group), group[0], group) for group in mergeable]
+    heapq.heapify(heap)
+    while len(heap) > 1 and _freed_of(kept, by_peer) - freed_before < required_pages:
+        first, second = heapq.heappop(heap), heapq.heappop(heap)
+        members = first[2] + second[2]
+        slices = _refined_slices([by_peer[peer] for peer in members], kept) if len(members) <= blocks else None
+        if slices is None:  # the two smallest cannot merge: no other two can merge into fewer members
+            heapq.heappush(heap, first)
+            heapq.heappush(heap, second)
+            break
+        kept.update(slices)
+        merged = sorted(members, key=lambda peer: kept[peer])
+        heapq.heappush(heap, (len(merged), merged[0], merged))
+    final = sorted([group for _, _, group in heap] + fixed, key=lambda group: group[0])
+    start, end = replicas[0].segment
+    dropped = {peer: tuple(part for part in ((start, first), (last, end)) if part[0] < part[1])
+               for peer, (first, last) in kept.items()}
+    freed = {peer: sum(last - first for first, last in parts) * by_peer[peer].params_pages_per_block
+             for peer, parts in dropped.items()}
+    return DropPlan(start, end, tuple(BuddyGroup(tuple(group), start, end) for group in final), kept, freed,
+                    required_pages, epoch, dropped)
+
+
+def _freed_of(kept: Mapping[str, tuple[int, int]], by_peer: Mapping[str, SegmentReplica]) -> int:
+    return sum((replica.blocks - (kept[peer][1] - kept[peer][0])) * replica.params_pages_per_block
+               for peer, replica in by_peer.items())
+
+
+def _refined_slices(
+    members: Sequence[SegmentReplica], kept: Mapping[str, tuple[int, int]]
+) -> dict[str, tuple[int, int]] | None:
+    """Gives contiguous slices that tile the segment, one per member, each inside what the member keeps now, as equal
+    as that allows (earlier slices take the extra blocks); None if there are none. Members go in order of what they
+    keep (ties: peer id); each slice ends at an equal share of the blocks left, moved no earlier than where the next
+    member's kept range starts and no later than where its own ends or where a member after it would find no block
+    of its own left."""
+    order = sorted(members, key=lambda member: (kept[member.peer_id], member.peer_id))
+    start, end = order[0].segment
+    cursor, slices = start, {}
+    for index, member in enumerate(order):
+        first, last = kept[member.peer_id]
+        left = len(order) - index
+        if not first <= cursor < last:
+            return None
+        if left == 1:
+            if last < end:
+                return None
+            slices[member.peer_id] = (cursor, end)
+            break
+        low = max(cursor + 1, kept[order[index + 1].peer_id][0])
+        high = min([last, end - (left - 1)] + [kept[later.peer_id][1] - ahead
+                                                for ahead, later in enumerate(order[index + 1:], start=1)])
+        if low > high:
+            return None
+        cut = min(max(cursor + math.ceil((end - cursor) / left), low), high)
+        slices[member.peer_id] = (cursor, cut)
+        cursor = cut
+    return slices
+
+
 def check_plan(plan: DropPlan, replicas: Sequence[SegmentReplica]) -> None:
     """Raises `PlanViolation` unless: every non-draining replica is in exactly one group and no draining one in any;
     each group's kept slices are contiguous, non-empty, in member order and tile the segment; the freed pages are

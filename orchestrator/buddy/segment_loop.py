@@ -19,10 +19,12 @@ packing does). Every `period_s` the leader:
    hold KV on both sides and the blocks they left still hold their parameter pages: the records understate what
    the drop freed), runs `drop_trigger` again: a burst that outgrows the first plan
    (the trigger's 1-s horizon asks for what the next second needs, not for the burst's peak) merges the servers still
-   whole into groups of their own. Groups already formed stay as they are until the restore, which takes every
-   dropped block back at once [chainswarm: the spec plans once per throttling event; re-slicing a group in place
-   would move the KV of sessions that run on it already]. A drop or restore makes the loop forget its samples of
-   available pages, which jumped, not those of the demand, which did not.
+   whole into groups of their own, and once fewer than two are whole, merges the smallest groups (`plan_merge`, Alg.
+   1 continued: two pairs into a group of four, each member keeping half of its slice, so no dropped block has to
+   come back; the victims' KV for the blocks a member no longer keeps moves to the member that keeps them, as after
+   the first drop) [chainswarm: the spec plans once per throttling event, from whole servers]. One restore takes
+   every dropped block back. A drop or restore makes the loop forget its samples of available pages, which jumped,
+   not those of the demand, which did not.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.buddy.groups import plan_drop
+from orchestrator.buddy.groups import groups_of, plan_drop, plan_merge
 from orchestrator.buddy.records import DropPlan, SegmentReplica
 from orchestrator.buddy.triggers import RESTORE_MIN_DROPPED_S, drop_trigger, restore_trigger
 from orchestrator.packing.segment_loop import leader_of
@@ -142,6 +144,8 @@ class DropLoop:
             required = drop_trigger(self.demand, self.available)
             if required > 0 and len(whole) > 1:
                 await self._drop(whole, required, now_s)
+            elif required > 0 and all(record.restorable_start is not None for record in dropped):
+                await self._merge(records, required, now_s)
             return
         self.dropped_since_s = None
         required = drop_trigger(self.demand, self.available)
@@ -159,19 +163,36 @@ class DropLoop:
         self.available.clear()
 
     async def _drop(self, records: list[ServerRecord], required: int, now_s: float) -> None:
-        samples = (f"demand {[pages for _, pages in self.demand[-2:]]}, "
-                   f"KV pages {[pages for _, pages in self.available[-2:]]}")
         plan = plan_drop([replica_of(record) for record in records], required, balanced=self.balanced,
                          epoch=self.drops + self.aborts + 1)
-        if not plan.changes_anything:
+        if plan.changes_anything:
+            await self._execute(plan, {record.peer_id: segment_of(record) for record in records}, now_s)
+
+    async def _merge(self, records: list[ServerRecord], required: int, now_s: float) -> None:
+        """Fewer than two servers are whole: merges the smallest groups the kept ranges form (`plan_merge`), each
+        member keeping a part of its slice. Records that do not tile into groups yet (one lags behind a drop) wait
+        for the next tick."""
+        replicas = [replica_of(record) for record in records]
+        kept = {record.peer_id: (record.block_start, record.block_end) for record in records}
+        groups = groups_of(replicas, kept)
+        if groups is None:
             return
-        segment = (plan.block_start, plan.block_end)
+        await self._execute(plan_merge(replicas, groups, kept, required, epoch=self.drops + self.aborts + 1), kept,
+                            now_s)
+
+    async def _execute(self, plan: DropPlan, kept: dict[str, tuple[int, int]], now_s: float) -> None:
+        """Tells every member whose range the plan changes to keep its new one; aborts the plan (and restores the
+        members that dropped for it) when one refuses or fails."""
+        samples = (f"demand {[pages for _, pages in self.demand[-2:]]}, "
+                   f"KV pages {[pages for _, pages in self.available[-2:]]}")
+        changes = {peer: blocks for peer, blocks in sorted(plan.kept.items()) if blocks != kept[peer]}
+        if not changes:
+            return
         dropped: list[str] = []
         try:
-            for peer, kept in sorted(plan.kept.items()):
-                if kept != segment:
-                    await self.drop(peer, *kept)
-                    dropped.append(peer)
+            for peer, blocks in changes.items():
+                await self.drop(peer, *blocks)
+                dropped.append(peer)
         except (SwarmError, OSError, TimeoutError) as error:
             self.aborts += 1
             log.warning("drop plan %d aborted (%s: %s); restoring %s", plan.epoch, type(error).__name__, error,
@@ -184,8 +205,9 @@ class DropLoop:
         self.dropped_peers.update(dropped)
         self.dropped_since_s = now_s
         self.available.clear()  # it jumped: a rate across the drop means nothing; demand's still does
-        log.info("drop plan %d for %d pages (%s): groups %s, kept %s, %d pages freed", plan.epoch, required,
-                 samples, [group.members for group in plan.groups], dict(plan.kept), plan.total_freed_pages)
+        log.info("drop plan %d for %d pages (%s): groups %s, kept %s, %d pages freed", plan.epoch,
+                 plan.required_pages, samples, [group.members for group in plan.groups], dict(plan.kept),
+                 plan.total_freed_pages)
 
     async def _restore_all(self, dropped: list[ServerRecord], *, evict_merged: bool = False) -> None:
         restored = [record.peer_id for record in dropped

@@ -28,7 +28,8 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   its first (the paper's metric).
 - Every `monitor_s` the monitor samples demand (pages held + pages of queued requests) and KV capacity; when
   `drop_trigger` asks for R pages, `plan_drop` merges the replicas still whole into groups (while dropped too, as the
-  live segment loop: a burst that outgrows the first plan pairs more replicas; formed groups stay). Victims
+  live segment loop: a burst that outgrows the first plan pairs more replicas), and once fewer than two are whole,
+  `plan_merge` merges the smallest groups (pairs into fours, each member keeping half its slice). Victims
   (requests running on a member when it drops) stall while their KV for the dropped blocks crosses
   `link_bytes_per_s` (blocking exchange, smallest first, each member's link in parallel); with `live_exchange`
   (remote attention, the paper's Sec. 4.2) they compute on meanwhile, and an iteration holding one pays a round
@@ -49,7 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.buddy import SegmentReplica, drop_trigger, plan_drop, restore_trigger
+from orchestrator.buddy import SegmentReplica, drop_trigger, plan_drop, plan_merge, restore_trigger
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,7 @@ class _Sim:
         self.now = 0.0
         self.done = 0
         self.client_free_s = 0.0  # when the client has done the tokens it received so far
+        self.kept = {member: (0, config.blocks) for member in range(config.replicas)}  # what each member keeps
 
     def _add_unit(self, members: tuple[int, ...]) -> _Unit:
         c = self.config
@@ -382,50 +384,74 @@ class _Sim:
             self._drop(required)
 
     def _drop(self, required: int) -> None:
-        """Merges the replicas still whole into buddy groups that free `required` pages; groups formed by an
-        earlier drop stay as they are (a deeper drop, while dropped, plans among the whole replicas only)."""
+        """Frees `required` more pages: merges the replicas still whole into buddy groups (`plan_drop`), or, with
+        fewer than two whole, merges the smallest groups formed earlier (`plan_merge`, Alg. 1 continued: pairs into
+        fours, ...), each member keeping a part of its slice."""
         c = self.config
         whole = [unit for unit in self.units.values() if len(unit.members) == 1]
-        if len(whole) < 2:
+        if len(whole) >= 2:
+            replicas = [self._replica(unit.members[0], unit) for unit in whole]
+            plan = plan_drop(replicas, required, balanced=c.balanced, epoch=self.drops + 1)
+            merging = whole
+        else:
+            units = list(self.units.values())
+            replicas = [self._replica(member, unit) for unit in units for member in unit.members]
+            kept = {_peer(member): self.kept[member] for unit in units for member in unit.members}
+            plan = plan_merge(replicas, [[_peer(member) for member in unit.members] for unit in units], kept,
+                              required, epoch=self.drops + 1)
+            merging = units
+        formed = {frozenset(group.members): group for group in plan.groups}
+        changed = [unit for unit in merging if frozenset(_peer(m) for m in unit.members) not in formed]
+        if not changed:
             return
-        replicas = [SegmentReplica(f"r{unit.members[0]:04d}", 0, c.blocks, c.params_pages_per_block,
-                                   pages_free=unit.free, pages_kv=unit.held) for unit in whole]
-        plan = plan_drop(replicas, required, balanced=c.balanced, epoch=self.drops + 1)
-        if not plan.changes_anything:
-            return
-        home = {unit.members[0]: unit for unit in whole}
-        for unit in whole:
+        by_member = {member: unit for unit in changed for member in unit.members}
+        for unit in changed:
             del self.units[unit.uid]
         for group in plan.groups:
-            members = tuple(sorted(int(peer[1:]) for peer in group.members))
+            members = tuple(int(peer[1:]) for peer in group.members)  # in slice order
+            if not set(members) <= set(by_member):
+                continue
             merged = self._add_unit(members)
-            for member in members:
-                victims = sorted(home[member].running, key=lambda r: (r.pages, r.index))
-                for running in victims:
-                    if len(members) > 1:
-                        self._stall_victim(running, member, len(members))
+            for old in sorted({by_member[member].uid: by_member[member] for member in members}.values(),
+                              key=lambda unit: unit.uid):
+                moves = [(member, (self.kept[member][1] - self.kept[member][0])
+                          - (plan.kept[_peer(member)][1] - plan.kept[_peer(member)][0])) for member in old.members]
+                for running in sorted(old.running, key=lambda r: (r.pages, r.index)):
+                    self._stall_victim(running, moves)
                     merged.running.append(running)
+            self.largest_group = max(self.largest_group, len(members))
+        for peer, kept_range in plan.kept.items():
+            self.kept[int(peer[1:])] = kept_range
         self._serve()
         self.dropped_at = self.now
         self.drops += 1
         self.available.clear()  # it jumped: a rate across the drop means nothing; demand's does (as the live loop)
-        self.largest_group = max(self.largest_group, max(group.size for group in plan.groups))
 
-    def _stall_victim(self, running: _Running, member: int, group_size: int) -> None:
-        """Blocking exchange: the victim's KV for the blocks its replica dropped crosses that replica's link after
-        the smaller victims' KV (the caller goes smallest first); it computes nothing meanwhile. Live exchange: it
-        computes on, attending remotely over those blocks until its KV has crossed (no stall)."""
+    def _replica(self, member: int, unit: _Unit) -> SegmentReplica:
+        c = self.config
+        return SegmentReplica(_peer(member), 0, c.blocks, c.params_pages_per_block,
+                              pages_free=unit.free // len(unit.members), pages_kv=unit.held // len(unit.members))
+
+    def _stall_victim(self, running: _Running, moves: list[tuple[int, int]]) -> None:
+        """Blocking exchange: the victim's KV for the blocks each member (`moves`: member, blocks) no longer keeps
+        crosses that member's link after the smaller victims' KV (the caller goes smallest first), the members'
+        links in parallel; it computes nothing meanwhile. Live exchange: it computes on, attending remotely over
+        those blocks until its KV has crossed (no stall)."""
         c = self.config
         tokens = running.prefilled + running.produced
-        moved_blocks = c.blocks - c.blocks // group_size
-        seconds = tokens * moved_blocks * c.kv_bytes_per_token_block / c.link_bytes_per_s
-        done = max(self.now, self.link_free_s.get(member, 0.0)) + seconds
-        self.link_free_s[member] = done
+        done = self.now
+        for member, blocks in moves:
+            if blocks <= 0:
+                continue
+            seconds = tokens * blocks * c.kv_bytes_per_token_block / c.link_bytes_per_s
+            self.link_free_s[member] = max(self.now, self.link_free_s.get(member, 0.0)) + seconds
+            done = max(done, self.link_free_s[member])
         if c.live_exchange:
-            running.remote_until_s, running.remote_blocks = done, moved_blocks
+            running.remote_until_s = done
+            running.remote_blocks = sum(blocks for _, blocks in moves if blocks > 0)
             self.stalls.append(0.0)
             return
-        running.ready_s = done
+        running.ready_s = max(running.ready_s, done)
         self.stalls.append(done - self.now)
 
     def _restore(self) -> None:
@@ -442,6 +468,7 @@ class _Sim:
         self.units = {}
         for member in sorted(members):
             self._add_unit((member,)).running.extend(placed[member])
+            self.kept[member] = (0, c.blocks)
         self._serve()
         self.dropped_at = None
         self.restores += 1
@@ -453,3 +480,7 @@ class _Sim:
         self._dispatch()
         for unit in list(self.units.values()):
             self._start(unit)
+
+
+def _peer(member: int) -> str:
+    return f"r{member:04d}"
