@@ -8,6 +8,7 @@ through them (rebuilding their KV caches), and continues. Greedy outputs match a
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -25,6 +26,7 @@ from swarm.errors import (
     BlocksDropped,
     BlocksNotHosted,
     ChainChanged,
+    Hop,
     InternalServerError,
     MalformedFrame,
     MaxLengthExceeded,
@@ -666,21 +668,47 @@ class RemoteInferenceSession:
         await self._close_remote(span_session)
         await span_session.connection.close()
 
+    def _hops_to_follow(self, index: int, hops: list[Hop], position: int) -> tuple[list[Hop], int] | None:
+        """Gives the hops to follow after the span at `index` answered `ChainChanged` with `hops`, and the last span
+        they replace; None if they do not line up (the caller replays). The server's view of the chain after its own
+        part can be old (a later server moved its part since, and its hops name that server twice): then the hops
+        over the span that answered are followed, if they tile it, and the later span answers for itself."""
+        if not hops:
+            return None
+        last = self._lined_up(index, hops, position)
+        if last is not None:
+            return list(hops), last
+        span = self.spans[index].span
+        own = [hop for hop in hops if span.start <= hop.start and hop.end <= span.end]
+        if own and own[-1].end == span.end and (last := self._lined_up(index, own, position)) is not None:
+            return own, last
+        return None
+
+    def _lined_up(self, index: int, hops: list[Hop], position: int) -> int | None:
+        """Gives the last span that `hops` replace (from the span at `index`), if they begin at the span that answered
+        (a span before it already ran this step), end where one of this client's spans ends, tile their blocks, name
+        each server once, and those spans are all at `position`; else None."""
+        last = next((i for i, s in enumerate(self.spans) if s.span.end == hops[-1].end), None)
+        if self.spans[index].span.start != hops[0].start or last is None or last < index:
+            return None
+        if any(before.end != after.start for before, after in itertools.pairwise(hops)):
+            return None
+        if any(s.position != position for s in self.spans[index : last + 1]):
+            return None
+        if len({hop.peer_id for hop in hops}) < len(hops):
+            return None
+        return last
+
     async def _reshape(self, index: int, changed: ChainChanged) -> bool:
         """Points the spans over the blocks a server split or merged (KunServe's exchange and restore) at the hops
         that run them now, keeping the saved inputs; gives False when they do not line up with this client's chain
         at the same position (the caller replays instead)."""
-        hops = changed.hops
-        if not hops:
+        followed = self._hops_to_follow(index, changed.hops, changed.position)
+        if followed is None:
             return False
-        # the span that answered must be where the hops begin (a span before it already ran this step)
-        last = next((i for i, s in enumerate(self.spans) if s.span.end == hops[-1].end), None)
-        if self.spans[index].span.start != hops[0].start or last is None or last < index:
-            return False
+        hops, last = followed
         first = index
         covered = self.spans[first : last + 1]
-        if any(s.position != changed.position for s in covered) or len({hop.peer_id for hop in hops}) < len(hops):
-            return False
         servers = await self.client.servers()
         ours = {s.peer_id: s for s in covered}
         reshaped: list[_SpanSession] = []

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from client.inference import RemoteInferenceSession
 from server import migration
 from server.migration import Migrations, Part
 from server.sessions import Session, SessionTable
@@ -193,3 +195,21 @@ def test_a_merge_into_blocks_the_server_dropped_meanwhile_is_refused_and_leaves_
             server.pool.check_invariants()
 
     run(scenario)
+
+
+def test_the_client_follows_the_hops_over_its_own_span_when_the_servers_view_of_later_ones_is_old() -> None:
+    """A server splits its part of a session after the next server had moved its part on: the hops it gives name the
+    keeper twice (its new part, and the old next part the keeper once held). The client follows the hops over the
+    span that answered, and the later span tells its own change when the step reaches it."""
+    def span(peer: str, start: int, end: int, position: int = 9) -> SimpleNamespace:
+        return SimpleNamespace(span=SimpleNamespace(peer_id=peer, start=start, end=end), position=position)
+
+    client = SimpleNamespace(spans=[span("a", 0, 4), span("c", 4, 8)])
+    client._lined_up = lambda *args: RemoteInferenceSession._lined_up(client, *args)
+    follow = RemoteInferenceSession._hops_to_follow
+    stale = [Hop("a", 0, 2, "s"), Hop("b", 2, 4, "s"), Hop("b", 4, 8, "s2")]  # b moved 4:8 on to c meanwhile
+    assert follow(client, 0, stale, 9) == ([Hop("a", 0, 2, "s"), Hop("b", 2, 4, "s")], 0)
+    fresh = [Hop("a", 0, 2, "s"), Hop("b", 2, 4, "s"), Hop("c", 4, 8, "s3")]
+    assert follow(client, 0, fresh, 9) == (fresh, 1)  # a chain that lines up is followed whole, as before
+    assert follow(client, 0, [Hop("a", 0, 2, "s"), Hop("b", 3, 4, "s")], 9) is None  # a gap: replay
+    assert follow(client, 0, stale, 8) is None  # another position: replay
