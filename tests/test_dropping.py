@@ -292,7 +292,8 @@ def generate_watching(remote: DistributedModelForCausalLM, prompts: list[torch.T
 def wait_until_restored(client: SwarmClient, servers: list[Proc],
                         baseline: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Waits until every server serves the whole segment again with its free pages back at `baseline`, having
-    restored as often as it dropped (at least once); gives their `info`."""
+    restored at least once (one restore takes back what a drop and a later merge into a larger group dropped);
+    gives their `info`."""
     wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
@@ -303,7 +304,7 @@ def wait_until_restored(client: SwarmClient, servers: list[Proc],
     for peer, info in after.items():
         assert info["record"]["pages_free"] == baseline[peer]["pages_free"]
         assert info["record"]["restorable_start"] is None
-        assert info["dropping"]["drops"] == info["dropping"]["restores"] >= 1
+        assert info["dropping"]["drops"] >= info["dropping"]["restores"] >= 1
     return after
 
 
@@ -414,7 +415,8 @@ def test_a_burst_that_outgrows_the_first_pair_pairs_the_servers_still_whole_and_
 ) -> None:
     """Four replicas (`--kv-dropping`) whose pages hold two sessions each; sessions open one by one and stay open.
     The demand's rise pairs two servers (one pair frees what the next second needs), and as it keeps rising the
-    leader pairs the two still whole while the first pair stays: two dropped, then four, with no restore between.
+    leader pairs the two still whole while the first pair stays: two dropped, then four, with no restore between
+    (a further rise may merge the pairs into a group of four).
     Every session then ends with the local model's tokens, and a restore brings all four servers' blocks and pages
     back."""
     swarm_factory.start_dht()
@@ -466,8 +468,10 @@ def test_a_burst_that_outgrows_the_first_pair_pairs_the_servers_still_whole_and_
             thread.join(TIMEOUT_S * 4)
         assert errors == [] and [results.get(index) for index in range(count)] == expected
         # four servers dropped by two plans and no restore: the first paired two, the second the two still whole
-        # (both plans may fall between two samples, so the state with one pair need not be seen)
-        assert (4, 2, 0) in seen, f"no pair joined a pair without a restore: {seen}"
+        # (both plans may fall between two samples, so the state with one pair need not be seen, and a third plan
+        # may merge the pairs before the next sample)
+        assert any(dropped == 4 and plans >= 2 and restores == 0 for dropped, plans, restores in seen), (
+            f"no pair joined a pair without a restore: {seen}")
 
         after = wait_until_restored(client, servers, baseline)
         loop = after[min(after)]["dropping"]["loop"]
