@@ -158,7 +158,14 @@ def plan_drop(
     kept: dict[str, tuple[int, int]] = {}
     for group in groups:
         kept.update(slice_group([by_peer[peer] for peer in group.members], by_speed=by_speed))
-    start, end = replicas[0].segment
+    return _plan(replicas[0].segment, groups, kept, by_peer, required_pages, epoch)
+
+
+def _plan(segment: tuple[int, int], groups: Sequence[BuddyGroup], kept: Mapping[str, tuple[int, int]],
+          by_peer: Mapping[str, SegmentReplica], required_pages: int, epoch: int) -> DropPlan:
+    """Gives the plan of these groups and kept ranges: what each server drops of the segment, and the pages that
+    frees."""
+    start, end = segment
     dropped = {peer: tuple(part for part in ((start, first), (last, end)) if part[0] < part[1])
                for peer, (first, last) in kept.items()}
     freed = {peer: sum(last - first for first, last in parts) * by_peer[peer].params_pages_per_block
@@ -229,12 +236,8 @@ def plan_merge(
         heapq.heappush(heap, (len(merged), merged[0], merged))
     final = sorted([group for _, _, group in heap] + fixed, key=lambda group: group[0])
     start, end = replicas[0].segment
-    dropped = {peer: tuple(part for part in ((start, first), (last, end)) if part[0] < part[1])
-               for peer, (first, last) in kept.items()}
-    freed = {peer: sum(last - first for first, last in parts) * by_peer[peer].params_pages_per_block
-             for peer, parts in dropped.items()}
-    return DropPlan(start, end, tuple(BuddyGroup(tuple(group), start, end) for group in final), kept, freed,
-                    required_pages, epoch, dropped)
+    return _plan((start, end), [BuddyGroup(tuple(group), start, end) for group in final], kept, by_peer,
+                 required_pages, epoch)
 
 
 def _freed_of(kept: Mapping[str, tuple[int, int]], by_peer: Mapping[str, SegmentReplica]) -> int:
