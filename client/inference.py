@@ -40,7 +40,7 @@ from swarm.errors import (
     SessionNotFound,
     SwarmError,
 )
-from swarm.records import NextHop, ServerRecord
+from swarm.records import MAX_NEXT_HOPS, NextHop, ServerRecord
 from swarm.rpc import RpcConnection
 from swarm.wire import decode_tensor, encode_tensor
 
@@ -459,13 +459,14 @@ class RemoteInferenceSession:
             for later in self.spans[index + 1 :]
         ]
 
-    def _then(self, span_session: _SpanSession) -> NextHop | None:
-        """Gives the span after `span_session` in the chain, if any."""
-        for earlier, later in zip(self.spans, self.spans[1:], strict=False):
+    def _then(self, span_session: _SpanSession) -> list[NextHop]:
+        """Gives the spans after `span_session` in the chain (a restore takes the last one back first)."""
+        for index, earlier in enumerate(self.spans):
             if earlier is span_session:
-                return NextHop(peer_id=later.peer_id, session_id=later.session_id, addrs=later.span.record.addrs,
-                               start=later.span.start, end=later.span.end)
-        return None
+                return [NextHop(peer_id=later.peer_id, session_id=later.session_id, addrs=later.span.record.addrs,
+                                start=later.span.start, end=later.span.end)
+                        for later in self.spans[index + 1:][:MAX_NEXT_HOPS]]
+        return []
 
     async def call_step(
         self,
@@ -490,10 +491,10 @@ class RemoteInferenceSession:
             "position": span_session.position,
             "blocks": [span_session.span.start, span_session.span.end],
         }
-        if not next_hops:  # the next server, which a restore may take this one's part back from
+        if not next_hops:  # the servers after this one: a restore may take the next one's part back
             then = self._then(span_session)
-            if then is not None:
-                payload["then"] = [then.to_wire()]
+            if then:
+                payload["then"] = [hop.to_wire() for hop in then]
         if hidden is not None:
             payload["hidden"] = encode_tensor(hidden, config.compression)
         if wait_ms is not None:

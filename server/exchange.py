@@ -54,6 +54,9 @@ EXCHANGE_DEADLINE_S = 30.0  # a victim no keeper takes within this is evicted: i
 # each keeper's free pages come from the parameters of the blocks it dropped, which stay until its own victims left.
 EXCHANGE_STUCK_S = 2.0
 RETRY_S = 0.25  # between two rounds over the victims that no keeper had room for
+# A restore takes the sessions' next parts back tail first; a part that is not its chain's last waits this long
+# for the parts after it, then goes anyway. Rounds over the sessions MERGE_ROUND_S apart, none after the deadline.
+MERGE_WAIT_S, MERGE_ROUND_S, MERGE_DEADLINE_S = 3.0, 0.1, 15.0
 TBT_SLACK_MS = 0.0  # `auto` never picks remote attention (spec 5.4: one round trip per block and token it has not
 # moved, where a WAN's RTT dwarfs a block's compute); `--kv-exchange live` takes it for every victim
 
@@ -277,22 +280,40 @@ class BlockExchange:
     # ---- merges after a restore
 
     async def _merge_all(self) -> None:
+        """Takes back the next parts of the sessions here, tail first: a part is pulled once it is its chain's last,
+        after the servers behind it took theirs back (so two merges never chain through one part at once), or
+        after `MERGE_WAIT_S` whatever it is. The client names every server after this one in each step, and after
+        a merge behind, its next step here names the grown part; so this runs in rounds until no session here has
+        a next part it could take (each tried once), within `MERGE_DEADLINE_S`."""
         server = self.server
         await server.announce_now()  # a buddy gives its part back only to a server that announces the blocks
-        start, end = server.hosting.serving
-        for session in list(server.sessions):
-            hop = session.next_hop
-            if (hop is None or hop.peer_id == server.peer_id or hop.start != session.end or hop.end is None
-                    or not (start <= session.start and hop.end <= end) or session.merging is not None
-                    or session.importing_from is not None):
-                continue
-            try:
-                await self._pull(session, hop.peer_id, hop.session_id, hop.end)
-                self.stats.merged += 1
-            except SwarmError as error:
-                self.stats.merge_failed += 1
-                log.info("Restore: session %s stays on its chain through %s (%s: %s)", session.session_id,
-                         hop.peer_id, type(error).__name__, error.message)
+        began = time.monotonic()
+        tried: set[tuple[str, str, int]] = set()
+        while time.monotonic() - began < MERGE_DEADLINE_S:
+            start, end = server.hosting.serving
+            waiting = False
+            for session in list(server.sessions):
+                hop = session.next_hop
+                if (hop is None or hop.peer_id == server.peer_id or hop.start != session.end or hop.end is None
+                        or not (start <= session.start and hop.end <= end) or session.merging is not None
+                        or session.importing_from is not None or session.closed
+                        or (session.session_id, hop.session_id, hop.end) in tried):
+                    continue
+                if session.later_hops > 1 and time.monotonic() - began < MERGE_WAIT_S:
+                    waiting = True  # the parts after the next one are merging first
+                    continue
+                tried.add((session.session_id, hop.session_id, hop.end))
+                waiting = True  # its next step may name a further part to take
+                try:
+                    await self._pull(session, hop.peer_id, hop.session_id, hop.end)
+                    self.stats.merged += 1
+                except SwarmError as error:
+                    self.stats.merge_failed += 1
+                    log.info("Restore: session %s stays on its chain through %s (%s: %s)", session.session_id,
+                             hop.peer_id, type(error).__name__, error.message)
+            if not waiting:
+                return
+            await asyncio.sleep(MERGE_ROUND_S)
 
     async def _pull(self, session: Session, peer_id: str, remote_id: str, remote_end: int) -> None:
         """Takes blocks [session.end, remote_end) of `session` back from `peer_id` (its session `remote_id`)."""

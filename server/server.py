@@ -654,11 +654,12 @@ class SwarmServer:
             raise ServerBusy(f"session {session.session_id!r} is already running step {running.step_id!r}")
         try:
             next_hops = NextHop.list_from_wire(payload.get("next", []))
-            then = NextHop.list_from_wire(payload.get("then", []))  # the next server, named without a push
+            then = NextHop.list_from_wire(payload.get("then", []))  # the servers after this one, without a push
         except ValueError as error:
             raise MalformedFrame(str(error)) from None
-        following = (next_hops or then)[:1]
+        following = next_hops or then
         session.next_hop = following[0] if following else None
+        session.later_hops = len(following)
         hidden = self._decode_hidden(payload, session)
         position = field(payload, "position", int, optional=True)
         if position is not None and position != session.position:

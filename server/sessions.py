@@ -83,6 +83,7 @@ class Session:
     # last saw it over, which steps that still expect it there are told of.
     hops: list[Hop] | None = None
     next_hop: NextHop | None = None  # the server after this one in its client's chain, as its last step named it
+    later_hops: int = 0  # how many servers its last step named after this one (a restore merges the last first)
     # While some of its blocks' KV is still on the server that dropped them (KunServe's live exchange): where, and
     # how far each block's copy got (`server.remote_attention.RemoteKV`); its steps compute outside batches then.
     remote: RemoteKV | None = None
