@@ -4,8 +4,9 @@ simulator (`orchestrator.sim.kunserve_sim`) replaying the same requests on the l
 
 The swarm: servers `a` and `b`, the DHT, a client and a monitor, each in a network namespace, every pair at `--rtt`
 ms (20, and 40) and every access link at 100 Mbit/s each way. Pools of 30 x `--kv-pages-per-block` 1-MiB pages beside
-the 30 blocks' parameters: sessions of at most 288 tokens take one page per block, so a replica holds that many
-sessions and a drop to half the blocks frees 15 blocks' parameters (210 pages) for KV.
+the 30 blocks' parameters (and one alignment page per block): sessions of at most 288 tokens take one page per block,
+so a replica holds that many sessions and one more, and a drop to half the blocks frees 15 blocks' parameters (210
+pages) for KV.
 Arms:
 1. no drop (Llumnix (replication) analog): both host 0:30; a client that finds both full backs off (0.5 s doubling
    to 4 s, `ClientConfig.busy_wait_s`) and asks again;
@@ -17,6 +18,12 @@ Requests: every `--thin`-th request of the code trace from `--start` to `--end` 
 rate, are 858-868 s), prompts divided by `--prompt-scale` and cut to 256 tokens, outputs cut to 32, arrivals
 stretched to a mean of `--rate` per second (the burst's shape kept). Each request's greedy tokens are compared with
 the no-drop arm's for the same request (the same random prompt).
+Without `--rate` and `--kv-pages-per-block`, both are sized to the machine, so that KV throttles before the cores do
+whatever their speed. A calibration run loads the no-drop swarm with 12 of the requests, one every 0.5 s, and takes
+what a prompt token and a decode step cost a loaded server (its batch counters) and a session's median TTFT and TBT.
+The rate is the one at which the requests arriving in the busiest 10 s ask the two servers for exactly their 10 s of
+compute; the pools, the largest at which the busiest moment (every request open from its arrival for its calibrated
+time) asks twice the sessions the two servers hold undropped. Every RTT replays the same arrivals on the same pools.
 
 Printed per RTT: per arm, P50/P99 TTFT (arrival to first token, backoff waits included), P50/P99 TBT (a request's
 mean time per token after its first), the victims' longest and mean stall (the servers' `exchange` statistics),
@@ -24,7 +31,7 @@ drops and restores, requests whose tokens differ from the no-drop arm's, errors;
 TTFT >= 3x lower, TBT P50 within 2x); KV pages held and capacity over time in 5-s windows; the simulator's P99 TTFT
 for arms 1 and 3 on the live run's geometry and speeds, against the live one (target: within 15%).
 
-    sudo .venv/bin/python benchmarks/kunserve_burst.py [--rtt 20 40] [--rate 1.0] [--thin 6]
+    sudo .venv/bin/python benchmarks/kunserve_burst.py [--rtt 20 40] [--rate 0.6] [--thin 6]
 
 Needs root (network namespaces). Never asserts.
 """
@@ -34,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -56,7 +64,7 @@ from client.inference import BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S
 from netem.network import EmulatedNetwork
 from netem.topology import Topology
 from orchestrator.sim.kunserve_sim import KunServeSimConfig, SimRequest, simulate
-from orchestrator.sim.workload import load_azure_trace
+from orchestrator.sim.workload import Trace, load_azure_trace
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS
 from server.sessions import REFUSED_WINDOW_S
 from swarm.local_swarm import SwarmProcesses
@@ -75,6 +83,9 @@ WINDOW_S = 5.0
 BUSY_WAIT_S = 600.0
 ARMS = ("no drop", "static pipeline", "KunServe blocking", "KunServe remote attention")
 TARGET_TTFT_GAIN, TARGET_TBT_RATIO, TARGET_SIM = 3.0, 2.0, 0.15
+COMPUTE_SHARE, BUSIEST_S = 1.0, 10.0  # the busiest 10 s of arrivals ask all of the servers' compute
+CALIBRATION_REQUESTS, CALIBRATION_GAP_S, CALIBRATION_KV_PAGES = 12, 0.5, 4
+KV_OVERLOAD = 2.0  # the busiest moment's sessions over what the two servers' pools hold undropped
 
 
 def topology(rtt_ms: float) -> Topology:
@@ -82,12 +93,17 @@ def topology(rtt_ms: float) -> Topology:
     return Topology(HOSTS, rtt, {host: MBIT for host in HOSTS}, source=f"every pair {rtt_ms:g} ms, {MBIT:g} Mbit/s")
 
 
-def burst_requests(args: argparse.Namespace) -> list[dict]:
+@functools.cache
+def _trace() -> Trace:
+    return load_azure_trace(TRACE)
+
+
+def burst_requests(args: argparse.Namespace, rate: float) -> list[dict]:
     """Gives the replayed requests: every `thin`-th of the trace in [start, end), arrivals stretched to `rate`."""
-    trace = load_azure_trace(TRACE)
+    trace = _trace()
     chosen = np.where((trace.seconds >= args.start) & (trace.seconds < args.end))[0][:: args.thin]
     seconds = trace.seconds[chosen] - trace.seconds[chosen[0]]
-    stretch = (len(chosen) - 1) / float(seconds[-1]) / args.rate
+    stretch = (len(chosen) - 1) / float(seconds[-1]) / rate
     return [{"id": n, "at_s": float(seconds[n] * stretch),
              "prompt_tokens": max(1, min(MAX_PROMPT, round(trace.context_tokens[i] / args.prompt_scale))),
              "output_tokens": max(2, min(MAX_OUTPUT, int(trace.generated_tokens[i])))}
@@ -167,7 +183,8 @@ def server_flags(arm: str, host: str, kv_pages_per_block: int) -> tuple[str, lis
     return "0:30", common
 
 
-def run_arm(arm: str, rtt_ms: float, requests: list[dict], args: argparse.Namespace, workdir: Path) -> ArmRun:
+def run_arm(arm: str, rtt_ms: float, requests: list[dict], kv_pages_per_block: int, args: argparse.Namespace,
+            workdir: Path, label: str | None = None) -> ArmRun:
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with EmulatedNetwork(topology(rtt_ms), run_id=f"kb{os.getpid()}{ARMS.index(arm)}") as network, \
@@ -175,7 +192,7 @@ def run_arm(arm: str, rtt_ms: float, requests: list[dict], args: argparse.Namesp
         swarm.start_dht(host=network.address("dht"), launcher=network.command("dht", []))
         procs = {}
         for host in SERVERS:
-            blocks, flags = server_flags(arm, host, args.kv_pages_per_block)
+            blocks, flags = server_flags(arm, host, kv_pages_per_block)
             procs[host] = swarm.start_server(DEFAULT_MODEL, blocks, *flags, wait=False, name=host,
                                              host=network.address(host), launcher=network.command(host, []))
         for proc in procs.values():
@@ -185,7 +202,7 @@ def run_arm(arm: str, rtt_ms: float, requests: list[dict], args: argparse.Namesp
         try:
             requests_path = workdir / "requests.json"
             requests_path.write_text(json.dumps(requests))
-            print(f"  {arm} at {rtt_ms:g} ms: swarm up in {time.monotonic() - started:.0f} s", flush=True)
+            print(f"  {label or arm} at {rtt_ms:g} ms: swarm up in {time.monotonic() - started:.0f} s", flush=True)
             run_replay(network, swarm.initial_peers, DEFAULT_MODEL, requests_path, workdir / "results.jsonl",
                        workdir, args.timeout, "--orchestrator", "none", "--busy-wait", str(BUSY_WAIT_S))
             time.sleep(2 * POLL_S)
@@ -258,24 +275,119 @@ def attempt_s_of(run: ArmRun) -> float:
     return statistics.median(rounds) if rounds else 0.0
 
 
+def batch_counters(run: ArmRun) -> dict[str, float]:
+    """Gives what the servers' batch counters (`info` batches) grew by over the run, summed over the servers: prompt
+    tokens, the compute of the batches that held them, and all compute (ms)."""
+    by_peer: dict[str, list[dict]] = {}
+    for row in run.polls:
+        if "batches" in row:
+            by_peer.setdefault(row["peer_id"], []).append(row)
+    grown = {"prefill_tokens": 0.0, "prefill_batch_ms": 0.0, "compute_ms": 0.0}
+    for rows in by_peer.values():
+        rows.sort(key=lambda row: row["t"])
+        first, last = rows[0]["batches"], rows[-1]["batches"]
+        for name in grown:
+            grown[name] += last[name] - first[name]
+    return grown
+
+
 def prefill_token_ms_under_load(base: ArmRun, requests: dict[int, dict]) -> float:
     """Gives a prompt token's cost through all blocks while the no-drop arm ran: the servers' compute of the batches
     that held prompt tokens over those tokens (`info` batches), summed over the servers. Runs recorded before the
     servers counted them: the median of (first token - session open) / prompt tokens, which includes waiting."""
-    by_peer: dict[str, list[dict]] = {}
-    for row in base.polls:
-        if "batches" in row:
-            by_peer.setdefault(row["peer_id"], []).append(row)
-    tokens = spent_ms = 0.0
-    for rows in by_peer.values():
-        rows.sort(key=lambda row: row["t"])
-        first, last = rows[0]["batches"], rows[-1]["batches"]
-        tokens += last["prefill_tokens"] - first["prefill_tokens"]
-        spent_ms += last["prefill_batch_ms"] - first["prefill_batch_ms"]
-    if tokens > 0:
-        return spent_ms / tokens
+    grown = batch_counters(base)
+    if grown["prefill_tokens"] > 0:
+        return grown["prefill_batch_ms"] / grown["prefill_tokens"]
     return statistics.median((r["first_token_s"] - r["started_s"]) * 1000 / requests[r["id"]]["prompt_tokens"]
                              for r in base.served)
+
+
+@dataclass(frozen=True)
+class LoadedSpeeds:
+    """What a token took of a loaded server's compute through all 30 blocks, from the servers' batch counters."""
+
+    prompt_token_ms: float  # the batches that held prompt tokens, over those tokens
+    output_token_ms: float  # every other batch, over the decode steps the sessions took
+
+
+def loaded_speeds(run: ArmRun, requests: dict[int, dict]) -> LoadedSpeeds:
+    """Gives the speeds the no-drop swarm's servers measured in `run`. A decode step batched with a prompt counts in
+    the prompt's batch, so the output token's figure is a little low."""
+    grown = batch_counters(run)
+    steps = sum(requests[r["id"]]["output_tokens"] - 1 for r in run.served)
+    return LoadedSpeeds(grown["prefill_batch_ms"] / max(1.0, grown["prefill_tokens"]),
+                        (grown["compute_ms"] - grown["prefill_batch_ms"]) / max(1, steps))
+
+
+def busiest_share(requests: list[dict], speeds: LoadedSpeeds) -> float:
+    """Gives the share of the servers' compute that the requests arriving in the busiest `BUSIEST_S` ask for: their
+    prompt tokens and decode steps at `speeds`."""
+    arrivals = np.array([r["at_s"] for r in requests])
+    work_ms = np.array([r["prompt_tokens"] * speeds.prompt_token_ms + (r["output_tokens"] - 1) * speeds.output_token_ms
+                        for r in requests])
+    busiest = max(float(work_ms[(arrivals >= start) & (arrivals < start + BUSIEST_S)].sum()) for start in arrivals)
+    return busiest / (len(SERVERS) * BUSIEST_S * 1000)
+
+
+def sized_rate(args: argparse.Namespace, speeds: LoadedSpeeds) -> float:
+    """Gives the mean arrival rate at which the busiest `BUSIEST_S` ask `COMPUTE_SHARE` of the servers' compute, so
+    that KV throttles before the cores do (spec 5.8). Bisection: the share grows with the rate."""
+    low, high = 0.01, 10.0
+    for _ in range(30):
+        middle = math.sqrt(low * high)
+        if busiest_share(burst_requests(args, middle), speeds) > COMPUTE_SHARE:
+            high = middle
+        else:
+            low = middle
+    return math.floor(low * 1000) / 1000  # three decimals, never above the share
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the calibration run measured: the loaded servers' speeds, a session's median TTFT and TBT, and the
+    sessions a server's pool held beyond `CALIBRATION_KV_PAGES` (the pool's alignment pages)."""
+
+    speeds: LoadedSpeeds
+    ttft_s: float
+    tbt_s: float
+    spare_sessions: int
+
+
+def peak_sessions(requests: list[dict], calibration: Calibration) -> int:
+    """Gives the most sessions open at once if every request opened on arrival and ran at the calibrated TTFT and
+    TBT: what the busiest moment asks of the pools."""
+    events = sorted(event for r in requests for event in (
+        (r["at_s"] + calibration.ttft_s + (r["output_tokens"] - 1) * calibration.tbt_s, -1), (r["at_s"], 1)))
+    open_now = most = 0
+    for _, change in events:
+        open_now += change
+        most = max(most, open_now)
+    return most
+
+
+def sized_pool(requests: list[dict], calibration: Calibration) -> int:
+    """Gives the KV pages per block of a server's pool (a session takes one per block) such that the busiest moment
+    asks `KV_OVERLOAD` times the sessions the two servers hold undropped (at least one each)."""
+    per_server = max(1, math.floor(peak_sessions(requests, calibration) / (len(SERVERS) * KV_OVERLOAD)))
+    return max(1, per_server - calibration.spare_sessions)
+
+
+def calibration_requests(args: argparse.Namespace) -> list[dict]:
+    """Gives `CALIBRATION_REQUESTS` of the window's requests, spread over it, one every `CALIBRATION_GAP_S`."""
+    window = burst_requests(args, 1.0)
+    chosen = window[:: max(1, len(window) // CALIBRATION_REQUESTS)][:CALIBRATION_REQUESTS]
+    return [{**request, "id": n, "at_s": n * CALIBRATION_GAP_S} for n, request in enumerate(chosen)]
+
+
+def calibrate(rtt_ms: float, args: argparse.Namespace, workdir: Path) -> Calibration:
+    """Runs the no-drop swarm on `calibration_requests` and gives what its sessions and loaded servers measured."""
+    requests = calibration_requests(args)
+    by_id = {r["id"]: r for r in requests}
+    run = run_arm("no drop", rtt_ms, requests, CALIBRATION_KV_PAGES, args, workdir, label="calibration")
+    last = max(run.polls, key=lambda row: row["t"])
+    held = (last["pages_total"] - last["pages_params"]) // (last["block_end"] - last["block_start"])
+    return Calibration(loaded_speeds(run, by_id), float(np.median(run.ttft())), float(np.median(run.tbt(by_id))),
+                       max(0, held - CALIBRATION_KV_PAGES))
 
 
 def sim_p99_ttft(base: ArmRun, rtt_ms: float, requests: list[dict], dropping: bool, live_exchange: bool = False
@@ -366,35 +478,62 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", type=float, default=700.0, help="trace seconds")
     parser.add_argument("--end", type=float, default=900.0)
     parser.add_argument("--thin", type=int, default=8, help="replay every n-th request of the window")
-    parser.add_argument("--rate", type=float, default=0.6, help="mean arrivals per second")
+    parser.add_argument("--rate", type=float,
+                        help="mean arrivals per second (default: sized to this machine by a calibration run)")
     parser.add_argument("--prompt-scale", type=float, default=8.0)
-    parser.add_argument("--kv-pages-per-block", type=int, default=4,
-                        help="KV pages of each server's pool per block beside its parameters (a session's each)")
+    parser.add_argument("--kv-pages-per-block", type=int,
+                        help="KV pages of each server's pool per block beside its parameters, a session's each "
+                             "(default: sized to the burst by the calibration run)")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--workdir", type=Path, help="keep every arm's logs, polls and results here")
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing: report the runs kept in --workdir again (e.g. with a changed simulator)")
     args = parser.parse_args(argv)
     args.arms = ["no drop", *(arm for arm in args.arms if arm != "no drop")]  # the reference of every ratio
-    requests = burst_requests(args)
     if args.report_only:
         if args.workdir is None:
             parser.error("--report-only needs --workdir")
         for rtt_ms in args.rtt:
             runs = {arm: load_arm(arm, args.workdir / f"{rtt_ms:g}-{arm.replace(' ', '-')}") for arm in args.arms}
-            report(rtt_ms, runs, requests)
+            kept = args.workdir / f"{rtt_ms:g}-no-drop" / "requests.json"
+            if not kept.is_file() and args.rate is None:
+                parser.error(f"{kept} is missing: give the run's --rate")
+            report(rtt_ms, runs, json.loads(kept.read_text()) if kept.is_file() else burst_requests(args, args.rate))
         return 0
     if os.geteuid() != 0:
         print("needs root: network namespaces", file=sys.stderr)
         return 2
-    print(f"KunServe live: {len(requests)} requests (every {args.thin}th of the code trace's {args.start:g}-"
-          f"{args.end:g} s), mean {args.rate:g}/s; {30 * args.kv_pages_per_block} KV pages per server "
-          f"({args.kv_pages_per_block} sessions of 30 blocks); {datetime.date.today()} on {platform.node()}",
-          flush=True)
+    count = len(burst_requests(args, 1.0))
+    print(f"KunServe live: {count} requests (every {args.thin}th of the code trace's {args.start:g}-{args.end:g} s); "
+          f"{datetime.date.today()} on {platform.node()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kunserve-burst-") as tmp:
         root = args.workdir or Path(tmp)
+        rate, pool = args.rate, args.kv_pages_per_block
+        if rate is None or pool is None:
+            calibration = calibrate(args.rtt[0], args, root / "calibration")
+            speeds = calibration.speeds
+            print(f"calibration: the no-drop swarm loaded with {CALIBRATION_REQUESTS} requests, one every "
+                  f"{CALIBRATION_GAP_S:g} s: a prompt token took {speeds.prompt_token_ms:.2f} ms and a decode step "
+                  f"{speeds.output_token_ms:.1f} ms of a loaded server's compute; a session's TTFT "
+                  f"{calibration.ttft_s:.2f} s and TBT {calibration.tbt_s * 1000:.0f} ms (medians)", flush=True)
+            if rate is None:
+                rate = sized_rate(args, speeds)
+                print(f"mean {rate:g}/s, sized: the busiest {BUSIEST_S:g} s of arrivals ask {COMPUTE_SHARE:.0%} of "
+                      f"both servers' compute", flush=True)
+            if pool is None:
+                pool = sized_pool(burst_requests(args, rate), calibration)
+                peak = peak_sessions(burst_requests(args, rate), calibration)
+                print(f"pools of {pool} KV pages per block ({pool + calibration.spare_sessions} sessions of 30 blocks "
+                      f"per server), sized: the busiest moment asks {peak} sessions (arrivals at the calibrated TTFT "
+                      f"and TBT, none waiting), {KV_OVERLOAD:g}x what the two servers hold undropped or more",
+                      flush=True)
+        if args.rate is not None:
+            print(f"mean {rate:g}/s (--rate)", flush=True)
+        if args.kv_pages_per_block is not None:
+            print(f"pools of {pool} KV pages per block (--kv-pages-per-block)", flush=True)
+        requests = burst_requests(args, rate)
         for rtt_ms in args.rtt:
-            runs = {arm: run_arm(arm, rtt_ms, requests, args, root / f"{rtt_ms:g}-{arm.replace(' ', '-')}")
+            runs = {arm: run_arm(arm, rtt_ms, requests, pool, args, root / f"{rtt_ms:g}-{arm.replace(' ', '-')}")
                     for arm in args.arms}
             report(rtt_ms, runs, requests)
     return 0

@@ -1,0 +1,45 @@
+"""How `benchmarks/kunserve_burst.py` sizes its arrivals and pools to the machine from a calibration run."""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.kunserve_burst import (
+    COMPUTE_SHARE,
+    Calibration,
+    LoadedSpeeds,
+    burst_requests,
+    busiest_share,
+    peak_sessions,
+    sized_pool,
+    sized_rate,
+)
+
+WINDOW = argparse.Namespace(start=700.0, end=900.0, thin=8, prompt_scale=8.0)
+
+
+def test_the_sized_rate_asks_the_servers_compute_at_the_busiest_10_s_and_is_at_most_half_on_a_machine_twice_as_slow(
+) -> None:
+    fast, slow = LoadedSpeeds(prompt_token_ms=3.0, output_token_ms=15.0), LoadedSpeeds(6.0, 30.0)
+    for speeds in (fast, slow):
+        rate = sized_rate(WINDOW, speeds)
+        assert busiest_share(burst_requests(WINDOW, rate), speeds) <= COMPUTE_SHARE
+        assert busiest_share(burst_requests(WINDOW, rate * 1.05), speeds) > COMPUTE_SHARE
+    # a 10-s window at half the rate spans half the trace's time, and the trace's peaks are denser at finer scales
+    assert sized_rate(WINDOW, slow) <= sized_rate(WINDOW, fast) / 2
+
+
+def test_the_busiest_share_counts_the_prompt_and_decode_work_arriving_within_10_s() -> None:
+    requests = [{"id": 0, "at_s": 0.0, "prompt_tokens": 100, "output_tokens": 11},
+                {"id": 1, "at_s": 9.0, "prompt_tokens": 100, "output_tokens": 11},
+                {"id": 2, "at_s": 10.5, "prompt_tokens": 100, "output_tokens": 11}]
+    speeds = LoadedSpeeds(prompt_token_ms=10.0, output_token_ms=100.0)  # 1 s + 10 x 0.1 s = 2 s a request
+    assert busiest_share(requests, speeds) == 4.0 / 20.0  # two requests in [0, 10) or [9, 19), of 2 x 10 s
+
+
+def test_the_pools_hold_half_the_sessions_the_busiest_moment_asks() -> None:
+    requests = [{"id": n, "at_s": 0.5 * n, "prompt_tokens": 50, "output_tokens": 11} for n in range(12)]
+    calibration = Calibration(LoadedSpeeds(5.0, 25.0), ttft_s=1.0, tbt_s=0.5, spare_sessions=1)
+    assert peak_sessions(requests, calibration) == 12  # each open 6 s, all arrived within 5.5 s
+    assert sized_pool(requests, calibration) == 2  # 3 sessions a server, 6 a pair: 12 asks twice that
+    assert sized_pool(requests[:2], calibration) == 1  # never below one page per block
