@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from benchmarks.kunserve_burst import (
     COMPUTE_SHARE,
+    TRACE,
     Calibration,
     LoadedSpeeds,
     burst_requests,
@@ -18,6 +21,7 @@ from benchmarks.kunserve_burst import (
 WINDOW = argparse.Namespace(start=700.0, end=900.0, thin=8, prompt_scale=8.0)
 
 
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"the Azure code trace is missing at {TRACE}")
 def test_the_sized_rate_asks_the_servers_compute_at_the_busiest_10_s_and_is_at_most_half_on_a_machine_twice_as_slow(
 ) -> None:
     fast, slow = LoadedSpeeds(prompt_token_ms=3.0, output_token_ms=15.0), LoadedSpeeds(6.0, 30.0)
