@@ -84,16 +84,17 @@ def orchestrators(swarm_factory: SwarmProcesses, tiny_llama: Path) -> list[Proc]
     return [active, standby]
 
 
-def start_follower(swarm: SwarmProcesses, model: Path, orchestrators: list[Proc]) -> Proc:
-    return swarm.start_server(model, None, "--orchestrator", *(o.peer_id for o in orchestrators), *SERVER_ARGS)
+def start_follower(swarm: SwarmProcesses, model: Path, orchestrators: list[Proc], *, wait: bool = True) -> Proc:
+    return swarm.start_server(model, None, "--orchestrator", *(o.peer_id for o in orchestrators), *SERVER_ARGS,
+                              wait=wait)
 
 
 @pytest.fixture(scope="module")
 def orchestrated(
     swarm_factory: SwarmProcesses, tiny_llama: Path, orchestrators: list[Proc]
 ) -> Iterator[DistributedModelForCausalLM]:
-    for _ in range(3):
-        start_follower(swarm_factory, tiny_llama, orchestrators)
+    for follower in [start_follower(swarm_factory, tiny_llama, orchestrators, wait=False) for _ in range(3)]:
+        swarm_factory.wait_for_line(follower, "started peer_id=")  # the three start side by side
     model = DistributedModelForCausalLM.from_pretrained(
         str(tiny_llama), initial_peers=swarm_factory.initial_peers, client_config=ClientConfig(orchestrator="auto")
     )

@@ -31,8 +31,10 @@ def orchestrated_pair(swarm_factory: SwarmProcesses, model: Path, orchestrator_a
     the orchestrator for chains."""
     swarm_factory.start_dht()
     orchestrator = swarm_factory.start_orchestrator(model, *orchestrator_args)
-    for _ in range(2):
-        swarm_factory.start_server(model, None, "--orchestrator", orchestrator.peer_id, *server_args)
+    followers = [swarm_factory.start_server(model, None, "--orchestrator", orchestrator.peer_id, *server_args,
+                                            wait=False) for _ in range(2)]
+    for follower in followers:  # the two start side by side
+        swarm_factory.wait_for_line(follower, "started peer_id=")
     local = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     remote = DistributedModelForCausalLM.from_pretrained(
         str(model), initial_peers=swarm_factory.initial_peers,
