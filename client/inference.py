@@ -449,24 +449,22 @@ class RemoteInferenceSession:
         )
         return int(min(3 * expected_ms + PUSH_WAIT_MARGIN_MS, 1000 * self.client.config.request_timeout_s / 2))
 
-    def _next_hops(self, index: int) -> list[NextHop]:
-        """Gives the servers after span `index`, to which each server pushes its output (if pushing is on)."""
-        if not self.client.config.server_push:
-            return []
+    def _later_hops(self, index: int) -> list[NextHop]:
+        """Gives the servers after span `index` in the chain."""
         return [
             NextHop(peer_id=later.peer_id, session_id=later.session_id, addrs=later.span.record.addrs,
                     start=later.span.start, end=later.span.end)
             for later in self.spans[index + 1 :]
         ]
 
+    def _next_hops(self, index: int) -> list[NextHop]:
+        """Gives the servers after span `index`, to which each server pushes its output (if pushing is on)."""
+        return self._later_hops(index) if self.client.config.server_push else []
+
     def _then(self, span_session: _SpanSession) -> list[NextHop]:
-        """Gives the spans after `span_session` in the chain (a restore takes the last one back first)."""
-        for index, earlier in enumerate(self.spans):
-            if earlier is span_session:
-                return [NextHop(peer_id=later.peer_id, session_id=later.session_id, addrs=later.span.record.addrs,
-                                start=later.span.start, end=later.span.end)
-                        for later in self.spans[index + 1:][:MAX_NEXT_HOPS]]
-        return []
+        """Gives the servers after `span_session` without a push (a restore takes the last one's part back first)."""
+        index = next((i for i, earlier in enumerate(self.spans) if earlier is span_session), len(self.spans))
+        return self._later_hops(index)[:MAX_NEXT_HOPS]
 
     async def call_step(
         self,
