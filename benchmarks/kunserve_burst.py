@@ -234,7 +234,11 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
     loaded) beyond the network's round trip, its LM head and its RPCs, one token at a time, as one Python process
     serves every request. What only delays a token: the round trip. A group's extra member adds a half round trip
     (the pushed hop), which the simulator counts in a micro-batch's time. A client's try before it is admitted or
-    backs off: the median round of the no-drop arm's clients (`attempt_s_of`)."""
+    backs off: the median round of the no-drop arm's clients (`attempt_s_of`). Where a session goes: as the live
+    clients route without an orchestrator, by latency over records that do not show load, to the same whole replica
+    until it refuses them (`placement` "fewest_hops"). The servers and the client share this machine's cores
+    (`cores`: the report runs where the arms ran), so work that starts while more of them compute than there are
+    cores runs slower."""
     first = min(base.polls, key=lambda row: row["t"])
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
     widest = max(decode, default=1)
@@ -251,7 +255,7 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
         link_bytes_per_s=MBIT * 1e6 / 8, kv_bytes_per_token_block=first["kv_bytes_per_token"],
         prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping,
         retry_backoff_s=(BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S), refused_window_s=REFUSED_WINDOW_S,
-        attempt_s=attempt_s_of(base),
+        attempt_s=attempt_s_of(base), placement="fewest_hops", cores=os.cpu_count() or 1,
     )
 
 
@@ -456,8 +460,8 @@ def report(rtt_ms: float, runs: dict[str, ArmRun], requests: list[dict]) -> None
               f"{fitted.decode_token_ms:.1f} ms per decoding request + {fitted.prefill_token_ms:.2f} ms per prompt "
               f"token, the client's work {fitted.client_token_ms:.0f} ms a token, a token's round trip "
               f"{fitted.round_trip_ms:.0f} ms, hop {fitted.hop_ms:g} ms, a client's try "
-              f"{fitted.attempt_s * 1000:.0f} ms) against live, "
-              f"P99 TTFT:")
+              f"{fitted.attempt_s * 1000:.0f} ms; sessions to the first whole replica with room, "
+              f"{fitted.cores} cores shared) against live, P99 TTFT:")
         compared = (("no drop", False, False), ("KunServe blocking", True, False),
                     ("KunServe remote attention", True, True))
         for arm, dropping, live_exchange in compared:

@@ -66,6 +66,10 @@ def test_bad_configurations_are_refused() -> None:
         dataclasses.replace(CONFIG, params_pages=41)
     with pytest.raises(ValueError, match="divide"):
         dataclasses.replace(CONFIG, static_groups=3)
+    with pytest.raises(ValueError, match="cores"):
+        dataclasses.replace(CONFIG, cores=0)
+    with pytest.raises(ValueError, match="placement"):
+        dataclasses.replace(CONFIG, placement="random")
 
 
 def test_clients_that_back_off_are_served_later_than_a_queue_and_still_trigger_drops() -> None:
@@ -123,6 +127,41 @@ def test_arrivals_go_to_the_unit_with_the_fewest_requests_per_member_among_those
     assert sim._place(8) is units[1]
     assert sim._place(20) is pair  # units[2] and the pair run 2 a member: the more free pages decide
     assert sim._place(200) is None
+
+
+def test_clients_routing_by_latency_take_the_oldest_whole_replica_until_it_refuses_them() -> None:
+    sim = _Sim(dataclasses.replace(CONFIG, placement="fewest_hops"), [], horizon_s=1.0)
+    pair = sim._add_unit((4, 5))  # a group: 160 KV pages, but a chain of two members
+    units = list(sim.units.values())
+    small = SimRequest(0.0, 16, 48)
+    units[0].running += [_Running(i, small, 8) for i in range(5)]  # the busiest replica, 20 pages free
+    assert sim._place(8) is units[0]  # its load does not show in the records the clients route by
+    assert sim._place(24) is units[1]  # it refuses: the next whole replica
+    units[1].running += [_Running(5, small, 60)]
+    units[2].running += [_Running(6, small, 60)]
+    units[3].running += [_Running(7, small, 60)]
+    assert sim._place(24) is pair  # a group only when no whole replica has room
+    assert sim._place(200) is None
+
+
+def test_on_shared_cores_work_runs_slower_while_more_processes_compute_than_there_are_cores() -> None:
+    two = dataclasses.replace(CONFIG, replicas=2, dropping=False)
+    requests = [SimRequest(0.0, 16, 48), SimRequest(0.0, 16, 48)]  # one on each replica, computing side by side
+    apart = simulate(two, requests)
+    assert np.array_equal(simulate(dataclasses.replace(two, cores=2), requests).tbt_s, apart.tbt_s)
+    one_core = simulate(dataclasses.replace(two, cores=1), requests)
+    # both replicas compute every iteration together: on one core each takes twice its time
+    assert one_core.tbt_s == pytest.approx(2 * apart.tbt_s)
+    # the client's work is a process too: each member computing a micro-batch and a busy client count one
+    sim = _Sim(dataclasses.replace(CONFIG, cores=2), [], horizon_s=1.0)
+    units = list(sim.units.values())
+    assert sim._sharing(client=True) == 1.0
+    units[0].batches = units[1].batches = 1
+    assert (sim._sharing(client=False), sim._sharing(client=True)) == (1.0, 1.5)
+    pair = sim._add_unit((4, 5))
+    pair.batches = 2  # a group pipelines a micro-batch on each member
+    assert sim._sharing(client=True) == 2.5
+    assert _Sim(CONFIG, [], horizon_s=1.0)._sharing(client=True) == 1.0  # without cores: a processor each
 
 
 def test_the_clients_own_work_for_a_token_queues_tokens_of_requests_that_arrive_together() -> None:

@@ -18,7 +18,9 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   process serving them all does: under load, tokens queue there.
 - A request's KV is reserved at admission for its whole length (prompt + output, `blocks` x ceil(tokens /
   `tokens_per_page`) pages), as servers with `--kv-headroom-tokens` at least the output admit, on the unit with the
-  fewest requests per member among those with room for it (`_place`). The dispatcher keeps one FCFS queue and admits
+  fewest requests per member among those with room for it (`_place`); with `placement` "fewest_hops", as a swarm's
+  clients route by latency over records that do not show load, on the unit of fewest members with room, the oldest
+  first: every client takes the same whole replica until it refuses them. The dispatcher keeps one FCFS queue and admits
   its head as soon as it fits (head-of-line blocking, as Llumnix's dispatcher); with `retry_backoff_s`, as a swarm's
   clients do without an orchestrator, a request that finds no room tries again after its own exponential backoff
   instead; each try takes `attempt_s` (the client's DHT lookup and `open` calls) before it is admitted or backs
@@ -26,6 +28,11 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   last token (live servers free a session's pages on `close`, not at its last step).
 - TTFT = admission wait + the iterations that prefill the prompt; TBT = a request's mean time per output token after
   its first (the paper's metric).
+- With `cores` (servers and their client on one machine, as in a live benchmark), work runs slower while more
+  processes compute than the machine has cores: each computing member and the client when busy count one, and an
+  iteration or a token's client work that starts with n of them runs max(1, n / cores) times its time (processor
+  sharing, taken at its start) [chosen: two 1-thread compute processes on this benchmark's 2-core VM run at full
+  speed, three at 2/3 each].
 - Every `monitor_s` the monitor samples demand (pages held + pages of queued requests) and KV capacity; when
   `drop_trigger` asks for R pages, `plan_drop` merges the replicas still whole into groups (while dropped too, as the
   live segment loop: a burst that outgrows the first plan pairs more replicas), and once fewer than two are whole,
@@ -60,6 +67,9 @@ class SimRequest:
     arrival_s: float
     prompt: int
     output: int
+
+
+PLACEMENTS = ("least_loaded", "fewest_hops")
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,11 @@ class KunServeSimConfig:
     # Live exchange (remote attention, spec 3.5): a victim goes on computing while its KV follows; until it has
     # arrived, an iteration holding it pays one round trip between members per block it attends remotely
     live_exchange: bool = False
+    # Where arrivals go: "least_loaded" (a dispatcher that sees every unit's load) or "fewest_hops" (swarm clients
+    # routing by latency over records that do not show load: the unit of fewest members with room, the oldest first)
+    placement: str = "least_loaded"
+    # The cores that the servers and their client share (a live benchmark on one machine), None: a processor each
+    cores: int | None = None
 
     def __post_init__(self) -> None:
         if self.params_pages % self.blocks or self.params_pages >= self.pages_total:
@@ -105,6 +120,10 @@ class KunServeSimConfig:
             raise ValueError("static_groups must divide the replicas")
         if self.attempt_s < 0:
             raise ValueError("attempt_s must be >= 0")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError("cores must be >= 1 (or None)")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
 
     @property
     def params_pages_per_block(self) -> int:
@@ -283,8 +302,11 @@ class _Sim:
         requests per member (ties: the most free pages); None if none has room. [chosen: KunServe's dispatcher
         re-balances load after a drop so that a group's freed memory does not queue the burst on its members'
         compute (Sec. 4.3); placing by free pages alone sent every arrival to the newest group, whose prefill then
-        queued for seconds while the whole replicas computed less.]"""
+        queued for seconds while the whole replicas computed less.] With `placement` "fewest_hops": the unit of
+        fewest members with room, the oldest first, whatever its load (swarm clients' latency routing)."""
         fits = [unit for unit in self.units.values() if unit.free >= pages]
+        if self.config.placement == "fewest_hops":
+            return min(fits, key=lambda u: (len(u.members), u.uid), default=None)
         return min(fits, key=lambda u: (len(u.running) / len(u.members), -u.free, u.uid), default=None)
 
     def _start(self, unit: _Unit) -> None:
@@ -319,14 +341,26 @@ class _Sim:
             prefill = sum(count for running, count in batch if running.prefilled < running.request.prompt)
             decode = sum(1 for running, _ in batch if running.prefilled >= running.request.prompt)
             remote = max((r.remote_blocks for r, _ in batch if r.remote_until_s > self.now), default=0)
-            step_s = (c.step_ms + c.prefill_token_ms * prefill + c.decode_token_ms * decode
-                      + (slots - 1 + 2 * remote) * c.hop_ms) / 1000
             unit.batches += 1
+            compute_ms = (c.step_ms + c.prefill_token_ms * prefill + c.decode_token_ms * decode) * self._sharing(
+                client=self.client_free_s > self.now)
+            step_s = (compute_ms + (slots - 1 + 2 * remote) * c.hop_ms) / 1000
             self._push(self.now + step_s, "step", unit.uid, batch)
+
+    def _sharing(self, *, client: bool) -> float:
+        """Gives how many times its own time work that starts now takes: the processes computing (the members'
+        micro-batches in flight, the client if `client`) over `cores`, at least 1; 1 without `cores`."""
+        cores = self.config.cores
+        if cores is None:
+            return 1.0
+        busy = sum(unit.batches for unit in self.units.values()) + client
+        return max(1.0, busy / cores)
 
     def _finish_step(self, uid: int, batch: list[tuple[_Running, int]]) -> None:
         unit = self.units.get(uid)
         c = self.config
+        if unit is not None:
+            unit.batches -= 1
         for running, count in batch:
             running.in_flight = False
             request = running.request
@@ -334,7 +368,8 @@ class _Sim:
                 running.prefilled += count
                 if running.prefilled < request.prompt:
                     continue
-            self.client_free_s = max(self.client_free_s, self.now) + c.client_token_ms / 1000
+            client_s = c.client_token_ms / 1000 * self._sharing(client=True)
+            self.client_free_s = max(self.client_free_s, self.now) + client_s
             seen_s = self.client_free_s + c.round_trip_ms / 1000
             running.produced += 1
             running.ready_s = max(running.ready_s, seen_s)  # its next step is on its way
@@ -346,8 +381,6 @@ class _Sim:
                 if request.output > 1:
                     self.tbt[running.index] = (seen_s - running.first_token_s) / (request.output - 1)
                 self._push(seen_s + c.round_trip_ms / 2000, "close", running.index)
-        if unit is not None:
-            unit.batches -= 1
         for unit in list(self.units.values()):  # no pages return here: only closes free them
             self._start(unit)
 
