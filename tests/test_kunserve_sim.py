@@ -164,17 +164,25 @@ def test_on_shared_cores_work_runs_slower_while_more_processes_compute_than_ther
     assert _Sim(CONFIG, [], horizon_s=1.0)._sharing(client=True) == 1.0  # without cores: a processor each
 
 
-def test_the_clients_own_work_for_a_token_queues_tokens_of_requests_that_arrive_together() -> None:
-    lone_replica = dataclasses.replace(CONFIG, replicas=1, dropping=False, client_token_ms=100.0)
-    both = [SimRequest(0.0, 16, 48), SimRequest(0.0, 16, 48)]
-    queued = simulate(lone_replica, both)
-    free = simulate(dataclasses.replace(lone_replica, client_token_ms=0.0), both)
-    assert queued.ttft_s[0] - free.ttft_s[0] == pytest.approx(0.1)
-    # the second prompt computes one iteration later (about 11 ms), but its first token waits for the client's
-    # turn on the first one
-    assert free.ttft_s[1] - free.ttft_s[0] < 0.02
-    assert queued.ttft_s[1] - queued.ttft_s[0] == pytest.approx(0.1)
-    assert (queued.tbt_s >= 0.2 - 1e-9).all()  # every round, both tokens take the client's two turns
+def test_the_clients_own_work_queues_its_tokens_and_the_tokens_of_one_iteration_share_a_head_pass() -> None:
+    lone_replica = dataclasses.replace(CONFIG, replicas=1, dropping=False)
+    # the short prompt's prefill joins the long one's last chunk: both first tokens come out of one iteration, and
+    # from then on both requests decode in the same iterations
+    both = [SimRequest(0.0, 300, 48), SimRequest(0.0, 16, 48)]
+    free = simulate(lone_replica, both)
+    assert free.ttft_s[1] == pytest.approx(free.ttft_s[0])
+    # 100 ms of the client's work a token: a round's two tokens take 200 ms before they go on
+    per_token = simulate(dataclasses.replace(lone_replica, client_token_ms=100.0), both)
+    assert per_token.ttft_s - free.ttft_s == pytest.approx([0.2, 0.2])
+    assert (per_token.tbt_s >= 0.2 - 1e-9).all()
+    # 100 ms a head pass: the round's two tokens share it
+    shared = simulate(dataclasses.replace(lone_replica, client_pass_ms=100.0), both)
+    assert shared.ttft_s - free.ttft_s == pytest.approx([0.1, 0.1])
+    assert (shared.tbt_s >= 0.1 - 1e-9).all() and (shared.tbt_s < 0.2 - 1e-9).all()
+    # a request alone: its token waits for the pass ahead of it
+    staggered = simulate(dataclasses.replace(lone_replica, client_pass_ms=100.0),
+                         [SimRequest(0.0, 16, 48), SimRequest(0.0, 16, 48)])
+    assert staggered.ttft_s[1] - staggered.ttft_s[0] == pytest.approx(0.1)
 
 
 def test_a_request_holds_its_pages_until_its_client_has_closed_it() -> None:

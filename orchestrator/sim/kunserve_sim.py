@@ -13,9 +13,11 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   they would let a free slot start a micro-batch of the few requests ready at that moment].
 - A token reaches its client `round_trip_ms` after its iteration ends, and the request's next step is ready on the
   unit then: the network to the client and back takes time but occupies no server, which meanwhile computes the
-  other requests' steps. A prompt's chunks follow each other without it. With `client_token_ms`, the client's own
-  work for a token (its LM head, its RPCs) comes first, one token at a time over all requests, as one client
-  process serving them all does: under load, tokens queue there.
+  other requests' steps. A prompt's chunks follow each other without it. With `client_token_ms` and
+  `client_pass_ms`, the client's own work comes first: the tokens of one iteration take one pass of its LM head,
+  `client_pass_ms` for the pass and `client_token_ms` for each token in it (its row, its RPCs), and passes follow
+  each other, as one client process serving every request does, whose sessions on one chain share a head pass
+  (`client.batched_head`): under load, tokens queue there, and the pass's tokens go on together.
 - A request's KV is reserved at admission for its whole length (prompt + output, `blocks` x ceil(tokens /
   `tokens_per_page`) pages), as servers with `--kv-headroom-tokens` at least the output admit, on the unit with the
   fewest requests per member among those with room for it (`_place`); with `placement` "fewest_hops", as a swarm's
@@ -86,7 +88,8 @@ class KunServeSimConfig:
     decode_token_ms: float  # and per decoding request
     hop_ms: float = 0.0  # one activation hop between group members
     round_trip_ms: float = 0.0  # a token's way to its client and the next step's back, outside the unit
-    client_token_ms: float = 0.0  # the client's own work for a token (LM head, RPCs), one token at a time
+    client_token_ms: float = 0.0  # the client's own work for each token (its head row, its RPCs)
+    client_pass_ms: float = 0.0  # and for each pass of its LM head over the tokens of one iteration
     link_bytes_per_s: float = 12.5e6  # a member's link for the KV exchange
     kv_bytes_per_token_block: int = 1536
     prefill_chunk_tokens: int = 512
@@ -361,16 +364,20 @@ class _Sim:
         c = self.config
         if unit is not None:
             unit.batches -= 1
+        tokens = []
         for running, count in batch:
             running.in_flight = False
-            request = running.request
-            if running.prefilled < request.prompt:
+            if running.prefilled < running.request.prompt:
                 running.prefilled += count
-                if running.prefilled < request.prompt:
+                if running.prefilled < running.request.prompt:
                     continue
-            client_s = c.client_token_ms / 1000 * self._sharing(client=True)
-            self.client_free_s = max(self.client_free_s, self.now) + client_s
-            seen_s = self.client_free_s + c.round_trip_ms / 1000
+            tokens.append(running)
+        if tokens:  # one pass of the client's head over them
+            client_ms = (c.client_pass_ms + c.client_token_ms * len(tokens)) * self._sharing(client=True)
+            self.client_free_s = max(self.client_free_s, self.now) + client_ms / 1000
+        seen_s = self.client_free_s + c.round_trip_ms / 1000
+        for running in tokens:
+            request = running.request
             running.produced += 1
             running.ready_s = max(running.ready_s, seen_s)  # its next step is on its way
             if running.first_token_s is None:
