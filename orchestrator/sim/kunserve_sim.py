@@ -32,9 +32,9 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   its first (the paper's metric).
 - With `cores` (servers and their client on one machine, as in a live benchmark), work runs slower while more
   processes compute than the machine has cores: each computing member and the client when busy count one, and an
-  iteration or a token's client work that starts with n of them runs max(1, n / cores) times its time (processor
-  sharing, taken at its start) [chosen: two 1-thread compute processes on this benchmark's 2-core VM run at full
-  speed, three at 2/3 each].
+  iteration or a pass of the client's work that starts with n of them runs max(1, n / cores) times its time
+  (processor sharing, taken at its start) [chosen: two 1-thread compute processes on this benchmark's 2-core VM
+  run at full speed, three at 2/3 each].
 - Every `monitor_s` the monitor samples demand (pages held + pages of queued requests) and KV capacity; when
   `drop_trigger` asks for R pages, `plan_drop` merges the replicas still whole into groups (while dropped too, as the
   live segment loop: a burst that outgrows the first plan pairs more replicas), and once fewer than two are whole,
