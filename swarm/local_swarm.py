@@ -112,7 +112,7 @@ class SwarmProcesses:
         label = blocks.replace(":", "-") if blocks else "auto"
         proc = self._spawn(name or f"server-{label}-{len(self.procs)}", args, launcher)
         if wait and blocks is None and "--orchestrator" in extra:
-            self._wait_for_line(proc, "started peer_id=")
+            self.wait_started(proc)
         elif wait:
             self.wait_ready(proc)
         return proc
@@ -136,6 +136,10 @@ class SwarmProcesses:
 
     def wait_ready(self, proc: Proc) -> None:
         self._wait_for_line(proc, "ready peer_id=")
+
+    def wait_started(self, proc: Proc) -> None:
+        """Waits until the server `proc` started: a follower of an orchestrator serves only once it assigns blocks."""
+        self._wait_for_line(proc, "started peer_id=")
 
     def run_in_background(self, args: list[str], name: str | None = None) -> Proc:
         """Starts a Python process with `args` (e.g. a client script); `close()` stops it like the others."""

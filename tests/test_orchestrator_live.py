@@ -94,7 +94,7 @@ def orchestrated(
     swarm_factory: SwarmProcesses, tiny_llama: Path, orchestrators: list[Proc]
 ) -> Iterator[DistributedModelForCausalLM]:
     for follower in [start_follower(swarm_factory, tiny_llama, orchestrators, wait=False) for _ in range(3)]:
-        swarm_factory.wait_for_line(follower, "started peer_id=")  # the three start side by side
+        swarm_factory.wait_started(follower)  # the three start side by side
     model = DistributedModelForCausalLM.from_pretrained(
         str(tiny_llama), initial_peers=swarm_factory.initial_peers, client_config=ClientConfig(orchestrator="auto")
     )

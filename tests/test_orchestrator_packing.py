@@ -34,7 +34,7 @@ def orchestrated_pair(swarm_factory: SwarmProcesses, model: Path, orchestrator_a
     followers = [swarm_factory.start_server(model, None, "--orchestrator", orchestrator.peer_id, *server_args,
                                             wait=False) for _ in range(2)]
     for follower in followers:  # the two start side by side
-        swarm_factory.wait_for_line(follower, "started peer_id=")
+        swarm_factory.wait_started(follower)
     local = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     remote = DistributedModelForCausalLM.from_pretrained(
         str(model), initial_peers=swarm_factory.initial_peers,
