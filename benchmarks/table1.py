@@ -181,7 +181,7 @@ def run_method(method: str, args: argparse.Namespace, topology: Topology, model:
             )
             procs = [server(host, "--orchestrator", orchestrator.peer_id, wait=False) for host in SERVERS]
             for proc in procs:
-                swarm.wait_for_line(proc, "started peer_id=")
+                swarm.wait_started(proc)
             # up once the plan covers every block with chains and stays the same over two looks (the plan may
             # leave servers without blocks: Alg. 1 stops once its chains carry the load)
             deadline = time.monotonic() + 300
