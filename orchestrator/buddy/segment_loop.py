@@ -232,4 +232,5 @@ class DropLoop:
                 "dropped": self.dropped_since_s is not None,
                 "demand_pages": self.demand[-1][1] if self.demand else None,
                 "available_pages": self.available[-1][1] if self.available else None,
-                "plan": dict(self.last_plan.kept) if self.last_plan is not None else None}
+                "plan": dict(self.last_plan.kept) if self.last_plan is not None else None,
+                "plan_required_pages": self.last_plan.required_pages if self.last_plan is not None else None}
