@@ -152,14 +152,12 @@ def test_on_shared_cores_work_runs_slower_while_more_processes_compute_than_ther
     one_core = simulate(dataclasses.replace(two, cores=1), requests)
     # both replicas compute every iteration together: on one core each takes twice its time
     assert one_core.tbt_s == pytest.approx(2 * apart.tbt_s)
-    # the client's work is a process too: each member computing a micro-batch and a busy client count one
+    # the client's work is a process too: each member computing a batch and a busy client count one
     sim = _Sim(dataclasses.replace(CONFIG, cores=2), [], horizon_s=1.0)
-    units = list(sim.units.values())
     assert sim._sharing(client=True) == 1.0
-    units[0].batches = units[1].batches = 1
+    sim.computing = {0, 1}
     assert (sim._sharing(client=False), sim._sharing(client=True)) == (1.0, 1.5)
-    pair = sim._add_unit((4, 5))
-    pair.batches = 2  # a group pipelines a micro-batch on each member
+    sim.computing |= {2, 3}  # the members of a group compute side by side, each its slice
     assert sim._sharing(client=True) == 2.5
     assert _Sim(CONFIG, [], horizon_s=1.0)._sharing(client=True) == 1.0  # without cores: a processor each
 
@@ -222,9 +220,10 @@ def test_live_exchange_keeps_a_victim_computing_while_its_kv_follows() -> None:
         (group,) = sim.units.values()
         assert group.members == (0, 1) and group.running == [victim]
         events = [(kind, when) for when, _, kind, _, _ in sim.events]
-        if live:  # no stall: it computes at once, each iteration one round trip (2 hops) per remote block longer
+        if live:  # no stall: it computes at once, each member's batch one round trip (2 hops) longer per remote block
+            # of its half of the blocks
             assert sim.stalls == [0.0] and victim.remote_until_s == pytest.approx(exchange_s)
-            assert events == [("step", pytest.approx((10.0 + 0.1 + (1 + 2 * 4) * 1.0) / 1000))]
+            assert events == [("step", pytest.approx(((10.0 + 0.1) / 2 + 2 * 4 / 2 * 1.0) / 1000))]
         else:  # blocking: it waits for its KV
             assert sim.stalls == [pytest.approx(exchange_s)] and events == [("wake", pytest.approx(exchange_s))]
 

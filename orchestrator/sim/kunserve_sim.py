@@ -5,12 +5,12 @@ that hold more KV.
 The model, event by event (no clock, no global RNG; the same inputs give the same result):
 - A *unit* serves requests with continuous batching: a group of k replicas (k = 1 undropped) holding one copy of the
   model's blocks, so its KV capacity is k x `pages_total` - `params_pages` (the dropped copies' pages hold KV).
-  An iteration computes one token of every decoding request and up to `prefill_chunk_tokens` of prefill, and
-  occupies the unit for `step_ms + prefill_token_ms x prompt tokens + decode_token_ms x decoding requests + (k - 1)
-  x hop_ms`. A group is a pipeline: up to k micro-batches in flight, each with about 1/k of its requests, each
-  crossing the k members (each member computing its slice of the blocks for one micro-batch at a time) [chosen: no
-  bubbles; the hops count in the occupancy, which keeps a pipeline's micro-batches whole: as a delay outside the unit
-  they would let a free slot start a micro-batch of the few requests ready at that moment].
+  A group is a pipeline of its members in slice order, and each member batches on its own, as a live server does:
+  when free, it computes one token of every decoding request whose step waits at its slice and up to
+  `prefill_chunk_tokens` of prefill, which occupies it for `(step_ms + prefill_token_ms x prompt tokens +
+  decode_token_ms x decoding requests) x its share of the blocks`. A decoding step then crosses to the next member
+  in `hop_ms` (the server's push); a prompt crosses once its member has computed all of it, in two hops (the client
+  relays a prefill's hidden states, as the live client does). A whole replica is a pipeline of one.
 - A token reaches its client `round_trip_ms` after its iteration ends, and the request's next step is ready on the
   unit then: the network to the client and back takes time but occupies no server, which meanwhile computes the
   other requests' steps. A prompt's chunks follow each other without it. With `client_token_ms` and
@@ -149,6 +149,8 @@ class _Running:
     remote_blocks: int = 0
     in_flight: bool = False  # in a batch computing now
     closing: bool = False  # its last token is on its way to the client, whose close frees its pages
+    stage: int = 0  # the member (index in its unit's members) its step waits at or computes on
+    pass_done: int = 0  # prompt tokens of its current pass computed at `stage` (before the last member's)
 
 
 @dataclass(eq=False)
@@ -157,8 +159,7 @@ class _Unit:
     members: tuple[int, ...]
     capacity: int
     running: list[_Running] = field(default_factory=list)
-    batches: int = 0  # micro-batches computing now: a group of k pipelines up to k
-    waking: bool = False  # a wake-up is due when its first stalled victim's KV has arrived
+    waking: bool = False  # a wake-up is due when its first step not ready yet is
 
     @property
     def held(self) -> int:
@@ -167,6 +168,17 @@ class _Unit:
     @property
     def free(self) -> int:
         return self.capacity - self.held
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """What one member computes at once: (request, tokens) items at `stage` of unit `uid`."""
+
+    uid: int
+    member: int
+    stage: int
+    last: bool  # the unit's last member: its tokens are done through every block
+    items: list[tuple[_Running, int]]
 
 
 @dataclass(frozen=True)
@@ -204,7 +216,7 @@ class _Sim:
             self._add_unit(tuple(range(start, start + k)))
         self.queue: deque[int] = deque()
         self.backing_off: dict[int, tuple[float, float]] = {}  # request -> (its next backoff s, last refusal s)
-        self.events: list[tuple[float, int, str, int, list[tuple[_Running, int]]]] = []
+        self.events: list[tuple[float, int, str, int, _Batch | None]] = []
         self.sequence = 0
         self.ttft = np.full(len(self.requests), math.nan)
         self.tbt = np.full(len(self.requests), math.nan)
@@ -219,7 +231,8 @@ class _Sim:
         self.now = 0.0
         self.done = 0
         self.client_free_s = 0.0  # when the client has done the tokens it received so far
-        self.kept = {member: (0, config.blocks) for member in range(config.replicas)}  # what each member keeps
+        self.kept = {member: _even_slice(config.blocks, k, member % k) for member in range(config.replicas)}
+        self.computing: set[int] = set()  # members computing a batch now
 
     def _add_unit(self, members: tuple[int, ...]) -> _Unit:
         c = self.config
@@ -228,9 +241,9 @@ class _Sim:
         self.next_uid += 1
         return unit
 
-    def _push(self, when: float, kind: str, subject: int, batch: list[tuple[_Running, int]] | None = None) -> None:
+    def _push(self, when: float, kind: str, subject: int, batch: _Batch | None = None) -> None:
         self.sequence += 1
-        heapq.heappush(self.events, (when, self.sequence, kind, subject, batch or []))
+        heapq.heappush(self.events, (when, self.sequence, kind, subject, batch))
 
     def run(self) -> KunServeSimResult:
         for index, request in enumerate(self.requests):
@@ -251,7 +264,8 @@ class _Sim:
                 self.queue.append(subject)
                 self._dispatch()
             elif kind == "step":
-                self._finish_step(subject, batch)
+                assert batch is not None
+                self._finish_step(batch)
             elif kind == "close":
                 self._close(subject)
             elif kind == "wake":
@@ -313,64 +327,89 @@ class _Sim:
         return min(fits, key=lambda u: (len(u.running) / len(u.members), -u.free, u.uid), default=None)
 
     def _start(self, unit: _Unit) -> None:
-        """Starts micro-batches on `unit` while it has a free pipeline slot and ready requests: a group of k members
-        keeps up to k in flight, each with about 1/k of its requests, as a pipeline does."""
+        """Starts a batch on each member of `unit` that is free and has steps ready at its slice: every decoding
+        step, and prompt chunks within `prefill_chunk_tokens`."""
         c = self.config
-        slots = len(unit.members)
-        share = max(1, math.ceil(len(unit.running) / slots))
-        while unit.batches < slots:
-            idle = [r for r in unit.running if not r.in_flight and not r.closing]
+        last = len(unit.members) - 1
+        waiting: list[float] = []
+        for stage, member in enumerate(unit.members):
+            if member in self.computing:
+                continue
+            idle = [r for r in unit.running if r.stage == stage and not r.in_flight and not r.closing]
             ready = [r for r in idle if r.ready_s <= self.now]
-            if not ready:
-                if idle and not unit.waking:  # only requests not ready yet: wake when the first one is
-                    unit.waking = True
-                    self._push(min(r.ready_s for r in idle), "wake", unit.uid)
-                return
+            waiting += [r.ready_s for r in idle if r.ready_s > self.now]
             budget = c.prefill_chunk_tokens
-            batch: list[tuple[_Running, int]] = []
-            for running in ready[:share]:
+            items: list[tuple[_Running, int]] = []
+            for running in ready:
                 if running.prefilled < running.request.prompt:
                     if budget <= 0:
                         continue
-                    chunk = min(budget, running.request.prompt - running.prefilled)
+                    chunk = min(budget, running.request.prompt - running.prefilled - running.pass_done)
                     budget -= chunk
-                    batch.append((running, chunk))
+                    items.append((running, chunk))
                 else:
-                    batch.append((running, 1))
-            if not batch:
-                return
-            for running, _ in batch:
+                    items.append((running, 1))
+            if not items:
+                continue
+            for running, _ in items:
                 running.in_flight = True
-            prefill = sum(count for running, count in batch if running.prefilled < running.request.prompt)
-            decode = sum(1 for running, _ in batch if running.prefilled >= running.request.prompt)
-            remote = max((r.remote_blocks for r, _ in batch if r.remote_until_s > self.now), default=0)
-            unit.batches += 1
-            compute_ms = (c.step_ms + c.prefill_token_ms * prefill + c.decode_token_ms * decode) * self._sharing(
-                client=self.client_free_s > self.now)
-            step_s = (compute_ms + (slots - 1 + 2 * remote) * c.hop_ms) / 1000
-            self._push(self.now + step_s, "step", unit.uid, batch)
+            prefill = sum(count for running, count in items if running.prefilled < running.request.prompt)
+            decode = sum(1 for running, _ in items if running.prefilled >= running.request.prompt)
+            remote = max((r.remote_blocks for r, _ in items if r.remote_until_s > self.now), default=0)
+            share = self._share(member, len(unit.members))
+            self.computing.add(member)
+            compute_ms = ((c.step_ms + c.prefill_token_ms * prefill + c.decode_token_ms * decode) * share
+                          * self._sharing(client=self.client_free_s > self.now))
+            step_s = (compute_ms + 2 * remote * share * c.hop_ms) / 1000
+            self._push(self.now + step_s, "step", member, _Batch(unit.uid, member, stage, stage == last, items))
+        if waiting and not unit.waking:  # steps not ready yet: wake when the first one is
+            unit.waking = True
+            self._push(min(waiting), "wake", unit.uid)
+
+    def _share(self, member: int, members: int) -> float:
+        """Gives the share of the model's blocks `member` computes in a unit of `members`."""
+        if members == 1:
+            return 1.0
+        start, end = self.kept[member]
+        return (end - start) / self.config.blocks
 
     def _sharing(self, *, client: bool) -> float:
-        """Gives how many times its own time work that starts now takes: the processes computing (the members'
-        micro-batches in flight, the client if `client`) over `cores`, at least 1; 1 without `cores`."""
+        """Gives how many times its own time work that starts now takes: the processes computing (the members
+        computing a batch, the client if `client`) over `cores`, at least 1; 1 without `cores`."""
         cores = self.config.cores
         if cores is None:
             return 1.0
-        busy = sum(unit.batches for unit in self.units.values()) + client
-        return max(1.0, busy / cores)
+        return max(1.0, (len(self.computing) + client) / cores)
 
-    def _finish_step(self, uid: int, batch: list[tuple[_Running, int]]) -> None:
-        unit = self.units.get(uid)
+    def _finish_step(self, batch: _Batch) -> None:
+        """A member's batch ended: its steps go on to the next member, or, from the last, their tokens to the client.
+        A step whose unit was replaced meanwhile (a drop, a restore) starts its pass again on its new unit, unless
+        it had reached the last member."""
         c = self.config
-        if unit is not None:
-            unit.batches -= 1
+        self.computing.discard(batch.member)
+        replaced = batch.uid not in self.units
         tokens = []
-        for running, count in batch:
+        for running, count in batch.items:
             running.in_flight = False
-            if running.prefilled < running.request.prompt:
+            prefill = running.prefilled < running.request.prompt
+            if not batch.last:
+                if replaced:
+                    running.stage, running.pass_done = 0, 0
+                    continue
+                if prefill:
+                    running.pass_done += count
+                    if running.pass_done < running.request.prompt - running.prefilled:
+                        continue
+                    running.pass_done = 0
+                running.stage += 1
+                hops = 2 if prefill else 1  # a prompt's hidden states go through the client, a decode step is pushed
+                running.ready_s = max(running.ready_s, self.now + hops * c.hop_ms / 1000)
+                continue
+            if prefill:
                 running.prefilled += count
                 if running.prefilled < running.request.prompt:
                     continue
+            running.stage = 0
             tokens.append(running)
         if tokens:  # one pass of the client's head over them
             client_ms = (c.client_pass_ms + c.client_token_ms * len(tokens)) * self._sharing(client=True)
@@ -458,6 +497,7 @@ class _Sim:
                           - (plan.kept[_peer(member)][1] - plan.kept[_peer(member)][0])) for member in old.members]
                 for running in sorted(old.running, key=lambda r: (r.pages, r.index)):
                     self._stall_victim(running, moves)
+                    running.stage, running.pass_done = 0, 0  # its pass starts again on the group's first member
                     merged.running.append(running)
             self.largest_group = max(self.largest_group, len(members))
         for peer, kept_range in plan.kept.items():
@@ -504,6 +544,7 @@ class _Sim:
             if room[target] < running.pages:
                 return  # the groups' requests do not fit on whole replicas yet: stay dropped
             room[target] -= running.pages
+            running.stage, running.pass_done = 0, 0
             placed[target].append(running)
         self.units = {}
         for member in sorted(members):
@@ -524,3 +565,8 @@ class _Sim:
 
 def _peer(member: int) -> str:
     return f"r{member:04d}"
+
+
+def _even_slice(blocks: int, members: int, index: int) -> tuple[int, int]:
+    """Gives the blocks the `index`-th of `members` members keeps when they tile `blocks` evenly."""
+    return blocks * index // members, blocks * (index + 1) // members
