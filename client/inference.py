@@ -195,6 +195,7 @@ class RemoteInferenceSession:
         refusals = 0
         answered_busy = False  # a server refused this call for room (not only avoided from an earlier refusal)
         attempts = self.open_attempts
+        wait_id = uuid.uuid4().hex  # this wait, across its tries and rounds: servers count its refusals once
         servers: dict[str, ServerRecord] | None = None  # this round's records
         if records_max_age_s > 0:
             servers = self.client.recent_servers(records_max_age_s)
@@ -235,7 +236,7 @@ class RemoteInferenceSession:
             try:
                 for span in route:
                     started = time.perf_counter()
-                    opened.append(await self.open_span(span))
+                    opened.append(await self.open_span(span, wait_id=wait_id))
                     attempts.append(OpenAttempt("open", started, time.perf_counter(), span.peer_id))
                 return opened
             except RECOVERABLE_AT_OPEN as error:
@@ -270,11 +271,15 @@ class RemoteInferenceSession:
         missing = set(range(start, end)) - hosted
         return missing <= restorable
 
-    async def open_span(self, span: Span, *, moved_from: str | None = None,
-                        session_id: str | None = None) -> _SpanSession:
+    async def open_span(self, span: Span, *, moved_from: str | None = None, session_id: str | None = None,
+                        wait_id: str | None = None) -> _SpanSession:
+        """Opens a session on `span`'s server. `wait_id` names this client's wait for the blocks across its tries
+        (each try opens with a new session id), so that servers count a refused wait once in their KV demand."""
         connection = await self.client.connect(span.record)
         payload: dict[str, object] = {"session_id": session_id or uuid.uuid4().hex, "blocks": [span.start, span.end],
                                       "max_length": self.max_length, "batch": self.batch}
+        if wait_id is not None:
+            payload["wait_id"] = f"{wait_id}:{span.start}:{span.end}"
         first_step = max(self.prompt_tokens, self.position)  # the prompt, or what a replay brings
         if first_step:
             payload["prompt_tokens"] = first_step

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from hivemind import DHT
@@ -33,19 +33,32 @@ def refused_digests(refused: Mapping[str, int]) -> dict[str, int]:
     `info` shows them: the segment's leader counts a session that several members refused once, and no one learns
     a session's id from it."""
     latest = list(refused.items())[-REFUSED_ON_WIRE:]
-    return {hashlib.blake2b(session_id.encode(), digest_size=8).hexdigest(): pages for session_id, pages in latest}
+    return {_digest(session_id): pages for session_id, pages in latest}
 
 
-def refused_twice(members: list[Mapping[str, Any]]) -> int:
-    """Gives the pages the members' `kv_demand_pages` count more than once: a client that every server refused
-    asked each of them (`members`: each one's `refused_digests`)."""
+def opened_digests(opened: Sequence[str]) -> list[str]:
+    """Gives the latest of the sessions that opened on a server (their wait keys, `SessionTable.opened`) as
+    digests, as `info` shows them beside `refused_digests`."""
+    return [_digest(key) for key in opened[-REFUSED_ON_WIRE:]]
+
+
+def _digest(key: str) -> str:
+    return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+
+
+def refused_twice(members: list[Mapping[str, Any]], opened: Iterable[Any] = ()) -> int:
+    """Gives the pages the members' `kv_demand_pages` count beyond the sessions still waiting: a client that every
+    server refused asked each of them (counted once), and a session that one member refused and another opened
+    since waits no more (counted not at all) (`members`: each one's `refused_digests`; `opened`: the members'
+    `opened_digests`)."""
     total, once = 0, {}
     for refused in members:
         for digest, pages in refused.items():
             if isinstance(pages, int) and pages >= 0:
                 total += pages
                 once[digest] = max(once.get(digest, 0), pages)
-    return total - sum(once.values())
+    done = {digest for digest in opened if isinstance(digest, str)}
+    return total - sum(pages for digest, pages in once.items() if digest not in done)
 
 
 class DropHost(Protocol):
@@ -114,11 +127,12 @@ class DropMember:
     async def _fresh_group(self) -> list[ServerRecord]:
         """Gives the segment's records as its servers see themselves now (`info`), this server's own included;
         a member that does not answer is left out of this look. Notes what their demands count twice."""
-        fresh, refused = [], []
+        fresh, refused, opened = [], [], []
         for record in await self._group(max_age_s=GROUP_MAX_AGE_S):
             if record.peer_id == self.server.peer_id:
                 fresh.append(self.server.record())
                 refused.append(refused_digests(self.server.hosting.sessions.refused()))
+                opened += opened_digests(self.server.hosting.sessions.opened())
                 continue
             try:
                 reply = await (await self._connection(record)).call("info", {},
@@ -131,7 +145,9 @@ class DropMember:
                 dropping = reply.get("dropping")
                 named = dropping.get("refused") if isinstance(dropping, dict) else None
                 refused.append(named if isinstance(named, dict) else {})
-        self._refused_twice = refused_twice(refused)
+                done = dropping.get("opened") if isinstance(dropping, dict) else None
+                opened += done if isinstance(done, list) else []
+        self._refused_twice = refused_twice(refused, opened)
         return fresh
 
     async def _ask_to_drop(self, peer_id: str, start: int, end: int) -> None:

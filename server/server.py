@@ -22,7 +22,7 @@ from orchestrator.packing.migration_split import MigrationCosts, move_costs
 from server import allocator
 from server.compute import DECODE_BATCHES, PREFILL_CHUNK_TOKENS, BlockSpeed, cached_block_speed
 from server.config import ServerConfig
-from server.drop_member import DropMember, refused_digests
+from server.drop_member import DropMember, opened_digests, refused_digests
 from server.emulated_gpu import load_profile
 from server.exchange import BlockExchange
 from server.hosting import Hosting
@@ -491,7 +491,8 @@ class SwarmServer:
                              "loop": self.dropping.loop.to_wire() if self.dropping.loop is not None else None,
                              "reshaping": self.exchange.reshaping, "exchange": self.exchange.stats.to_wire(),
                              "live": self.remote.stats.to_wire(),
-                             "refused": refused_digests(self.sessions.refused())}}
+                             "refused": refused_digests(self.sessions.refused()),
+                             "opened": opened_digests(self.sessions.opened())}}
 
     async def _open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         self._check_accepting()
@@ -508,8 +509,12 @@ class SwarmServer:
         lease_id = field(payload, "lease_id", str, optional=True)
         if lease_id is not None and len(lease_id) > 128:
             raise MalformedFrame("lease_id is longer than 128 characters")
+        wait_id = field(payload, "wait_id", str, optional=True) or ""
+        if len(wait_id) > 128:
+            raise MalformedFrame("wait_id is longer than 128 characters")
         session = self.sessions.open(session_id, start, end, batch=batch, max_length=max_length,
-                                     opener=ctx.peer_id, prompt_tokens=prompt_tokens, moved_in=moved_in)
+                                     opener=ctx.peer_id, prompt_tokens=prompt_tokens, moved_in=moved_in,
+                                     wait_id=wait_id)
         session.lease_id = lease_id
         if moved_in:
             self.migrations.note_replayed_in(session_id)

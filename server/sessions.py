@@ -159,7 +159,9 @@ class SessionTable:
         self._sessions: dict[str, Session] = {}
         self._closing: dict[str, Session] = {}  # closed while a batch computes with them; freed when it ends
         self._evicted: OrderedDict[str, tuple[float, SwarmError]] = OrderedDict()  # id -> (when, what its steps get)
-        self._refused: OrderedDict[str, tuple[float, int]] = OrderedDict()  # id -> (when, pages) of opens refused
+        # a waiting session's key (its client's `wait_id`, else its id) -> (when, pages) of opens refused for room
+        self._refused: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        self._opened: OrderedDict[str, float] = OrderedDict()  # such a key -> when a session with it opened here
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -220,7 +222,7 @@ class SessionTable:
 
     def open(
         self, session_id: str, start: int, end: int, *, batch: int, max_length: int, opener: str = "", tokens: int = 1,
-        prompt_tokens: int = 0, moved_in: bool = False,
+        prompt_tokens: int = 0, moved_in: bool = False, wait_id: str = "",
     ) -> Session:
         """Gives a new session holding pages for its first `tokens` tokens (1: its first page) per block and row, or
         raises a typed error and holds nothing.
@@ -229,7 +231,10 @@ class SessionTable:
         its client said its first step brings) and then by the headroom. A session that `moved_in` by migration is
         admitted on the pages it needs now, next to the prompts announced here and not yet arrived: whoever moved
         it here (its segment's packing, a drain, its client) chose this server for it, and the sessions here keep
-        taking free pages as they grow."""
+        taking free pages as they grow.
+
+        `wait_id` names the client's wait for this session across its tries (each try opens with a new session id):
+        a refusal counts in `kv_demand_pages` under it, once however often the client tries, until it opens."""
         self.check_hosted(start, end)
         if not 0 < max_length <= self.max_length:
             raise MaxLengthExceeded(f"max_length {max_length} is outside 1..{self.max_length} (the server's limit)")
@@ -253,7 +258,7 @@ class SessionTable:
             reserve = self.growth_reserve()
         pages_free = self.pool.pages_free
         if not self.policy.admits(pages_free=pages_free, reserve=reserve, new_session_pages=expected):
-            self._note_refused(session_id, expected)
+            self._note_refused(wait_id or session_id, expected)
             raise ServerBusy(
                 f"no room for a session of {end - start} blocks x {batch} row(s): it is expected to take {expected} "
                 f"pages, {pages_free} are free and the {len(self)} open session(s) are expected to take {reserve} "
@@ -261,7 +266,7 @@ class SessionTable:
             )
         session = Session(session_id, start, end, batch, max_length, opener=opener, prompt_tokens=prompt_tokens)
         self._sessions[session_id] = session
-        self._refused.pop(session_id, None)  # it holds pages now: no longer a demand beside them
+        self._note_opened(wait_id or session_id)  # it holds pages now: no longer a demand beside them
         try:
             self._grow(session, tokens)
         except BaseException:
@@ -381,6 +386,21 @@ class SessionTable:
             raise SessionNotFound(f"session {session_id!r} is not open on this server (unknown, closed or timed out)")
         return session
 
+    def _note_opened(self, key: str) -> None:
+        self._refused.pop(key, None)
+        self._opened[key] = time.monotonic()
+        self._opened.move_to_end(key)
+        while len(self._opened) > MAX_REMEMBERED:
+            self._opened.popitem(last=False)
+
+    def opened(self, window_s: float = REFUSED_WINDOW_S) -> list[str]:
+        """Gives the keys (`wait_id`s, else ids) of the sessions that opened here in the last `window_s`, oldest
+        first: a segment's leader no longer counts another member's refusal of one of them as demand."""
+        now = time.monotonic()
+        while self._opened and now - next(iter(self._opened.values())) > window_s:
+            self._opened.popitem(last=False)
+        return list(self._opened)
+
     def _note_refused(self, session_id: str, pages: int) -> None:
         self._refused[session_id] = (time.monotonic(), pages)
         self._refused.move_to_end(session_id)
@@ -391,7 +411,8 @@ class SessionTable:
         """Gives the KV pages asked of this server beyond what its sessions hold: what they are expected to take as
         they grow, and what the sessions it refused for room in the last `window_s` would have taken (each session
         once, however often its client retried, until it opens here): the demand KunServe's drop trigger watches.
-        A session that opened on another server meanwhile counts here until the window ends."""
+        A session that opened on another server meanwhile counts here until the window ends; the segment's leader
+        takes it out again (`server.drop_member.refused_twice`, from the members' `opened`)."""
         return self.growth_reserve() + sum(self.refused(window_s).values())
 
     def refused(self, window_s: float = REFUSED_WINDOW_S) -> dict[str, int]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from orchestrator.buddy.segment_loop import DropLoop, drop_group, segment_of
-from server.drop_member import refused_digests, refused_twice
+from server.drop_member import opened_digests, refused_digests, refused_twice
 from swarm.errors import ServerBusy
 from swarm.records import ServerRecord
 from tests.test_records import make_wire
@@ -201,6 +201,8 @@ def test_a_session_that_every_member_refused_counts_once_in_the_segments_demand(
         assert "s1" not in str(named)  # `info` names a digest, not the session's id
         twice = refused_twice(named)
         assert twice == 30
+        # a session that a refused and b opened since waits no more: neither refusal counts
+        assert refused_twice(named, opened_digests(["s1"])) == 60 and refused_twice(named, ["junk", 7]) == 30
         records = [record("a", 0, 8, kv=35, demand=40), record("b", 0, 8, kv=35, demand=30)]
         counted, deduplicated = Segment(list(records)), Segment(list(records))
         loops = [DropLoop("a", group=counted.group, drop=counted.drop, restore=counted.restore),

@@ -85,18 +85,22 @@ def test_a_refused_session_counts_in_the_demand_once_while_its_client_may_still_
         sessions = table(16, headroom_tokens=0)
         holder = sessions.open("a", 0, 4, batch=2, max_length=128)  # 8 of 16 pages; "b" expects 8 and 8 more
         sessions.open("c", 0, 4, batch=1, max_length=128)
-        for _ in range(3):  # a client retrying counts once
+        for attempt in range(3):  # a client retrying counts once: each try is a new session of the same wait
             with pytest.raises(ServerBusy):
-                sessions.open("b", 0, 4, batch=3, max_length=128)
-        assert sessions.kv_demand_pages() == 12
+                sessions.open(f"b{attempt}", 0, 4, batch=3, max_length=128, wait_id="wait-b")
+        assert sessions.kv_demand_pages() == 12 and sessions.opened() == ["a", "c"]
+        with pytest.raises(ServerBusy):  # a client that names no wait counts by its session's id
+            sessions.open("d", 0, 4, batch=2, max_length=128)
+        assert sessions.kv_demand_pages() == 12 + 8
         # a client backs off up to 4 s between its attempts: it still waits for room until then
         assert REFUSED_WINDOW_S > BUSY_BACKOFF_MAX_S
         assert sessions.kv_demand_pages(window_s=0.0) == 0  # past the window it is forgotten
         with pytest.raises(ServerBusy):
-            sessions.open("b", 0, 4, batch=3, max_length=128)
+            sessions.open("b3", 0, 4, batch=3, max_length=128, wait_id="wait-b")
         sessions.close(holder.session_id)
-        sessions.open("b", 0, 4, batch=3, max_length=128)  # it holds its pages now: not a demand beside them
-        assert sessions.kv_demand_pages() == 0
+        # it holds its pages now: not a demand beside them, and the wait is named among those that opened here
+        sessions.open("b4", 0, 4, batch=3, max_length=128, wait_id="wait-b")
+        assert sessions.kv_demand_pages() == 0 and sessions.opened()[-1] == "wait-b"
 
     run(scenario)
 
