@@ -243,3 +243,15 @@ def test_merging_two_pairs_moves_each_victims_kv_for_the_blocks_its_members_no_l
     # members 0 and 1 each send 2 blocks of the victim's 64 tokens at once: the stall is one member's share
     assert victim.ready_s == pytest.approx(64 * 2 * CONFIG.kv_bytes_per_token_block / CONFIG.link_bytes_per_s)
     assert sim.largest_group == 4 and sim.drops == 1
+
+
+def test_a_step_ready_soon_does_not_wait_for_a_stalled_victims_later_wake() -> None:
+    # one replica: a victim whose KV arrives at 5 s, and a request whose steps each wait for a 100-ms round trip
+    config = dataclasses.replace(CONFIG, replicas=1, dropping=False, round_trip_ms=100.0)
+    sim = _Sim(config, [SimRequest(0.0, 16, 4), SimRequest(100.0, 16, 4)], horizon_s=10.0)
+    (unit,) = sim.units.values()
+    unit.running.append(_Running(1, sim.requests[1], 8, prefilled=16, produced=1, first_token_s=0.0, ready_s=5.0))
+    result = sim.run()
+    # each of its steps starts when its token's round trip ends, not when the victim wakes
+    assert result.ttft_s[0] < 0.2 and result.tbt_s[0] < 0.2
+    assert result.tbt_s[1] > 5.0 / 3  # the victim's three tokens came after 5 s

@@ -159,7 +159,7 @@ class _Unit:
     members: tuple[int, ...]
     capacity: int
     running: list[_Running] = field(default_factory=list)
-    waking: bool = False  # a wake-up is due when its first step not ready yet is
+    wake_s: float | None = None  # a wake-up is due then: its first step not ready yet
 
     @property
     def held(self) -> int:
@@ -271,7 +271,8 @@ class _Sim:
             elif kind == "wake":
                 unit = self.units.get(subject)
                 if unit is not None:
-                    unit.waking = False
+                    if unit.wake_s is not None and unit.wake_s <= self.now:
+                        unit.wake_s = None
                     self._start(unit)
             elif kind == "monitor":
                 self._monitor()
@@ -362,9 +363,10 @@ class _Sim:
                           * self._sharing(client=self.client_free_s > self.now))
             step_s = (compute_ms + 2 * remote * share * c.hop_ms) / 1000
             self._push(self.now + step_s, "step", member, _Batch(unit.uid, member, stage, stage == last, items))
-        if waiting and not unit.waking:  # steps not ready yet: wake when the first one is
-            unit.waking = True
-            self._push(min(waiting), "wake", unit.uid)
+        first = min(waiting, default=math.inf)  # steps not ready yet: wake when the first one is
+        if first < (unit.wake_s if unit.wake_s is not None else math.inf):
+            unit.wake_s = first
+            self._push(first, "wake", unit.uid)
 
     def _share(self, member: int, members: int) -> float:
         """Gives the share of the model's blocks `member` computes in a unit of `members`."""
