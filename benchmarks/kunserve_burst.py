@@ -50,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,7 +229,8 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping: bool) -> KunServeSimConfig:
+def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping: bool,
+               exchanged: Sequence[ArmRun] = ()) -> KunServeSimConfig:
     """Gives the simulator the live swarm's geometry (from the servers' records) and speeds measured in the no-drop
     arm (`base`). What occupies a server: a decode iteration's fixed compute, the records' lone decode step through
     all blocks; each more decoding request, the records' growth of a decode step with the batch; a prompt token, what
@@ -243,7 +245,8 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
     clients route without an orchestrator, by latency over records that do not show load, to the same whole replica
     until it refuses them (`placement` "fewest_hops"). The servers and the client share this machine's cores
     (`cores`: the report runs where the arms ran), so work that starts while more of them compute than there are
-    cores runs slower."""
+    cores runs slower. How fast victims' KV crosses between members: what the servers of the runs that dropped
+    (`exchanged`) measured of their KV moves (`exchange_bytes_per_s`), else the link's rate."""
     first = min(base.polls, key=lambda row: row["t"])
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
     widest = max(decode, default=1)
@@ -259,11 +262,26 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
         step_ms=lone, prefill_token_ms=prefill_token_ms_under_load(base, requests), decode_token_ms=max(0.0, per_row),
         hop_ms=rtt_ms / 2, round_trip_ms=min(beyond_compute, rtt_ms),
         client_token_ms=max(0.0, beyond_compute - rtt_ms - head_ms), client_pass_ms=head_ms,
-        link_bytes_per_s=MBIT * 1e6 / 8, kv_bytes_per_token_block=first["kv_bytes_per_token"],
+        link_bytes_per_s=exchange_bytes_per_s(exchanged) or MBIT * 1e6 / 8,
+        kv_bytes_per_token_block=first["kv_bytes_per_token"],
         prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping,
         retry_backoff_s=(BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S), refused_window_s=REFUSED_WINDOW_S,
         attempt_s=attempt_s_of(base), placement="fewest_hops", cores=os.cpu_count() or 1,
     )
+
+
+def exchange_bytes_per_s(runs: Sequence[ArmRun]) -> float | None:
+    """Gives how fast the servers of `runs` moved sessions' KV to a peer: the bytes they sent over the time their
+    sends took, summed over the servers and runs (`info` migrations); None if they moved none. On the emulated
+    100 Mbit/s links the moves ran at 22-33 Mbit/s (r6): each chunk waits for its peer's answer, and the cores are
+    shared."""
+    sent, took_ms = 0, 0.0
+    for run in runs:
+        for row in run.last_polls().values():
+            migrations = row.get("migrations") or {}
+            sent += migrations.get("bytes_out", 0)
+            took_ms += migrations.get("ms_out", 0.0)
+    return sent / (took_ms / 1000) if sent and took_ms else None
 
 
 HEAD_PASSES = 50  # passes of the client's head timed, the median kept
@@ -444,13 +462,14 @@ SIM_REPLAYS = 21  # the simulator's replays of one arm: the arrivals as recorded
 SIM_JITTER_S = 0.05  # each jittered replay moves every arrival by up to this, either way
 
 
-def sim_p99_ttft(base: ArmRun, rtt_ms: float, requests: list[dict], arm: str) -> list[float]:
+def sim_p99_ttft(base: ArmRun, rtt_ms: float, requests: list[dict], arm: str,
+                 exchanged: Sequence[ArmRun] = ()) -> list[float]:
     """Gives the simulator's P99 TTFT of `arm` on `requests`, with the geometry and speeds of `base`, in each of
     `SIM_REPLAYS` replays: the arrivals as recorded, then moved by up to `SIM_JITTER_S` either way (seeded). Where
     clients back off, which client gets a freed slot turns on milliseconds, and the P99 with it; the replays show
     how far."""
     dropping, live_exchange, groups = SIMULATED_ARMS[arm]
-    config = dataclasses.replace(sim_config(base, {r["id"]: r for r in requests}, rtt_ms, dropping),
+    config = dataclasses.replace(sim_config(base, {r["id"]: r for r in requests}, rtt_ms, dropping, exchanged),
                                  live_exchange=live_exchange, static_groups=groups)
     p99s = []
     for seed in range(SIM_REPLAYS):
@@ -515,12 +534,14 @@ def report(rtt_ms: float, runs: dict[str, ArmRun], requests: list[dict]) -> None
                     window = int(t // WINDOW_S)
                     windows[window] = (max(windows.get(window, (0, 0))[0], held), capacity)
             print(f"  {name:<9} " + " ".join(f"{held}/{capacity}" for _, (held, capacity) in sorted(windows.items())))
-        fitted = sim_config(base, by_id, rtt_ms, True)
+        exchanged = [run for name, run in runs.items() if SIMULATED_ARMS.get(name, (False,))[0]]
+        fitted = sim_config(base, by_id, rtt_ms, True, exchanged)
         print(f"simulator (same requests, the live swarm's geometry and speeds: iteration {fitted.step_ms:.0f} ms + "
               f"{fitted.decode_token_ms:.1f} ms per decoding request + {fitted.prefill_token_ms:.2f} ms per prompt "
               f"token, the client's work {fitted.client_pass_ms:.0f} ms a head pass and {fitted.client_token_ms:.0f} "
               f"ms a token in it, a token's round trip "
-              f"{fitted.round_trip_ms:.0f} ms, hop {fitted.hop_ms:g} ms, a client's try "
+              f"{fitted.round_trip_ms:.0f} ms, hop {fitted.hop_ms:g} ms, victims' KV at "
+              f"{fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, a client's try "
               f"{fitted.attempt_s * 1000:.0f} ms; sessions to the first whole replica with room, "
               f"{fitted.cores} cores shared) against live, P99 TTFT: the median of {SIM_REPLAYS} replays (the arrivals "
               f"as recorded, and moved by up to {SIM_JITTER_S * 1000:.0f} ms) and their 10-90%:")
@@ -529,7 +550,7 @@ def report(rtt_ms: float, runs: dict[str, ArmRun], requests: list[dict]) -> None
             if run is None or not run.served:
                 continue
             live = pct(run.ttft(), 99)
-            replays = np.array(sim_p99_ttft(base, rtt_ms, requests, arm))
+            replays = np.array(sim_p99_ttft(base, rtt_ms, requests, arm, exchanged))
             low, sim, high = np.percentile(replays, [10, 50, 90])
             off = abs(sim - live) / live if live else math.nan
             print(f"  {arm:<26} live {live:7.2f} s  sim {sim:7.2f} s ({low:.2f}-{high:.2f})  off by {off:.0%}: "

@@ -9,10 +9,12 @@ import pytest
 from benchmarks.kunserve_burst import (
     COMPUTE_SHARE,
     TRACE,
+    ArmRun,
     Calibration,
     LoadedSpeeds,
     burst_requests,
     busiest_share,
+    exchange_bytes_per_s,
     peak_sessions,
     sized_pool,
     sized_rate,
@@ -47,3 +49,16 @@ def test_the_pools_hold_half_the_sessions_the_busiest_moment_asks() -> None:
     assert peak_sessions(requests, calibration) == 12  # each open 6 s, all arrived within 5.5 s
     assert sized_pool(requests, calibration) == 2  # 3 sessions a server, 6 a pair: 12 asks twice that
     assert sized_pool(requests[:2], calibration) == 1  # never below one page per block
+
+
+def test_the_exchange_rate_is_the_bytes_the_servers_moved_over_the_time_their_moves_took() -> None:
+    def run(*moves: tuple[str, float, int, float]) -> ArmRun:
+        polls = [{"t": t, "peer_id": peer, "migrations": {"bytes_out": sent, "ms_out": ms}}
+                 for peer, t, sent, ms in moves]
+        return ArmRun("KunServe blocking", [], polls, 0.0)
+
+    # the last poll of each server counts: 6 MB in 2 s on one, 2 MB in 2 s on the other, in two runs
+    first = run(("a", 1.0, 1_000_000, 500.0), ("a", 2.0, 6_000_000, 2000.0), ("b", 2.0, 0, 0.0))
+    second = run(("b", 1.0, 2_000_000, 2000.0))
+    assert exchange_bytes_per_s([first, second]) == pytest.approx(8e6 / 4.0)
+    assert exchange_bytes_per_s([run(("a", 1.0, 0, 0.0))]) is None and exchange_bytes_per_s([]) is None
