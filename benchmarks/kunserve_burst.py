@@ -245,7 +245,8 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
     clients route without an orchestrator, by latency over records that do not show load, to the same whole replica
     until it refuses them (`placement` "fewest_hops"). The servers and the client share this machine's cores
     (`cores`: the report runs where the arms ran), so work that starts while more of them compute than there are
-    cores runs slower. How fast victims' KV crosses between members: what the servers of the runs that dropped
+    cores runs slower. A group's members batch on their own, as the live servers do (`member_batching`). How fast
+    victims' KV crosses between members: what the servers of the runs that dropped
     (`exchanged`) measured of their KV moves (`exchange_bytes_per_s`), else the link's rate."""
     first = min(base.polls, key=lambda row: row["t"])
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
@@ -266,7 +267,7 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
         kv_bytes_per_token_block=first["kv_bytes_per_token"],
         prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping,
         retry_backoff_s=(BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S), refused_window_s=REFUSED_WINDOW_S,
-        attempt_s=attempt_s_of(base), placement="fewest_hops", cores=os.cpu_count() or 1,
+        attempt_s=attempt_s_of(base), placement="fewest_hops", cores=os.cpu_count() or 1, member_batching=True,
     )
 
 

@@ -47,13 +47,17 @@ def test_a_burst_makes_the_replicas_drop_and_restore_and_cuts_the_tail_ttft() ->
     assert 4 * 60 in capacities and max(capacities) > 4 * 60
 
 
-def test_a_static_pipeline_pays_its_hops_when_unloaded() -> None:
+@pytest.mark.parametrize("members", [False, True], ids=["micro-batches", "member-batching"])
+def test_a_static_pipeline_pays_its_hops_when_unloaded(members: bool) -> None:
     calm = [SimRequest(1.0 * i, 16, 48) for i in range(10)]
     replicas = simulate(dataclasses.replace(CONFIG, dropping=False), calm)
-    pipeline = simulate(dataclasses.replace(CONFIG, static_groups=2), calm)
+    pipeline = simulate(dataclasses.replace(CONFIG, static_groups=2, member_batching=members), calm)
     assert pipeline.drops == 0
     extra_ms = (np.nanmedian(pipeline.tbt_s) - np.nanmedian(replicas.tbt_s)) * 1000
     assert extra_ms == pytest.approx(CONFIG.hop_ms)  # one more member, one hop per token
+    # the prompt's hidden states go through the client between members batching on their own: two hops
+    extra_ms = (np.nanmedian(pipeline.ttft_s) - np.nanmedian(replicas.ttft_s)) * 1000
+    assert extra_ms == pytest.approx(2 * CONFIG.hop_ms if members else CONFIG.hop_ms)
 
 
 def test_the_simulation_is_a_pure_function_of_its_inputs() -> None:
@@ -157,8 +161,10 @@ def test_on_shared_cores_work_runs_slower_while_more_processes_compute_than_ther
     assert sim._sharing(client=True) == 1.0
     sim.computing = {0, 1}
     assert (sim._sharing(client=False), sim._sharing(client=True)) == (1.0, 1.5)
-    sim.computing |= {2, 3}  # the members of a group compute side by side, each its slice
+    sim.computing |= {2, 3}  # the members of a group that batch on their own compute side by side, each its slice
     assert sim._sharing(client=True) == 2.5
+    sim._add_unit((4, 5)).batches = 2  # a group that pipelines micro-batches: each in flight counts one
+    assert sim._sharing(client=True) == 3.5
     assert _Sim(CONFIG, [], horizon_s=1.0)._sharing(client=True) == 1.0  # without cores: a processor each
 
 
@@ -212,18 +218,22 @@ def test_a_clients_try_takes_its_time_before_it_is_admitted_or_backs_off() -> No
 def test_live_exchange_keeps_a_victim_computing_while_its_kv_follows() -> None:
     pair = dataclasses.replace(CONFIG, replicas=2, link_bytes_per_s=1e6)
     exchange_s = 26 * 4 * 1536 / 1e6  # 26 tokens of KV for the 4 blocks its member dropped, over 1 MB/s
-    for live in (False, True):
-        sim = _Sim(dataclasses.replace(pair, live_exchange=live), [SimRequest(0.0, 16, 48)], horizon_s=10.0)
+    for live, members in itertools.product((False, True), (False, True)):
+        sim = _Sim(dataclasses.replace(pair, live_exchange=live, member_batching=members), [SimRequest(0.0, 16, 48)],
+                   horizon_s=10.0)
         victim = _Running(0, sim.requests[0], 8, prefilled=16, produced=10)
         next(iter(sim.units.values())).running.append(victim)
         sim._drop(required=1)
         (group,) = sim.units.values()
         assert group.members == (0, 1) and group.running == [victim]
         events = [(kind, when) for when, _, kind, _, _ in sim.events]
-        if live:  # no stall: it computes at once, each member's batch one round trip (2 hops) longer per remote block
-            # of its half of the blocks
+        if live and members:  # no stall: it computes at once on the first member, its batch one round trip (2
+            # hops) longer per remote block of that member's half of the blocks
             assert sim.stalls == [0.0] and victim.remote_until_s == pytest.approx(exchange_s)
             assert events == [("step", pytest.approx(((10.0 + 0.1) / 2 + 2 * 4 / 2 * 1.0) / 1000))]
+        elif live:  # a micro-batch crosses both members: one hop, and a round trip per remote block
+            assert sim.stalls == [0.0] and victim.remote_until_s == pytest.approx(exchange_s)
+            assert events == [("step", pytest.approx((10.0 + 0.1 + (1 + 2 * 4) * 1.0) / 1000))]
         else:  # blocking: it waits for its KV
             assert sim.stalls == [pytest.approx(exchange_s)] and events == [("wake", pytest.approx(exchange_s))]
 

@@ -5,12 +5,16 @@ that hold more KV.
 The model, event by event (no clock, no global RNG; the same inputs give the same result):
 - A *unit* serves requests with continuous batching: a group of k replicas (k = 1 undropped) holding one copy of the
   model's blocks, so its KV capacity is k x `pages_total` - `params_pages` (the dropped copies' pages hold KV).
-  A group is a pipeline of its members in slice order, and each member batches on its own, as a live server does:
-  when free, it computes one token of every decoding request whose step waits at its slice and up to
-  `prefill_chunk_tokens` of prefill, which occupies it for `(step_ms + prefill_token_ms x prompt tokens +
-  decode_token_ms x decoding requests) x its share of the blocks`. A decoding step then crosses to the next member
-  in `hop_ms` (the server's push); a prompt crosses once its member has computed all of it, in two hops (the client
-  relays a prefill's hidden states, as the live client does). A whole replica is a pipeline of one.
+  An iteration computes one token of every decoding request and up to `prefill_chunk_tokens` of prefill, and
+  occupies a whole replica for `step_ms + prefill_token_ms x prompt tokens + decode_token_ms x decoding requests`.
+  A group is a pipeline of its members in slice order, in one of two ways:
+  - as the paper's engine pipelines (the default): up to k micro-batches in flight, each with about 1/k of its
+    requests, each crossing the k members and paying (k - 1) x `hop_ms` [chosen: no bubbles; the hops count in the
+    occupancy, which keeps a pipeline's micro-batches whole];
+  - with `member_batching`, as swarm servers do: each member batches on its own. When free, it computes every
+    decoding step waiting at its slice and prompt chunks, at its share of the blocks' cost. A decoding step then
+    crosses to the next member in `hop_ms` (the server's push); a prompt crosses once its member has computed all
+    of it, in two hops (the client relays a prefill's hidden states, as the live client does).
 - A token reaches its client `round_trip_ms` after its iteration ends, and the request's next step is ready on the
   unit then: the network to the client and back takes time but occupies no server, which meanwhile computes the
   other requests' steps. A prompt's chunks follow each other without it. With `client_token_ms` and
@@ -72,6 +76,7 @@ class SimRequest:
 
 
 PLACEMENTS = ("least_loaded", "fewest_hops")
+MICRO_BATCH = -1  # a `_Batch`'s member when a group's micro-batch crosses all of its members
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,10 @@ class KunServeSimConfig:
     placement: str = "least_loaded"
     # The cores that the servers and their client share (a live benchmark on one machine), None: a processor each
     cores: int | None = None
+    # How a group pipelines: False, as the paper's engine, up to k micro-batches in flight, each with about 1/k of
+    # its requests and holding them for its whole traversal; True, as swarm servers, each member batching the steps
+    # that reached it on its own
+    member_batching: bool = False
 
     def __post_init__(self) -> None:
         if self.params_pages % self.blocks or self.params_pages >= self.pages_total:
@@ -159,6 +168,7 @@ class _Unit:
     members: tuple[int, ...]
     capacity: int
     running: list[_Running] = field(default_factory=list)
+    batches: int = 0  # micro-batches in flight (a group without `member_batching`: up to k)
     wake_s: float | None = None  # a wake-up is due then: its first step not ready yet
 
     @property
@@ -329,8 +339,12 @@ class _Sim:
 
     def _start(self, unit: _Unit) -> None:
         """Starts a batch on each member of `unit` that is free and has steps ready at its slice: every decoding
-        step, and prompt chunks within `prefill_chunk_tokens`."""
+        step, and prompt chunks within `prefill_chunk_tokens`. A group without `member_batching` starts
+        micro-batches instead (`_start_micro_batches`)."""
         c = self.config
+        if len(unit.members) > 1 and not c.member_batching:
+            self._start_micro_batches(unit)
+            return
         last = len(unit.members) - 1
         waiting: list[float] = []
         for stage, member in enumerate(unit.members):
@@ -363,7 +377,50 @@ class _Sim:
                           * self._sharing(client=self.client_free_s > self.now))
             step_s = (compute_ms + 2 * remote * share * c.hop_ms) / 1000
             self._push(self.now + step_s, "step", member, _Batch(unit.uid, member, stage, stage == last, items))
-        first = min(waiting, default=math.inf)  # steps not ready yet: wake when the first one is
+        self._wake(unit, waiting)
+
+    def _start_micro_batches(self, unit: _Unit) -> None:
+        """Starts micro-batches on `unit` while it has a free pipeline slot and ready requests: a group of k members
+        keeps up to k in flight, each with about 1/k of its requests, each crossing the k members and paying their
+        (k - 1) hops [chosen: no bubbles; the hops count in the occupancy, which keeps a pipeline's micro-batches
+        whole]."""
+        c = self.config
+        slots = len(unit.members)
+        share = max(1, math.ceil(len(unit.running) / slots))
+        while unit.batches < slots:
+            idle = [r for r in unit.running if not r.in_flight and not r.closing]
+            ready = [r for r in idle if r.ready_s <= self.now]
+            if not ready:
+                self._wake(unit, [r.ready_s for r in idle])
+                return
+            budget = c.prefill_chunk_tokens
+            items: list[tuple[_Running, int]] = []
+            for running in ready[:share]:
+                if running.prefilled < running.request.prompt:
+                    if budget <= 0:
+                        continue
+                    chunk = min(budget, running.request.prompt - running.prefilled)
+                    budget -= chunk
+                    items.append((running, chunk))
+                else:
+                    items.append((running, 1))
+            if not items:
+                return
+            for running, _ in items:
+                running.in_flight = True
+            prefill = sum(count for running, count in items if running.prefilled < running.request.prompt)
+            decode = sum(1 for running, _ in items if running.prefilled >= running.request.prompt)
+            remote = max((r.remote_blocks for r, _ in items if r.remote_until_s > self.now), default=0)
+            unit.batches += 1
+            compute_ms = (c.step_ms + c.prefill_token_ms * prefill + c.decode_token_ms * decode) * self._sharing(
+                client=self.client_free_s > self.now)
+            step_s = (compute_ms + (slots - 1 + 2 * remote) * c.hop_ms) / 1000
+            self._push(self.now + step_s, "step", unit.uid, _Batch(unit.uid, MICRO_BATCH, 0, True, items))
+
+    def _wake(self, unit: _Unit, ready_s: list[float]) -> None:
+        """Has `unit` start again when the first of steps not ready yet (`ready_s`) is, unless a wake-up is due
+        sooner."""
+        first = min(ready_s, default=math.inf)
         if first < (unit.wake_s if unit.wake_s is not None else math.inf):
             unit.wake_s = first
             self._push(first, "wake", unit.uid)
@@ -381,15 +438,20 @@ class _Sim:
         cores = self.config.cores
         if cores is None:
             return 1.0
-        return max(1.0, (len(self.computing) + client) / cores)
+        busy = len(self.computing) + sum(unit.batches for unit in self.units.values())
+        return max(1.0, (busy + client) / cores)
 
     def _finish_step(self, batch: _Batch) -> None:
         """A member's batch ended: its steps go on to the next member, or, from the last, their tokens to the client.
         A step whose unit was replaced meanwhile (a drop, a restore) starts its pass again on its new unit, unless
         it had reached the last member."""
         c = self.config
-        self.computing.discard(batch.member)
         replaced = batch.uid not in self.units
+        if batch.member == MICRO_BATCH:
+            if not replaced:
+                self.units[batch.uid].batches -= 1
+        else:
+            self.computing.discard(batch.member)
         tokens = []
         for running, count in batch.items:
             running.in_flight = False
