@@ -353,28 +353,13 @@ class _Sim:
             idle = [r for r in unit.running if r.stage == stage and not r.in_flight and not r.closing]
             ready = [r for r in idle if r.ready_s <= self.now]
             waiting += [r.ready_s for r in idle if r.ready_s > self.now]
-            budget = c.prefill_chunk_tokens
-            items: list[tuple[_Running, int]] = []
-            for running in ready:
-                if running.prefilled < running.request.prompt:
-                    if budget <= 0:
-                        continue
-                    chunk = min(budget, running.request.prompt - running.prefilled - running.pass_done)
-                    budget -= chunk
-                    items.append((running, chunk))
-                else:
-                    items.append((running, 1))
+            items = self._batch(ready)
             if not items:
                 continue
-            for running, _ in items:
-                running.in_flight = True
-            prefill = sum(count for running, count in items if running.prefilled < running.request.prompt)
-            decode = sum(1 for running, _ in items if running.prefilled >= running.request.prompt)
-            remote = max((r.remote_blocks for r, _ in items if r.remote_until_s > self.now), default=0)
+            work_ms, remote = self._work(items)
             share = self._share(member, len(unit.members))
             self.computing.add(member)
-            compute_ms = ((c.step_ms + c.prefill_token_ms * prefill + c.decode_token_ms * decode) * share
-                          * self._sharing(client=self.client_free_s > self.now))
+            compute_ms = work_ms * share * self._sharing(client=self.client_free_s > self.now)
             step_s = (compute_ms + 2 * remote * share * c.hop_ms) / 1000
             self._push(self.now + step_s, "step", member, _Batch(unit.uid, member, stage, stage == last, items))
         self._wake(unit, waiting)
@@ -393,29 +378,41 @@ class _Sim:
             if not ready:
                 self._wake(unit, [r.ready_s for r in idle])
                 return
-            budget = c.prefill_chunk_tokens
-            items: list[tuple[_Running, int]] = []
-            for running in ready[:share]:
-                if running.prefilled < running.request.prompt:
-                    if budget <= 0:
-                        continue
-                    chunk = min(budget, running.request.prompt - running.prefilled)
-                    budget -= chunk
-                    items.append((running, chunk))
-                else:
-                    items.append((running, 1))
+            items = self._batch(ready[:share])
             if not items:
                 return
-            for running, _ in items:
-                running.in_flight = True
-            prefill = sum(count for running, count in items if running.prefilled < running.request.prompt)
-            decode = sum(1 for running, _ in items if running.prefilled >= running.request.prompt)
-            remote = max((r.remote_blocks for r, _ in items if r.remote_until_s > self.now), default=0)
+            work_ms, remote = self._work(items)
             unit.batches += 1
-            compute_ms = (c.step_ms + c.prefill_token_ms * prefill + c.decode_token_ms * decode) * self._sharing(
-                client=self.client_free_s > self.now)
+            compute_ms = work_ms * self._sharing(client=self.client_free_s > self.now)
             step_s = (compute_ms + (slots - 1 + 2 * remote) * c.hop_ms) / 1000
             self._push(self.now + step_s, "step", unit.uid, _Batch(unit.uid, MICRO_BATCH, 0, True, items))
+
+    def _batch(self, ready: Sequence[_Running]) -> list[tuple[_Running, int]]:
+        """Gives a batch of the `ready` steps, (request, tokens) each, and marks them in flight: every decoding step,
+        and the next chunks of prompts (of their current pass) within `prefill_chunk_tokens`."""
+        budget = self.config.prefill_chunk_tokens
+        items: list[tuple[_Running, int]] = []
+        for running in ready:
+            if running.prefilled < running.request.prompt:
+                if budget <= 0:
+                    continue
+                chunk = min(budget, running.request.prompt - running.prefilled - running.pass_done)
+                budget -= chunk
+                items.append((running, chunk))
+            else:
+                items.append((running, 1))
+        for running, _ in items:
+            running.in_flight = True
+        return items
+
+    def _work(self, items: Sequence[tuple[_Running, int]]) -> tuple[float, int]:
+        """Gives what a batch of `items` costs through all blocks on a whole replica (ms, before any sharing), and
+        the most blocks one of them attends remotely."""
+        c = self.config
+        prefill = sum(count for running, count in items if running.prefilled < running.request.prompt)
+        decode = sum(1 for running, _ in items if running.prefilled >= running.request.prompt)
+        remote = max((r.remote_blocks for r, _ in items if r.remote_until_s > self.now), default=0)
+        return c.step_ms + c.prefill_token_ms * prefill + c.decode_token_ms * decode, remote
 
     def _wake(self, unit: _Unit, ready_s: list[float]) -> None:
         """Has `unit` start again when the first of steps not ready yet (`ready_s`) is, unless a wake-up is due
