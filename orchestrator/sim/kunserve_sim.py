@@ -182,11 +182,10 @@ class _Unit:
 
 @dataclass(frozen=True)
 class _Batch:
-    """What one member computes at once: (request, tokens) items at `stage` of unit `uid`."""
+    """What one member (or a micro-batch, `MICRO_BATCH`) of unit `uid` computes at once: (request, tokens) items."""
 
     uid: int
     member: int
-    stage: int
     last: bool  # the unit's last member: its tokens are done through every block
     items: list[tuple[_Running, int]]
 
@@ -350,9 +349,13 @@ class _Sim:
         for stage, member in enumerate(unit.members):
             if member in self.computing:
                 continue
-            idle = [r for r in unit.running if r.stage == stage and not r.in_flight and not r.closing]
-            ready = [r for r in idle if r.ready_s <= self.now]
-            waiting += [r.ready_s for r in idle if r.ready_s > self.now]
+            ready = []
+            for running in unit.running:
+                if running.stage == stage and not running.in_flight and not running.closing:
+                    if running.ready_s <= self.now:
+                        ready.append(running)
+                    else:
+                        waiting.append(running.ready_s)
             items = self._batch(ready)
             if not items:
                 continue
@@ -361,7 +364,7 @@ class _Sim:
             self.computing.add(member)
             compute_ms = work_ms * share * self._sharing(client=self.client_free_s > self.now)
             step_s = (compute_ms + 2 * remote * share * c.hop_ms) / 1000
-            self._push(self.now + step_s, "step", member, _Batch(unit.uid, member, stage, stage == last, items))
+            self._push(self.now + step_s, "step", member, _Batch(unit.uid, member, stage == last, items))
         self._wake(unit, waiting)
 
     def _start_micro_batches(self, unit: _Unit) -> None:
@@ -385,7 +388,7 @@ class _Sim:
             unit.batches += 1
             compute_ms = work_ms * self._sharing(client=self.client_free_s > self.now)
             step_s = (compute_ms + (slots - 1 + 2 * remote) * c.hop_ms) / 1000
-            self._push(self.now + step_s, "step", unit.uid, _Batch(unit.uid, MICRO_BATCH, 0, True, items))
+            self._push(self.now + step_s, "step", unit.uid, _Batch(unit.uid, MICRO_BATCH, True, items))
 
     def _batch(self, ready: Sequence[_Running]) -> list[tuple[_Running, int]]:
         """Gives a batch of the `ready` steps, (request, tokens) each, and marks them in flight: every decoding step,
