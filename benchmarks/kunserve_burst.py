@@ -61,6 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from benchmarks.mell_live import replica_memory
 from benchmarks.mell_live_monitor import spawn_monitor
+from benchmarks.refused_tries import RefusedTries
+from benchmarks.refused_tries import measure as measure_refused_tries
 from benchmarks.table1_client import run_replay
 from client.inference import BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S
 from netem.network import EmulatedNetwork
@@ -241,7 +243,8 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
     pass; the rest (the row, the RPCs) is each token's. Passes follow each other, as one Python process serves every
     request. What only delays a token: the round trip. A group's extra member adds a half round trip
     (the pushed hop), which the simulator counts in a micro-batch's time. A client's try before it is admitted or
-    backs off: the median round of the no-drop arm's clients (`attempt_s_of`). Where a session goes: as the live
+    backs off: the median round of the no-drop arm's clients (`attempt_s_of`); what a round that ends in a back-off
+    costs the shared cores: measured on this machine (`refused_try_cpu_ms`). Where a session goes: as the live
     clients route without an orchestrator, by latency over records that do not show load, to the same whole replica
     until it refuses them (`placement` "fewest_hops"). The servers and the client share this machine's cores
     (`cores`: the report runs where the arms ran), so work that starts while more of them compute than there are
@@ -267,7 +270,8 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
         kv_bytes_per_token_block=first["kv_bytes_per_token"],
         prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping,
         retry_backoff_s=(BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S), refused_window_s=REFUSED_WINDOW_S,
-        attempt_s=attempt_s_of(base), placement="fewest_hops", cores=os.cpu_count() or 1, member_batching=True,
+        attempt_s=attempt_s_of(base), refused_try_cpu_ms=refused_try_cpu_ms(base.workdir and base.workdir.parent),
+        placement="fewest_hops", cores=os.cpu_count() or 1, member_batching=True,
     )
 
 
@@ -287,6 +291,8 @@ def exchange_bytes_per_s(runs: Sequence[ArmRun]) -> float | None:
 
 HEAD_PASSES = 50  # passes of the client's head timed, the median kept
 HEAD_PASS_FILE = "client_head_pass.json"  # beside the no-drop arm's files: the report reads it again
+REFUSED_TRIES_FILE = "refused_tries.json"  # in the run's workdir: the report reads it again
+REFUSED_TRIES_KV_PAGES = 3  # KV pages per block of the servers that measure a refused round (full either way)
 
 
 def head_pass_ms(workdir: Path | None) -> float:
@@ -313,6 +319,25 @@ def _timed_head_pass_ms() -> float:
         head.logits(hidden)
         times.append((time.perf_counter() - started) * 1000)
     return statistics.median(times)
+
+
+def refused_try_cpu_ms(workdir: Path | None) -> float:
+    """Gives the CPU a waiting client's refused round costs this machine (ms, `benchmarks.refused_tries`: a loopback
+    swarm of two full servers with the no-drop arm's flags). Measured once per run and kept in `workdir`, so that
+    reporting a kept run again gives the same simulation."""
+    kept = workdir / REFUSED_TRIES_FILE if workdir is not None else None
+    if kept is not None and kept.is_file():
+        return float(json.loads(kept.read_text())["cpu_ms"])
+    reading = _measured_refused_tries()
+    if kept is not None:
+        kept.write_text(json.dumps({**dataclasses.asdict(reading), "measured": datetime.datetime.now().isoformat()}))
+    return reading.cpu_ms
+
+
+@functools.cache
+def _measured_refused_tries() -> RefusedTries:
+    return measure_refused_tries(server_flags("no drop", "a", REFUSED_TRIES_KV_PAGES)[1],
+                                 max_length=MAX_PROMPT + MAX_OUTPUT)
 
 
 def attempt_s_of(run: ArmRun) -> float:
@@ -543,7 +568,8 @@ def report(rtt_ms: float, runs: dict[str, ArmRun], requests: list[dict]) -> None
               f"ms a token in it, a token's round trip "
               f"{fitted.round_trip_ms:.0f} ms, hop {fitted.hop_ms:g} ms, victims' KV at "
               f"{fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, a client's try "
-              f"{fitted.attempt_s * 1000:.0f} ms; sessions to the first whole replica with room, "
+              f"{fitted.attempt_s * 1000:.0f} ms and, when refused, {fitted.refused_try_cpu_ms:.0f} ms of CPU; "
+              f"sessions to the first whole replica with room, "
               f"{fitted.cores} cores shared) against live, P99 TTFT: the median of {SIM_REPLAYS} replays (the arrivals "
               f"as recorded, and moved by up to {SIM_JITTER_S * 1000:.0f} ms) and their 10-90%:")
         for arm in SIMULATED_ARMS:

@@ -168,6 +168,31 @@ def test_on_shared_cores_work_runs_slower_while_more_processes_compute_than_ther
     assert _Sim(CONFIG, [], horizon_s=1.0)._sharing(client=True) == 1.0  # without cores: a processor each
 
 
+def test_on_shared_cores_the_tries_refused_in_the_last_second_take_cpu_from_the_work_that_runs() -> None:
+    config = dataclasses.replace(CONFIG, cores=2, retry_backoff_s=(0.5, 4.0), refused_try_cpu_ms=250.0)
+    sim = _Sim(config, [], horizon_s=10.0)
+    sim.computing = {0, 1, 2}
+    sim.refused_tries.extend([0.0, 0.2])
+    sim.now = 0.5  # two refused tries of 250 ms of CPU each within the last second: half a core
+    assert sim._sharing(client=False) == pytest.approx((3 + 0.5) / 2)
+    sim.now = 1.1  # the first is older than a second
+    assert sim._sharing(client=False) == pytest.approx((3 + 0.25) / 2)
+    sim.now = 1.3
+    assert sim._sharing(client=False) == pytest.approx(3 / 2)
+    # end to end: one replica with room for one request at a time, a long one running while others wait
+    lone = dataclasses.replace(CONFIG, replicas=1, dropping=False, retry_backoff_s=(0.5, 4.0), cores=1)
+    requests = [SimRequest(0.0, 200, 200)] + [SimRequest(0.1 * i, 200, 4) for i in range(1, 9)]
+    free = simulate(lone, requests)
+    loaded = simulate(dataclasses.replace(lone, refused_try_cpu_ms=200.0), requests)
+    assert loaded.tbt_s[0] > free.tbt_s[0] * 1.05  # the waiters' tries slow the request that runs
+    # without shared cores (a processor each) the tries cost the servers nothing
+    apart = dataclasses.replace(lone, cores=None)
+    assert np.array_equal(simulate(dataclasses.replace(apart, refused_try_cpu_ms=200.0), requests).tbt_s,
+                          simulate(apart, requests).tbt_s)
+    with pytest.raises(ValueError, match="refused_try_cpu_ms"):
+        dataclasses.replace(lone, refused_try_cpu_ms=-1.0)
+
+
 def test_the_clients_own_work_queues_its_tokens_and_the_tokens_of_one_iteration_share_a_head_pass() -> None:
     lone_replica = dataclasses.replace(CONFIG, replicas=1, dropping=False)
     # the short prompt's prefill joins the long one's last chunk: both first tokens come out of one iteration, and

@@ -38,7 +38,9 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   processes compute than the machine has cores: each computing member and the client when busy count one, and an
   iteration or a pass of the client's work that starts with n of them runs max(1, n / cores) times its time
   (processor sharing, taken at its start) [chosen: two 1-thread compute processes on this benchmark's 2-core VM
-  run at full speed, three at 2/3 each].
+  run at full speed, three at 2/3 each]. With `refused_try_cpu_ms`, the tries refused in the last second add the
+  cores they kept busy to n: a swarm's waiting clients look up the DHT, probe and call `open` on every server again
+  each round, on the same machine.
 - Every `monitor_s` the monitor samples demand (pages held + pages of queued requests) and KV capacity; when
   `drop_trigger` asks for R pages, `plan_drop` merges the replicas still whole into groups (while dropped too, as the
   live segment loop: a burst that outgrows the first plan pairs more replicas), and once fewer than two are whole,
@@ -77,6 +79,7 @@ class SimRequest:
 
 PLACEMENTS = ("least_loaded", "fewest_hops")
 MICRO_BATCH = -1  # a `_Batch`'s member when a group's micro-batch crosses all of its members
+REFUSED_LOAD_WINDOW_S = 1.0  # a refused try's CPU counts against the cores over this long
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,10 @@ class KunServeSimConfig:
     placement: str = "least_loaded"
     # The cores that the servers and their client share (a live benchmark on one machine), None: a processor each
     cores: int | None = None
+    # With `cores` and `retry_backoff_s`: the CPU a refused try costs that machine (the client's DHT lookups, its RTT
+    # probes and `open` calls, and the DHT's and servers' side of them), counted against the cores for
+    # `REFUSED_LOAD_WINDOW_S` after the try
+    refused_try_cpu_ms: float = 0.0
     # How a group pipelines: False, as the paper's engine, up to k micro-batches in flight, each with about 1/k of
     # its requests and holding them for its whole traversal; True, as swarm servers, each member batching the steps
     # that reached it on its own
@@ -130,8 +137,8 @@ class KunServeSimConfig:
             raise ValueError("params_pages must be a multiple of blocks and below pages_total")
         if self.static_groups < 1 or self.replicas % self.static_groups:
             raise ValueError("static_groups must divide the replicas")
-        if self.attempt_s < 0:
-            raise ValueError("attempt_s must be >= 0")
+        if self.attempt_s < 0 or self.refused_try_cpu_ms < 0:
+            raise ValueError("attempt_s and refused_try_cpu_ms must be >= 0")
         if self.cores is not None and self.cores < 1:
             raise ValueError("cores must be >= 1 (or None)")
         if self.placement not in PLACEMENTS:
@@ -242,6 +249,7 @@ class _Sim:
         self.client_free_s = 0.0  # when the client has done the tokens it received so far
         self.kept = {member: _even_slice(config.blocks, k, member % k) for member in range(config.replicas)}
         self.computing: set[int] = set()  # members computing a batch now
+        self.refused_tries: deque[float] = deque()  # when the tries of the last `REFUSED_LOAD_WINDOW_S` were refused
 
     def _add_unit(self, members: tuple[int, ...]) -> _Unit:
         c = self.config
@@ -302,6 +310,8 @@ class _Sim:
             unit.running.append(_Running(index, self.requests[index], pages))
             self._start(unit)
             return
+        if c.refused_try_cpu_ms > 0:
+            self.refused_tries.append(self.now)
         first, longest = c.retry_backoff_s
         backoff = self.backing_off.get(index, (first, 0.0))[0]
         self.backing_off[index] = (min(longest, 2 * backoff), self.now)
@@ -434,12 +444,20 @@ class _Sim:
 
     def _sharing(self, *, client: bool) -> float:
         """Gives how many times its own time work that starts now takes: the processes computing (the members
-        computing a batch, the client if `client`) over `cores`, at least 1; 1 without `cores`."""
+        computing a batch, the client if `client`) and the cores the refused tries of the last second keep busy,
+        over `cores`, at least 1; 1 without `cores`."""
         cores = self.config.cores
         if cores is None:
             return 1.0
         busy = len(self.computing) + sum(unit.batches for unit in self.units.values())
-        return max(1.0, (busy + client) / cores)
+        return max(1.0, (busy + client + self._refused_load()) / cores)
+
+    def _refused_load(self) -> float:
+        """Gives the cores that the tries refused in the last `REFUSED_LOAD_WINDOW_S` keep busy on average."""
+        tries = self.refused_tries
+        while tries and tries[0] <= self.now - REFUSED_LOAD_WINDOW_S:
+            tries.popleft()
+        return len(tries) * self.config.refused_try_cpu_ms / 1000 / REFUSED_LOAD_WINDOW_S
 
     def _finish_step(self, batch: _Batch) -> None:
         """A member's batch ended: its steps go on to the next member, or, from the last, their tokens to the client.
