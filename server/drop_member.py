@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from hivemind import DHT
 from hivemind.p2p import P2P
 
-from orchestrator.buddy.segment_loop import DropLoop, drop_group, segment_of
+from orchestrator.buddy.segment_loop import DropLoop, drop_group, restored_of, segment_of
 from orchestrator.packing.segment_loop import leader_of
 from server.config import ServerConfig
 from server.hosting import Hosting
@@ -156,18 +156,20 @@ class DropMember:
             return
         await self._call(peer_id, "drop", {"blocks": [start, end]})
 
-    async def _ask_to_restore(self, peer_id: str, evict_merged: bool) -> None:
+    async def _ask_to_restore(self, peer_id: str, evict_merged: bool) -> bool:
         if peer_id == self.server.peer_id:
+            had_blocks = self.server.hosting.restorable is not None
             await self.server.restore_blocks(evict_merged=evict_merged)
-            return
-        await self._call(peer_id, "restore", {"evict_merged": evict_merged})
+            return had_blocks
+        return restored_of(await self._call(peer_id, "restore", {"evict_merged": evict_merged}))
 
-    async def _call(self, peer_id: str, method: str, payload: dict[str, object]) -> None:
+    async def _call(self, peer_id: str, method: str, payload: dict[str, object]) -> dict[str, Any]:
         record = self._view[1].get(peer_id)
         if record is None:
             raise PeerUnreachable(f"server {peer_id} is not in this server's view of the DHT")
         # a restore loads blocks: it may take as long as a range change
-        await (await self._connection(record)).call(method, payload, timeout=self.server.config.block_change_timeout_s)
+        return await (await self._connection(record)).call(method, payload,
+                                                           timeout=self.server.config.block_change_timeout_s)
 
     async def _connection(self, record: ServerRecord) -> RpcConnection:
         server = self.server

@@ -368,8 +368,9 @@ class SwarmServer:
         """Loads the dropped blocks back on its orchestrator's word: answers once they serve again."""
         await self._check_drop_caller(ctx, "restore")
         self._check_accepting()
+        had_blocks = self.hosting.restorable is not None
         evicted = await self.restore_blocks(evict_merged=field(payload, "evict_merged", bool, optional=True) is True)
-        return {"blocks": [self.hosting.start, self.hosting.end], "evicted": len(evicted)}
+        return {"blocks": [self.hosting.start, self.hosting.end], "evicted": len(evicted), "restored": had_blocks}
 
     async def _choose_blocks_loop(self) -> None:
         """Chooses this server's blocks as Petals' servers do, then checks every `rebalance_period_s` whether

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from orchestrator.buddy.segment_loop import DropLoop, drop_group, segment_of
+from orchestrator.service.dropping import FollowerDropping
 from server.drop_member import opened_digests, refused_digests, refused_twice
 from swarm.errors import ServerBusy
 from swarm.records import ServerRecord
@@ -35,6 +36,7 @@ class Segment:
         self.records = records
         self.refuse = refuse
         self.calls: list[tuple[str, ...]] = []
+        self.whole: set[str] = set()  # members that serve their whole segment, whatever their records say
 
     async def group(self) -> list[ServerRecord]:
         return list(self.records)
@@ -44,8 +46,9 @@ class Segment:
         if peer in self.refuse:
             raise ServerBusy(f"{peer} refuses")
 
-    async def restore(self, peer: str, evict_merged: bool) -> None:
+    async def restore(self, peer: str, evict_merged: bool) -> bool:
         self.calls.append(("restore", peer, "evict") if evict_merged else ("restore", peer))
+        return peer not in self.whole  # whether it had dropped blocks to load back
 
     def loop(self, peer: str) -> DropLoop:
         return DropLoop(peer, group=self.group, drop=self.drop, restore=self.restore, restore_after_s=10.0)
@@ -74,6 +77,75 @@ def test_the_leader_drops_on_a_burst_and_restores_once_the_drop_is_old_and_the_d
         await leader.tick(11.5)
         assert segment.calls == [("restore", "a"), ("restore", "b")]
         assert leader.restores == 1 and leader.dropped_since_s is None
+
+    asyncio.run(body())
+
+
+def test_a_record_that_lags_behind_a_restore_asks_again_but_counts_no_second_restore() -> None:
+    async def body() -> None:
+        dropped = [record("a", 0, 4, kv=10, restorable=(0, 8)), record("b", 4, 8, kv=10, restorable=(0, 8))]
+        segment = Segment(dropped)
+        leader = segment.loop("a")
+        await leader.tick(0.0)
+        await leader.tick(10.5)  # the drop is 10 s old and the demand fits
+        assert segment.calls == [("restore", "a"), ("restore", "b")] and leader.restores == 1
+        segment.calls.clear()
+        segment.whole = {"a", "b"}
+        segment.records = [record("a", 0, 8, kv=10), dropped[1]]  # b's record still shows its drop
+        for now in (11.0, 21.5):
+            await leader.tick(now)
+        assert segment.calls == [("restore", "b")]  # asked again: b had nothing left to load
+        assert leader.restores == 1 and leader.dropped_since_s is None and leader.dropped_peers == set()
+
+    asyncio.run(body())
+
+
+def test_members_loading_their_blocks_lower_the_available_pages_in_a_step_that_asks_for_no_drop() -> None:
+    async def body() -> None:
+        # servers that were just assigned 0:8 and load its parameters: no session, no demand
+        loading = [record("a", 0, 8, kv=0).model_copy(update={"pages_params": 0}),
+                   record("b", 0, 8, kv=0).model_copy(update={"pages_params": 0})]
+        segment = Segment(loading)
+        leader = segment.loop("a")
+        await leader.tick(0.0)
+        segment.records = [record("a", 0, 8, kv=0), record("b", 0, 8, kv=0)]  # 200 KV pages became 120
+        await leader.tick(0.25)  # as a rate: -320 pages a second, below the demand within the horizon
+        await leader.tick(0.5)
+        assert segment.calls == [] and leader.drops == 0
+        assert leader.available == [(0.25, 120), (0.5, 120)]
+
+    asyncio.run(body())
+
+
+def test_an_orchestrators_loop_keeps_what_it_did_while_a_followers_record_lags() -> None:
+    async def body() -> None:
+        calls: list[tuple[str, str]] = []
+
+        async def fresh(found: ServerRecord) -> ServerRecord:
+            return found
+
+        async def call(found: ServerRecord, method: str, payload: dict[str, object]) -> object:
+            calls.append((method, found.peer_id))
+            return {"restored": True}
+
+        dropping = FollowerDropping("orchestrator", fresh=fresh, call=call, queued_tokens=lambda: 0, period_s=0.25,
+                                    restore_after_s=10.0)
+        steady = {"a": record("a", 0, 8, kv=20), "b": record("b", 0, 8, kv=20)}
+        await dropping.tick(steady, 0.0)
+        assert await dropping.tick({"a": record("a", 0, 8, kv=50, demand=20),
+                                    "b": record("b", 0, 8, kv=50, demand=20)}, 1.0)
+        assert calls == [("drop", "a"), ("drop", "b")]
+        # b's record is off for a moment (one from before its range was assigned, say): another segment
+        await dropping.tick({"a": record("a", 0, 4, kv=10, restorable=(0, 8)), "b": record("b", 4, 8, kv=0)}, 1.5)
+        assert dropping.to_wire() == {}  # no segment two followers share now
+        dropped = {"a": record("a", 0, 4, kv=10, restorable=(0, 8)), "b": record("b", 4, 8, kv=10, restorable=(0, 8))}
+        await dropping.tick(dropped, 2.0)
+        (loop,) = dropping.to_wire().values()
+        assert loop["drops"] == 1 and loop["dropped"]  # the same loop: the drop is still its own
+        assert await dropping.tick(dropped, 12.0)  # 11 s after the drop, the demand fits
+        assert calls[2:] == [("restore", "a"), ("restore", "b")]
+        (loop,) = dropping.to_wire().values()
+        assert (loop["drops"], loop["restores"], loop["dropped"]) == (1, 1, False)
 
     asyncio.run(body())
 

@@ -125,7 +125,7 @@ def test_replicas_drop_half_each_a_running_session_moves_its_kv_through_both_and
             def restore_both() -> None:
                 assert len(session.route) == 2
                 for peer in halves:
-                    assert call(client, peer, "restore", {}) == {"blocks": [0, 8], "evicted": 0}
+                    assert call(client, peer, "restore", {}) == {"blocks": [0, 8], "evicted": 0, "restored": True}
                 wait_for_ranges(client, {peer: (0, 8) for peer in halves})
                 merged = wait_until_reshaped(client, peers)
                 assert sum(info["dropping"]["exchange"]["merged"] for info in merged.values()) == 1

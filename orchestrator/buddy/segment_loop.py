@@ -77,6 +77,12 @@ def params_pages_per_block(record: ServerRecord) -> int:
     return max(1, record.pages_params // max(1, record.block_end - record.block_start))
 
 
+def restored_of(reply: object) -> bool:
+    """Gives whether a member's answer to `restore` says it had dropped blocks to load back (an answer without the
+    field, from a server before it: True)."""
+    return not isinstance(reply, dict) or reply.get("restored", True) is not False
+
+
 def replica_of(record: ServerRecord) -> SegmentReplica:
     start, end = segment_of(record)
     return SegmentReplica(record.peer_id, start, end, params_pages_per_block(record),
@@ -91,7 +97,9 @@ class DropLoop:
     peer_id: str
     group: Callable[[], Awaitable[list[ServerRecord]]]  # fresh records of the segment's online servers, own included
     drop: Callable[[str, int, int], Awaitable[None]]  # (member, start, end): keep only [start, end)
-    restore: Callable[[str, bool], Awaitable[None]]  # (member, evict_merged): load the dropped blocks back
+    # (member, evict_merged): load the dropped blocks back; gives whether the member had any to load (a record that
+    # lags behind a restore names a member that has none)
+    restore: Callable[[str, bool], Awaitable[bool]]
     period_s: float = DROP_PERIOD_S
     restore_after_s: float = RESTORE_MIN_DROPPED_S
     balanced: bool = True
@@ -121,7 +129,7 @@ class DropLoop:
         """One look at the segment: samples its demand, then drops, restores or does nothing."""
         records = await self.group()
         if not self.leads and leader_of(records) != self.peer_id:
-            self._forget()
+            self.forget_samples()
             return
         self._sample(now_s, records)
         dropped = [record for record in records
@@ -155,10 +163,16 @@ class DropLoop:
     def _sample(self, now_s: float, records: list[ServerRecord]) -> None:
         extra = self.extra_demand(records) if self.extra_demand is not None else 0
         self.demand.append((now_s, extra + sum(record.pages_kv + record.kv_demand_pages for record in records)))
-        self.available.append((now_s, sum(record.pages_total - record.pages_params for record in records)))
+        available = sum(record.pages_total - record.pages_params for record in records)
+        if self.available and self.available[-1][1] != available:
+            # the members loaded or dropped parameters (a drop, a restore, a range assigned at start): a step, which
+            # a rate would carry on over the horizon
+            self.available.clear()
+        self.available.append((now_s, available))
         del self.demand[:-SAMPLES_KEPT], self.available[:-SAMPLES_KEPT]
 
-    def _forget(self) -> None:
+    def forget_samples(self) -> None:
+        """Drops the demand and available samples (the next ones start anew), keeping what the loop did."""
         self.demand.clear()
         self.available.clear()
 
@@ -210,22 +224,27 @@ class DropLoop:
                  plan.total_freed_pages)
 
     async def _restore_all(self, dropped: list[ServerRecord], *, evict_merged: bool = False) -> None:
-        restored = [record.peer_id for record in dropped
-                    if await self._try_restore(record.peer_id, evict_merged=evict_merged)]
-        if len(restored) == len(dropped):
+        """Has every member in `dropped` load its dropped blocks back. Once all answered, the segment is whole; it
+        counts as a restore if one of them had blocks to load (not when records lagged behind the last restore)."""
+        answers = {record.peer_id: await self._try_restore(record.peer_id, evict_merged=evict_merged)
+                   for record in dropped}
+        if None in answers.values():
+            return
+        loaded = [peer for peer, had_blocks in answers.items() if had_blocks]
+        self.dropped_peers.clear()
+        self.dropped_since_s = None
+        self.available.clear()
+        if loaded:
             self.restores += 1
-            self.dropped_peers.clear()
-            self.dropped_since_s = None
-            self.available.clear()
-            log.info("restored the segment's blocks on %s", restored)
+            log.info("restored the segment's blocks on %s", loaded)
 
-    async def _try_restore(self, peer: str, *, evict_merged: bool = False) -> bool:
+    async def _try_restore(self, peer: str, *, evict_merged: bool = False) -> bool | None:
+        """Gives whether `peer` loaded dropped blocks back; None if the call failed."""
         try:
-            await self.restore(peer, evict_merged)
+            return await self.restore(peer, evict_merged)
         except (SwarmError, OSError, TimeoutError) as error:
             log.warning("restore on %s failed (%s: %s); trying again later", peer, type(error).__name__, error)
-            return False
-        return True
+            return None
 
     def to_wire(self) -> dict[str, Any]:
         return {"drops": self.drops, "restores": self.restores, "aborts": self.aborts,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
-from orchestrator.buddy.segment_loop import DropLoop, segment_of
+from orchestrator.buddy.segment_loop import DropLoop, restored_of, segment_of
 from orchestrator.replan import Range
 from swarm.memory import kv_pages_for
 from swarm.records import ServerRecord
@@ -45,7 +45,11 @@ class FollowerDropping:
         for record in followers.values():
             segments.setdefault(segment_of(record), {})[record.peer_id] = record
         self._members = {segment: members for segment, members in segments.items() if len(members) >= 2}
-        self.loops = {segment: loop for segment, loop in self.loops.items() if segment in self._members}
+        for segment, loop in self.loops.items():
+            if segment not in self._members:
+                # a member's record may lag a moment (a range just assigned, a restart): the loop keeps what it
+                # did (drops, restores, the members it told to drop), not its samples
+                loop.forget_samples()
         changed = False
         for segment in sorted(self._members):
             loop = self.loops.get(segment)
@@ -63,8 +67,9 @@ class FollowerDropping:
         async def drop(peer_id: str, start: int, end: int) -> None:
             await self.call(self._members[segment][peer_id], "drop", {"blocks": [start, end]})
 
-        async def restore(peer_id: str, evict_merged: bool) -> None:
-            await self.call(self._members[segment][peer_id], "restore", {"evict_merged": evict_merged})
+        async def restore(peer_id: str, evict_merged: bool) -> bool:
+            return restored_of(await self.call(self._members[segment][peer_id], "restore",
+                                               {"evict_merged": evict_merged}))
 
         def queued_pages(records: list[ServerRecord]) -> int:
             tokens = self.queued_tokens()
@@ -77,5 +82,7 @@ class FollowerDropping:
                         restore_after_s=self.restore_after_s, leads=True, extra_demand=queued_pages)
 
     def to_wire(self) -> dict[str, object]:
-        return {f"{start}:{end}": loop.to_wire() for (start, end), loop in sorted(self.loops.items())}
+        """The loops of the segments two or more followers share now."""
+        return {f"{start}:{end}": loop.to_wire() for (start, end), loop in sorted(self.loops.items())
+                if (start, end) in self._members}
 

@@ -310,7 +310,7 @@ class _Sim:
             unit.running.append(_Running(index, self.requests[index], pages))
             self._start(unit)
             return
-        if c.refused_try_cpu_ms > 0:
+        if c.refused_try_cpu_ms > 0 and c.cores is not None:
             self.refused_tries.append(self.now)
         first, longest = c.retry_backoff_s
         backoff = self.backing_off.get(index, (first, 0.0))[0]
