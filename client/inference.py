@@ -351,8 +351,9 @@ class RemoteInferenceSession:
                     log.warning("Following a changed chain failed (%s)", error.message)
                     followed = False
                 if not followed:
-                    log.warning("Session on %s changed its chain in a way this client cannot follow; replaying it",
-                                span_session.peer_id)
+                    log.warning("Session on %s changed its chain in a way this client cannot follow (%s; this "
+                                "client's chain: %s); replaying it", span_session.peer_id, changed.message,
+                                self._chain_text())
                     replace = changed
                 continue
             except SessionMoved as moved:
@@ -671,6 +672,10 @@ class RemoteInferenceSession:
         """Closes a session this session opened outside its chain (a spot-check's) and its stream."""
         await self._close_remote(span_session)
         await span_session.connection.close()
+
+    def _chain_text(self) -> str:
+        """Gives this session's chain as the logs show it: each span's server, blocks and position."""
+        return " -> ".join(f"{s.peer_id}[{s.span.start}:{s.span.end}]@{s.position}" for s in self.spans)
 
     def _hops_to_follow(self, index: int, hops: list[Hop], position: int) -> tuple[list[Hop], int] | None:
         """Gives the hops to follow after the span at `index` answered `ChainChanged` with `hops`, and the last span
