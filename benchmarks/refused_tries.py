@@ -53,23 +53,24 @@ class RefusedTries:
     window_s: float
 
 
-def _cpu_s(processes: Sequence[psutil.Process]) -> float:
-    """Gives the CPU seconds `processes` and their descendants have used so far."""
+def _cpu_s() -> float:
+    """Gives the CPU seconds this process and its descendants (the swarm it started, their p2pd daemons) have used
+    so far."""
     total = 0.0
-    for process in processes:
+    root = psutil.Process()
+    for each in (root, *root.children(recursive=True)):
         try:
-            for each in (process, *process.children(recursive=True)):
-                times = each.cpu_times()
-                total += times.user + times.system
-        except psutil.NoSuchProcess:
+            times = each.cpu_times()
+        except psutil.Error:  # exited between listing and reading
             continue
+        total += times.user + times.system
     return total
 
 
-def _cores(processes: Sequence[psutil.Process], seconds: float) -> float:
-    started_cpu, started = _cpu_s(processes), time.perf_counter()
+def _cores(seconds: float) -> float:
+    started_cpu, started = _cpu_s(), time.perf_counter()
     time.sleep(seconds)
-    return (_cpu_s(processes) - started_cpu) / (time.perf_counter() - started)
+    return (_cpu_s() - started_cpu) / (time.perf_counter() - started)
 
 
 def measure(server_flags: Sequence[str], *, max_length: int, waiters: int = 24, window_s: float = 20.0
@@ -78,7 +79,7 @@ def measure(server_flags: Sequence[str], *, max_length: int, waiters: int = 24, 
     with tempfile.TemporaryDirectory(prefix="refused-tries-") as scratch, \
             SwarmProcesses(Path(scratch), announce_period_s=5.0, record_ttl_s=30.0,
                            torch_threads=1) as swarm:
-        dht = swarm.start_dht()
+        swarm.start_dht()
         servers = [swarm.start_server(DEFAULT_MODEL, "0:30", *server_flags, wait=False, name=name)
                    for name in ("a", "b")]
         for server in servers:
@@ -97,8 +98,7 @@ def measure(server_flags: Sequence[str], *, max_length: int, waiters: int = 24, 
                     break
             else:
                 raise RuntimeError(f"the servers took {MAX_HELD} sessions and refused none")
-            processes = [psutil.Process(proc.popen.pid) for proc in (dht, *servers)] + [psutil.Process()]
-            idle = _cores(processes, window_s)
+            idle = _cores(window_s)
             config.busy_wait_s = 600.0
 
             def wait() -> None:
@@ -113,7 +113,7 @@ def measure(server_flags: Sequence[str], *, max_length: int, waiters: int = 24, 
             windows = []
             for _ in range(WINDOWS):
                 started = time.perf_counter()
-                windows.append((started, _cores(processes, window_s), time.perf_counter()))
+                windows.append((started, _cores(window_s), time.perf_counter()))
         finally:
             for session in held:
                 session.close()
