@@ -50,9 +50,10 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -295,17 +296,24 @@ REFUSED_TRIES_FILE = "refused_tries.json"  # in the run's workdir: the report re
 REFUSED_TRIES_KV_PAGES = 3  # KV pages per block of the servers that measure a refused round (full either way)
 
 
+def kept_reading(workdir: Path | None, name: str, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Gives the reading kept as `name` in `workdir`, else takes it with `measure` and keeps it there (dated), so
+    that reporting a kept run again gives the same simulation."""
+    kept = workdir / name if workdir is not None else None
+    if kept is not None and kept.is_file():
+        return json.loads(kept.read_text())
+    reading = {**measure(), "measured": datetime.datetime.now().isoformat()}
+    if kept is not None:
+        kept.write_text(json.dumps(reading))
+    return reading
+
+
 def head_pass_ms(workdir: Path | None) -> float:
     """Gives what a pass of the client's LM head over one row takes on this machine (ms, the median of
     `HEAD_PASSES`): the part of a token's client work that the tokens of one pass share (`client.batched_head`).
-    Timed once per run and kept in `workdir`, so that reporting a kept run again gives the same simulation."""
-    kept = workdir / HEAD_PASS_FILE if workdir is not None else None
-    if kept is not None and kept.is_file():
-        return float(json.loads(kept.read_text())["ms"])
-    ms = _timed_head_pass_ms()
-    if kept is not None:
-        kept.write_text(json.dumps({"ms": ms, "passes": HEAD_PASSES, "measured": datetime.datetime.now().isoformat()}))
-    return ms
+    Timed once per run and kept in `workdir`."""
+    return float(kept_reading(workdir, HEAD_PASS_FILE,
+                              lambda: {"ms": _timed_head_pass_ms(), "passes": HEAD_PASSES})["ms"])
 
 
 @functools.cache
@@ -323,15 +331,9 @@ def _timed_head_pass_ms() -> float:
 
 def refused_try_cpu_ms(workdir: Path | None) -> float:
     """Gives the CPU a waiting client's refused round costs this machine (ms, `benchmarks.refused_tries`: a loopback
-    swarm of two full servers with the no-drop arm's flags). Measured once per run and kept in `workdir`, so that
-    reporting a kept run again gives the same simulation."""
-    kept = workdir / REFUSED_TRIES_FILE if workdir is not None else None
-    if kept is not None and kept.is_file():
-        return float(json.loads(kept.read_text())["cpu_ms"])
-    reading = _measured_refused_tries()
-    if kept is not None:
-        kept.write_text(json.dumps({**dataclasses.asdict(reading), "measured": datetime.datetime.now().isoformat()}))
-    return reading.cpu_ms
+    swarm of two full servers with the no-drop arm's flags). Measured once per run and kept in `workdir`."""
+    return float(kept_reading(workdir, REFUSED_TRIES_FILE,
+                              lambda: dataclasses.asdict(_measured_refused_tries()))["cpu_ms"])
 
 
 @functools.cache
