@@ -117,6 +117,16 @@ class _SpanSession:
         return self.span.peer_id
 
 
+@dataclass(frozen=True)
+class _Follow:
+    """How a client follows a changed chain: `hops` replace its spans `first`..`last`, each at `position`."""
+
+    hops: list[Hop]
+    first: int
+    last: int
+    position: int
+
+
 class RemoteInferenceSession:
     """Async core of an inference session; `InferenceSession` is its synchronous face."""
 
@@ -346,11 +356,13 @@ class RemoteInferenceSession:
                 if moves_this_step > MAX_MOVES_PER_STEP:
                     raise
                 try:
-                    followed = not recovering and await self._reshape(index, changed)
+                    followed = None if recovering else await self._reshape(index, changed, hidden, new_tokens)
                 except SwarmError as error:  # an exception here would leave the step loop: replay instead
                     log.warning("Following a changed chain failed (%s)", error.message)
-                    followed = False
-                if not followed:
+                    followed = None
+                if followed is not None:
+                    index, hidden = followed
+                else:
                     log.warning("Session on %s changed its chain in a way this client cannot follow (%s; this "
                                 "client's chain: %s); replaying it", span_session.peer_id, changed.message,
                                 self._chain_text())
@@ -677,47 +689,63 @@ class RemoteInferenceSession:
         """Gives this session's chain as the logs show it: each span's server, blocks and position."""
         return " -> ".join(f"{s.peer_id}[{s.span.start}:{s.span.end}]@{s.position}" for s in self.spans)
 
-    def _hops_to_follow(self, index: int, hops: list[Hop], position: int) -> tuple[list[Hop], int] | None:
-        """Gives the hops to follow after the span at `index` answered `ChainChanged` with `hops`, and the last span
-        they replace; None if they do not line up (the caller replays). The server's view of the chain after its own
-        part can be old (a later server moved its part since, and its hops name that server twice): then the hops
-        over the span that answered are followed, if they tile it, and the later span answers for itself."""
+    def _hops_to_follow(self, index: int, hops: list[Hop], position: int, step_tokens: int = 0) -> _Follow | None:
+        """Gives how to follow `hops` after the span at `index` answered `ChainChanged` with them at `position`; None
+        if they do not line up (the caller replays). The server's view of the chain after its own part can be old (a
+        later server moved its part since, and its hops name that server twice): then the hops over the span that
+        answered are followed, if they tile it, and the later span answers for itself."""
         if not hops:
             return None
-        last = self._lined_up(index, hops, position)
-        if last is not None:
-            return list(hops), last
+        followed = self._lined_up(index, hops, position, step_tokens)
+        if followed is not None:
+            return followed
         span = self.spans[index].span
         own = [hop for hop in hops if span.start <= hop.start and hop.end <= span.end]
-        if own and own[-1].end == span.end and (last := self._lined_up(index, own, position)) is not None:
-            return own, last
+        if own and own[-1].end == span.end:
+            return self._lined_up(index, own, position, step_tokens)
         return None
 
-    def _lined_up(self, index: int, hops: list[Hop], position: int) -> int | None:
-        """Gives the last span that `hops` replace (from the span at `index`), if they begin at the span that answered
-        (a span before it already ran this step), end where one of this client's spans ends, tile their blocks, name
-        each server once, and those spans are all at `position`; else None."""
+    def _lined_up(self, index: int, hops: list[Hop], position: int, step_tokens: int) -> _Follow | None:
+        """Gives how to follow `hops` at `position` from the span at `index`, if they tile their blocks, name each
+        server once, begin where a span at or before `index` begins and end where one at or after it ends, and:
+        - they begin at the span that answered, and the spans they replace are at `position` (a span before it
+          already ran this step); the step goes on at `index`;
+        - or the servers ran the step in flight (`step_tokens` long) through them already, as a restore's merge took
+          a pushed step's parts together after each ran it: the spans they replace before `index` are at
+          `position`, the rest `step_tokens` behind. The merged part answers the step's id again, so the step is
+          sent again from the first of them.
+        Else None."""
+        first = next((i for i, s in enumerate(self.spans) if s.span.start == hops[0].start), None)
         last = next((i for i, s in enumerate(self.spans) if s.span.end == hops[-1].end), None)
-        if self.spans[index].span.start != hops[0].start or last is None or last < index:
+        if first is None or last is None or not first <= index <= last:
             return None
         if any(before.end != after.start for before, after in itertools.pairwise(hops)):
             return None
-        if any(s.position != position for s in self.spans[index : last + 1]):
-            return None
         if len({hop.peer_id for hop in hops}) < len(hops):
             return None
-        return last
+        ran, waiting = self.spans[first:index], self.spans[index : last + 1]
+        if not ran and all(s.position == position for s in waiting):
+            return _Follow(list(hops), first, last, position)
+        behind = position - step_tokens
+        if (step_tokens and all(s.position == position and s.history for s in ran)
+                and all(s.position == behind for s in waiting)):
+            return _Follow(list(hops), first, last, behind)
+        return None
 
-    async def _reshape(self, index: int, changed: ChainChanged) -> bool:
+    async def _reshape(self, index: int, changed: ChainChanged,
+                       hidden: torch.Tensor, step_tokens: int) -> tuple[int, torch.Tensor] | None:
         """Points the spans over the blocks a server split or merged (KunServe's exchange and restore) at the hops
-        that run them now, keeping the saved inputs; gives False when they do not line up with this client's chain
-        at the same position (the caller replays instead)."""
-        followed = self._hops_to_follow(index, changed.hops, changed.position)
+        that run them now, keeping the saved inputs; gives the span to send the step to next and its input (`hidden`
+        for the span at `index`), or None when the hops do not line up with this client's chain at the same
+        position, or the step in flight's `step_tokens` behind it (the caller replays instead)."""
+        followed = self._hops_to_follow(index, changed.hops, changed.position, step_tokens)
         if followed is None:
-            return False
-        hops, last = followed
-        first = index
+            return None
+        hops, first, last, position = followed.hops, followed.first, followed.last, followed.position
         covered = self.spans[first : last + 1]
+        # a span before `index` ran the step: it is sent again from there, with the input that span was given
+        history = list(covered[0].history) if first == index else covered[0].history[:-1]
+        step_input = hidden if first == index else covered[0].history[-1]
         servers = await self.client.servers()
         ours = {s.peer_id: s for s in covered}
         reshaped: list[_SpanSession] = []
@@ -726,16 +754,16 @@ class RemoteInferenceSession:
                 kept = ours.get(hop.peer_id)
                 record = servers.get(hop.peer_id) or (kept.span.record if kept is not None else None)
                 if record is None:
-                    return False
+                    return None
                 try:
                     connection = kept.connection if kept is not None else await self.client.connect(record)
                 except SwarmError as error:  # the server the KV went to is gone: the caller replays instead
                     log.warning("Chain changed to %s, which cannot be reached (%s)", hop.peer_id, error.message)
-                    return False
+                    return None
                 head = not reshaped
                 reshaped.append(_SpanSession(
                     Span(hop.peer_id, hop.start, hop.end, record), connection, hop.session_id,
-                    history=list(covered[0].history) if head else [], position=changed.position,
+                    history=history if head else [], position=position,
                     complete=covered[0].complete if head else False,
                 ))
                 self.timings.setdefault(hop.peer_id, SpanTimings(hop.peer_id, (hop.start, hop.end),
@@ -750,9 +778,10 @@ class RemoteInferenceSession:
                 await span_session.connection.close()
         self.spans[first : last + 1] = reshaped
         self.moves += 1
-        log.info("Chain changed over blocks %d:%d: %s", hops[0].start, hops[-1].end,
-                 " -> ".join(f"{hop.peer_id}[{hop.start}:{hop.end}]" for hop in hops))
-        return True
+        log.info("Chain changed over blocks %d:%d at position %d: %s%s", hops[0].start, hops[-1].end, position,
+                 " -> ".join(f"{hop.peer_id}[{hop.start}:{hop.end}]" for hop in hops),
+                 "" if changed.position == position else f" (they ran the step; it is sent again from span {first})")
+        return first, step_input
 
     async def _replay_onto(self, failed: _SpanSession, replacements: list[_SpanSession]) -> None:
         """Sends the inputs `failed` was given through `replacements` (a chain over its blocks), rebuilding their KV

@@ -436,18 +436,26 @@ class Migrations:
             session.start, session.end = min(session.start, first), max(session.end, last)
             session.merging = None
             session.hops = [Hop(self.peer_id, session.start, session.end, session_id)]
-            session.last_step_id, session.last_result = None, None  # its output now ends at another block
+            # Its output now ends at the part's last block: the part's output of the step both ran is the merged
+            # session's (a pushed step ran through both before the merge; its client asks for it again by its id).
+            ran_both = last_step_id is not None and last_step_id == session.last_step_id and last_output is not None
+            session.last_result = self._last_result(session, last_output) if ran_both else None
+            session.last_step_id = last_step_id if ran_both else None
             session.last_active_s = time.monotonic()
             self.stats.sessions_in["kv"] += 1
             return session
         if last_step_id is not None and last_output is not None:
-            output = decode_tensor(last_output, max_elements=session.batch * session.max_length * self.hidden_size)
-            session.last_step_id, session.last_result = last_step_id, StepResult(output, 0.0, 0)
+            session.last_step_id, session.last_result = last_step_id, self._last_result(session, last_output)
         session.position = position
         session.importing_from = None
         session.last_active_s = time.monotonic()
         self.stats.sessions_in["kv"] += 1
         return session
+
+    def _last_result(self, session: Session, last_output: Any) -> StepResult:
+        """Gives the result of the last step the source's part of `session` ran, from its output on the wire."""
+        output = decode_tensor(last_output, max_elements=session.batch * session.max_length * self.hidden_size)
+        return StepResult(output, 0.0, 0)
 
     def abort(self, source: str, session_id: str) -> None:
         """Drops an import (its pages return to the pool; a merge's session stays as it was)."""

@@ -4,6 +4,7 @@ model's tokens, the dropped blocks' pages hold KV, and a restore brings every bl
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from client import ClientConfig, DistributedModelForCausalLM
+from client.inference import RemoteInferenceSession
 from client.swarm_client import SwarmClient
 from orchestrator.buddy import SegmentReplica, groups_of, plan_merge
 from swarm.errors import AssignmentRefused
@@ -24,6 +26,7 @@ from tests.test_swarm_generate import prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.own_swarm]
 TIMEOUT_S = 30.0
+LATE_COLLECT_S = 1.0  # how late the client asks for a pushed step's outputs after the restore
 
 
 def call(client: SwarmClient, peer_id: str, method: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -499,12 +502,25 @@ def test_a_burst_that_outgrows_the_first_pair_pairs_the_servers_still_whole_and_
 
 
 def test_two_pairs_merge_into_a_group_of_four_mid_generation_and_a_restore_takes_every_block_back(
-    swarm_factory: SwarmProcesses, tiny_llama: Path
+    swarm_factory: SwarmProcesses, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A deeper drop (`plan_merge`): two pairs become one group of four, each member keeping half of its slice; the
     running session's KV for the blocks its servers gave up moves to the members that keep them, and it goes on
     through four servers without a replay; the restore brings every block back, takes the session's parts back
-    into the server of its first part, last part first, and, once it closed, every page is back in its pool."""
+    into the server of its first part, last part first, and, once it closed, every page is back in its pool.
+
+    After the restore the client asks for each pushed step's outputs late, as a loaded client does: a merge then
+    takes two parts together after both ran the step, and the client follows the merged part one step behind it."""
+    late = threading.Event()
+    call_step = RemoteInferenceSession.call_step
+
+    async def late_collect(self: RemoteInferenceSession, span_session: Any, hidden: torch.Tensor | None,
+                           **kwargs: Any) -> torch.Tensor:
+        if hidden is None and late.is_set():  # a pushed step's output, asked for after the servers ran it
+            await asyncio.sleep(LATE_COLLECT_S)
+        return await call_step(self, span_session, hidden, **kwargs)
+
+    monkeypatch.setattr(RemoteInferenceSession, "call_step", late_collect)
     swarm_factory.start_dht()
     local, remote = local_and_remote(swarm_factory, tiny_llama)
     client = remote.swarm
@@ -551,6 +567,7 @@ def test_two_pairs_merge_into_a_group_of_four_mid_generation_and_a_restore_takes
                     call(client, peer, "restore", {})
                 kept.clear()
                 wait_for_ranges(client, {peer: (0, 8) for peer in peers})
+                late.set()
 
             actual = remote.generate(input_ids, session=session, max_new_tokens=40, do_sample=False,
                                      streamer=ActAfterTokens({3: into_pairs, 6: into_four, 9: restore_all}))

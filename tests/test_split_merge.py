@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from client.inference import RemoteInferenceSession
+from client.inference import RemoteInferenceSession, _Follow
 from server import migration
 from server.migration import Migrations, Part
-from server.sessions import Session, SessionTable
+from server.sessions import Session, SessionTable, StepResult
 from swarm.errors import BlocksNotHosted, ChainChanged, Hop, InvalidTensor, SessionNotFound, SwarmError
 from swarm.memory import KVOwner, PagePool
 from swarm.model.paged_kv import PagedKV
@@ -134,6 +134,32 @@ def test_a_merge_takes_a_buddys_part_back_into_the_session_and_frees_it_there() 
     run(scenario)
 
 
+def test_a_merge_after_a_pushed_step_ran_through_both_parts_answers_that_step_again_with_the_tails_output() -> None:
+    """The restore's merge can come between a pushed step and its client's requests for the outputs: both parts ran
+    it. The merged session answers the step's id with the tail's output (the output of its last block now); a merge
+    at a step only the head ran keeps no output, so a repeated step id finds nothing to answer with."""
+    async def scenario() -> None:
+        a, b = Server("A"), Server("B")
+        head, tail = a.session("s", 0, 2, seed=8), b.session("t", 2, 4, seed=9)
+        head_output, tail_output = torch.full((1, 1, 16), 1.0), torch.full((1, 1, 16), 2.0)
+        head.last_step_id, head.last_result = "19", StepResult(head_output, 0.0, 0)
+        tail.last_step_id, tail.last_result = "19", StepResult(tail_output, 0.0, 0)
+        await b.migrations.send(tail, Stream(b, a), [], timeout_s=5.0,  # type: ignore[arg-type]
+                                part=Part(2, 4, [Hop("A", 0, 4, "s")], into="s", position=TOKENS))
+        assert (head.start, head.end, head.last_step_id) == (0, 4, "19")
+        assert head.last_result is not None and torch.equal(head.last_result.output, tail_output)
+
+        c, d = Server("C"), Server("D")
+        head, tail = c.session("s", 0, 2, seed=8), d.session("t", 2, 4, seed=9)
+        head.last_step_id, head.last_result = "19", StepResult(head_output, 0.0, 0)
+        tail.last_step_id, tail.last_result = "18", StepResult(tail_output, 0.0, 0)
+        await d.migrations.send(tail, Stream(d, c), [], timeout_s=5.0,  # type: ignore[arg-type]
+                                part=Part(2, 4, [Hop("C", 0, 4, "s")], into="s", position=TOKENS))
+        assert (head.start, head.end, head.last_step_id, head.last_result) == (0, 4, None, None)
+
+    run(scenario)
+
+
 def test_merges_that_cannot_hold_leave_both_sessions_as_they_were(monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario() -> None:
         a, b = Server("A"), Server("B")
@@ -197,19 +223,47 @@ def test_a_merge_into_blocks_the_server_dropped_meanwhile_is_refused_and_leaves_
     run(scenario)
 
 
+def _client(*spans: tuple[str, int, int, int]) -> SimpleNamespace:
+    """A client's chain: (server, start, end, position) per span, each with one saved input."""
+    client = SimpleNamespace(spans=[
+        SimpleNamespace(span=SimpleNamespace(peer_id=peer, start=start, end=end), position=position, history=[None])
+        for peer, start, end, position in spans
+    ])
+    client._lined_up = lambda *args: RemoteInferenceSession._lined_up(client, *args)
+    return client
+
+
 def test_the_client_follows_the_hops_over_its_own_span_when_the_servers_view_of_later_ones_is_old() -> None:
     """A server splits its part of a session after the next server had moved its part on: the hops it gives name the
     keeper twice (its new part, and the old next part the keeper once held). The client follows the hops over the
     span that answered, and the later span tells its own change when the step reaches it."""
-    def span(peer: str, start: int, end: int, position: int = 9) -> SimpleNamespace:
-        return SimpleNamespace(span=SimpleNamespace(peer_id=peer, start=start, end=end), position=position)
-
-    client = SimpleNamespace(spans=[span("a", 0, 4), span("c", 4, 8)])
-    client._lined_up = lambda *args: RemoteInferenceSession._lined_up(client, *args)
+    client = _client(("a", 0, 4, 9), ("c", 4, 8, 9))
     follow = RemoteInferenceSession._hops_to_follow
     stale = [Hop("a", 0, 2, "s"), Hop("b", 2, 4, "s"), Hop("b", 4, 8, "s2")]  # b moved 4:8 on to c meanwhile
-    assert follow(client, 0, stale, 9) == ([Hop("a", 0, 2, "s"), Hop("b", 2, 4, "s")], 0)
+    assert follow(client, 0, stale, 9) == _Follow([Hop("a", 0, 2, "s"), Hop("b", 2, 4, "s")], 0, 0, 9)
     fresh = [Hop("a", 0, 2, "s"), Hop("b", 2, 4, "s"), Hop("c", 4, 8, "s3")]
-    assert follow(client, 0, fresh, 9) == (fresh, 1)  # a chain that lines up is followed whole, as before
+    assert follow(client, 0, fresh, 9) == _Follow(fresh, 0, 1, 9)  # a chain that lines up is followed whole
     assert follow(client, 0, [Hop("a", 0, 2, "s"), Hop("b", 3, 4, "s")], 9) is None  # a gap: replay
     assert follow(client, 0, stale, 8) is None  # another position: replay
+    assert follow(client, 0, stale, 10) is None
+
+
+def test_the_client_follows_a_merge_that_ran_the_step_in_flight_and_sends_that_step_again() -> None:
+    """A restore's merge took a pushed step's parts together after each ran it: the merged part is one step ahead of
+    the client's spans that have not answered yet. The client follows it at their position and sends the step again
+    from the merged part's first span (the merged part answers the step's id again); any other lead, or a step of
+    another length, is a replay."""
+    client = _client(("a", 0, 2, 10), ("b", 2, 4, 9), ("c", 4, 8, 9))  # a answered step 9, b did not
+    follow = RemoteInferenceSession._hops_to_follow
+    into_b = [Hop("b", 2, 8, "s")]  # b took c's part after both ran step 9
+    assert follow(client, 1, into_b, 10, 1) == _Follow(into_b, 1, 2, 9)
+    assert follow(client, 1, into_b, 9, 1) == _Follow(into_b, 1, 2, 9)  # the merge came before the step: as before
+    assert follow(client, 1, into_b, 10) is None
+    assert follow(client, 1, into_b, 11, 1) is None
+    into_a = [Hop("a", 0, 8, "s")]  # a took b's and c's parts after all ran step 9: it is sent again from a
+    assert follow(client, 1, into_a, 10, 1) == _Follow(into_a, 0, 2, 9)
+    assert follow(client, 1, into_a, 9, 1) is None  # a ran the step, so a merge through a at 9 lost it: replay
+    later = _client(("a", 0, 2, 10), ("b", 2, 4, 10), ("c", 4, 8, 9))  # a and b answered step 9, c did not
+    assert follow(later, 2, into_a, 10, 1) == _Follow(into_a, 0, 2, 9)
+    later.spans[0].history = []  # no input saved for a's step: nothing to send it again with
+    assert follow(later, 2, into_a, 10, 1) is None
