@@ -20,6 +20,7 @@ from swarm.dht_limits import MAX_RECORD_TTL_S
 from swarm.errors import InvalidBlockRange, OutOfPages, UnsupportedArchitecture
 from swarm.memory import DEFAULT_PAGE_BYTES, parse_size
 from swarm.model import DEFAULT_MODEL, QUANT_MODES, ModelNotFound, parse_block_range
+from swarm.process_exit import exit_now
 
 log = logging.getLogger("swarm-server")
 
@@ -282,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     except (InvalidBlockRange, UnsupportedArchitecture, ModelNotFound, OutOfPages, ValueError) as error:
         print(f"swarm-server: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
+    exit_now(0)  # it shut down cleanly: skip the interpreter's teardown (`swarm.process_exit`)
 
 
 if __name__ == "__main__":

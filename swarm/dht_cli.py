@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
+from swarm.process_exit import exit_now
 from swarm.signing import open_dht
 
 logger = logging.getLogger(__name__)
@@ -88,5 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def run() -> NoReturn:
+    """Entry point of the swarm-dht console script: serves, then ends without the interpreter's teardown."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
