@@ -75,7 +75,7 @@ class DropHost(Protocol):
 
     def record(self) -> ServerRecord: ...
 
-    async def drop_blocks(self, start: int, end: int) -> list[str]: ...
+    async def drop_blocks(self, start: int, end: int, *, reserve_pages: int = 0) -> list[str]: ...
 
     async def restore_blocks(self, *, evict_merged: bool = False) -> list[str]: ...
 
@@ -150,11 +150,11 @@ class DropMember:
         self._refused_twice = refused_twice(refused, opened)
         return fresh
 
-    async def _ask_to_drop(self, peer_id: str, start: int, end: int) -> None:
+    async def _ask_to_drop(self, peer_id: str, start: int, end: int, reserve: int) -> None:
         if peer_id == self.server.peer_id:
-            await self.server.drop_blocks(start, end)
+            await self.server.drop_blocks(start, end, reserve_pages=reserve)
             return
-        await self._call(peer_id, "drop", {"blocks": [start, end]})
+        await self._call(peer_id, "drop", {"blocks": [start, end], "reserve": reserve})
 
     async def _ask_to_restore(self, peer_id: str, evict_merged: bool) -> bool:
         if peer_id == self.server.peer_id:

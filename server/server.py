@@ -24,7 +24,7 @@ from server.compute import DECODE_BATCHES, PREFILL_CHUNK_TOKENS, BlockSpeed, cac
 from server.config import ServerConfig
 from server.drop_member import DropMember, opened_digests, refused_digests
 from server.emulated_gpu import load_profile
-from server.exchange import BlockExchange
+from server.exchange import EXCHANGE_STUCK_S, BlockExchange
 from server.hosting import Hosting
 from server.metrics import ServerMetrics
 from server.migration import AUTO, MAX_PIECES_PER_FRAME, MODES, Migrations, MoveChoice
@@ -310,11 +310,18 @@ class SwarmServer:
         """Moves this server to blocks [start, end) while it serves (see `server.hosting`)."""
         await self.hosting.change(start, end)
 
-    async def drop_blocks(self, start: int, end: int) -> list[str]:
+    async def drop_blocks(self, start: int, end: int, *, reserve_pages: int = 0) -> list[str]:
         """Keeps only blocks [start, end) at once, their dropped neighbours' pages becoming KV pages (KunServe);
         gives the victims (see `Hosting.drop`), whose KV for the dropped blocks then moves to the servers that keep
-        them (`server.exchange`), or who are evicted for a replay with `--kv-exchange replay`."""
+        them (`server.exchange`), or who are evicted for a replay with `--kv-exchange replay`. With a KV exchange
+        (`blocking` or `live`), `reserve_pages` of the free pages are held back from new sessions for the KV the
+        group-mates' victims bring here, until those stop arriving (`SessionTable.hold_for_exchange`); not under
+        `auto`, whose victims may each replay instead, which this server would not learn."""
         replay = self.config.kv_exchange == "replay"
+        if reserve_pages and self.config.kv_exchange in ("blocking", "live"):
+            self.sessions.hold_for_exchange(reserve_pages, idle_s=EXCHANGE_STUCK_S)
+            log.info("Holding %d free page(s) back from new sessions for the KV the group-mates' victims bring",
+                     reserve_pages)
         victims = await self.hosting.drop(start, end, evict=replay)
         if victims and not replay:
             self.exchange.after_drop(victims)
@@ -323,6 +330,7 @@ class SwarmServer:
     async def restore_blocks(self, *, evict_merged: bool = False) -> list[str]:
         """Loads the blocks dropped since the last restore back and serves them again (see `Hosting.restore`),
         then takes back the buddies' parts of the sessions that run on into them (`server.exchange`)."""
+        self.sessions.hold_for_exchange(0)  # the drop's exchange is over: its held pages hold blocks again
         evicted = await self.hosting.restore(evict_merged=evict_merged)
         self.exchange.after_restore()
         return evicted
@@ -359,8 +367,11 @@ class SwarmServer:
         KV pages, or will be when the batch computing with them ends."""
         await self._check_drop_caller(ctx, "drop")
         start, end = _block_pair(payload)
+        reserve = field(payload, "reserve", int, optional=True) or 0
+        if not 0 <= reserve <= self.pool.stats().pages_total:
+            raise MalformedFrame(f"reserve {reserve} is outside 0..{self.pool.stats().pages_total} pages")
         self._check_accepting()
-        victims = await self.drop_blocks(start, end)
+        victims = await self.drop_blocks(start, end, reserve_pages=reserve)
         return {"blocks": [self.hosting.start, self.hosting.end], "victims": len(victims),
                 "restorable": list(self.hosting.restorable) if self.hosting.restorable else None}
 
@@ -491,6 +502,7 @@ class SwarmServer:
                              "restorable": list(self.hosting.restorable) if self.hosting.restorable else None,
                              "loop": self.dropping.loop.to_wire() if self.dropping.loop is not None else None,
                              "reshaping": self.exchange.reshaping, "exchange": self.exchange.stats.to_wire(),
+                             "held_for_exchange": self.sessions.held_for_exchange(),
                              "live": self.remote.stats.to_wire(),
                              "refused": refused_digests(self.sessions.refused()),
                              "opened": opened_digests(self.sessions.opened())}}

@@ -162,6 +162,9 @@ class SessionTable:
         # a waiting session's key (its client's `wait_id`, else its id) -> (when, pages) of opens refused for room
         self._refused: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self._opened: OrderedDict[str, float] = OrderedDict()  # such a key -> when a session with it opened here
+        # Pages a drop holds back from new sessions for the KV its group-mates' victims bring (`hold_for_exchange`):
+        # how many are left, how long the hold lasts without an import, and when one last ran.
+        self._held_for_exchange, self._hold_idle_s, self._hold_active_s = 0, 0.0, 0.0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -172,6 +175,25 @@ class SessionTable:
     def growth_reserve(self) -> int:
         """Gives the free pages the open sessions are expected to still take (the headroom rule)."""
         return self.policy.growth_reserve(self._kv_of(session) for session in self._sessions.values())
+
+    def hold_for_exchange(self, pages: int, *, idle_s: float = 0.0) -> None:
+        """Holds `pages` free pages back from new sessions for the KV a drop's exchange brings here (spec 5.2: the
+        pages a drop frees, less what its group-mates' victims will take, are what new sessions may have at once).
+        Each session imported meanwhile takes its pages out of the hold; the rest lapses once no import has run for
+        `idle_s` (the victims' servers stop waiting for room after as long). 0 ends the hold."""
+        self._held_for_exchange, self._hold_idle_s = max(0, pages), idle_s
+        self._hold_active_s = time.monotonic()
+
+    def held_for_exchange(self) -> int:
+        """Gives the pages still held back for a drop's exchange (0 once the hold lapsed)."""
+        if not self._held_for_exchange:
+            return 0
+        now = time.monotonic()
+        if any(session.importing_from is not None for session in self._sessions.values()):
+            self._hold_active_s = now
+        elif now - self._hold_active_s > self._hold_idle_s:
+            self._held_for_exchange = 0
+        return self._held_for_exchange
 
     def pages_for(self, session: Session, tokens: int) -> int:
         """Gives the pages `session` holds at `tokens` tokens, over all its blocks and rows."""
@@ -211,7 +233,8 @@ class SessionTable:
             tokens=0, max_length=self.max_length, sequences=self.block_end - self.block_start
         )
         return self.policy.sessions_fit(
-            pages_free=self.pool.pages_free, reserve=self.growth_reserve(), pages_per_session=per_session
+            pages_free=self.pool.pages_free, reserve=self.growth_reserve() + self.held_for_exchange(),
+            pages_per_session=per_session,
         )
 
     def check_hosted(self, start: int, end: int) -> None:
@@ -250,20 +273,25 @@ class SessionTable:
             raise QuotaExceeded(f"client {opener} already holds {self.quota.max_sessions} sessions on this server, "
                                 f"as many as one client may")
         self._check_pages_quota(opener, sequences * kv_pages_for(tokens, self.tokens_per_page))
-        if moved_in:
+        held = self.held_for_exchange()
+        if moved_in:  # an exchange's victim among them: the held pages are for it
             expected, reserve = sequences * kv_pages_for(tokens, self.tokens_per_page), self.prompt_reserve()
         else:
             expected = self.policy.expected_pages(tokens=max(tokens - 1, prompt_tokens), max_length=max_length,
                                                   sequences=sequences)
-            reserve = self.growth_reserve()
+            reserve = self.growth_reserve() + held
         pages_free = self.pool.pages_free
         if not self.policy.admits(pages_free=pages_free, reserve=reserve, new_session_pages=expected):
             self._note_refused(wait_id or session_id, expected)
             raise ServerBusy(
                 f"no room for a session of {end - start} blocks x {batch} row(s): it is expected to take {expected} "
-                f"pages, {pages_free} are free and the {len(self)} open session(s) are expected to take {reserve} "
-                f"more as they grow"
+                f"pages, {pages_free} are free and the {len(self)} open session(s) are expected to take "
+                f"{reserve - (0 if moved_in else held)} more as they grow"
+                + (f"; {held} are held for the KV a drop's exchange brings" if held and not moved_in else "")
             )
+        if moved_in and held:
+            self._held_for_exchange = max(0, held - expected)
+            self._hold_active_s = time.monotonic()
         session = Session(session_id, start, end, batch, max_length, opener=opener, prompt_tokens=prompt_tokens)
         self._sessions[session_id] = session
         self._note_opened(wait_id or session_id)  # it holds pages now: no longer a demand beside them

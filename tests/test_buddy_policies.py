@@ -20,6 +20,7 @@ from orchestrator.buddy import (
     exchange_mode,
     exchange_order,
     groups_of,
+    incoming_pages,
     plan_buddy_groups,
     plan_drop,
     plan_merge,
@@ -277,6 +278,30 @@ def test_victims_send_the_kv_of_the_blocks_their_server_dropped_to_the_buddy_tha
     assert [(m.session_id, m.dst, m.block_start, m.block_end) for m in moves] == [
         ("small", "peer-00", 0, 3), ("small", "peer-02", 6, 9), ("big", "peer-00", 0, 3), ("big", "peer-02", 6, 9)]
     assert moves[0].kv_bytes == 20 * 3 * 1536
+
+
+def test_each_member_holds_back_the_kv_its_mates_victims_bring_for_the_blocks_it_keeps():
+    """Spec 5.2's pair: each server keeps half and takes the other's KV over that half; a third member splits what it
+    sends between the two that keep its dropped blocks; an idle member sends nothing."""
+    pair = plan_drop(replicas(2), required_pages=1)  # 0:15 and 15:30
+    whole = {peer: (0, 30) for peer in pair.kept}
+    assert incoming_pages(pair, whole, {"peer-00": 360, "peer-01": 360}) == {"peer-00": 180, "peer-01": 180}
+    assert incoming_pages(pair, whole, {"peer-00": 360, "peer-01": 0}) == {"peer-00": 0, "peer-01": 180}
+    three = plan_drop(replicas(3, end=9), required_pages=10**6)  # 0:3, 3:6, 6:9
+    assert incoming_pages(three, {peer: (0, 9) for peer in three.kept}, {"peer-01": 90}) == {
+        "peer-00": 30, "peer-01": 0, "peer-02": 30}
+
+
+def test_two_pairs_merging_hold_back_only_the_kv_of_the_blocks_dropped_now():
+    """From pairs (each member serving half), a merge into four moves only the quarter each member drops now."""
+    replicas_ = replicas(4, end=8)
+    kept = {"peer-00": (0, 4), "peer-01": (4, 8), "peer-02": (0, 4), "peer-03": (4, 8)}
+    plan = plan_merge(replicas_, groups_of(replicas_, kept), kept, required_pages=1)
+    incoming = incoming_pages(plan, kept, dict.fromkeys(kept, 40))
+    # every member drops 2 of its 4 blocks (20 of its 40 pages), each to the member that keeps them now
+    assert sum(incoming.values()) == 80 and all(pages == 20 for pages in incoming.values())
+    for peer, (first, last) in plan.kept.items():
+        assert kept[peer][0] <= first < last <= kept[peer][1]  # a member keeps a part of what it kept
 
 
 def test_exchange_order_is_session_by_session_smallest_first():

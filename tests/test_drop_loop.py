@@ -37,12 +37,14 @@ class Segment:
         self.refuse = refuse
         self.calls: list[tuple[str, ...]] = []
         self.whole: set[str] = set()  # members that serve their whole segment, whatever their records say
+        self.reserves: dict[str, int] = {}  # the pages each member was told to hold back for the exchange
 
     async def group(self) -> list[ServerRecord]:
         return list(self.records)
 
-    async def drop(self, peer: str, start: int, end: int) -> None:
+    async def drop(self, peer: str, start: int, end: int, reserve: int) -> None:
         self.calls.append(("drop", peer, f"{start}:{end}"))
+        self.reserves[peer] = reserve
         if peer in self.refuse:
             raise ServerBusy(f"{peer} refuses")
 
@@ -68,6 +70,7 @@ def test_the_leader_drops_on_a_burst_and_restores_once_the_drop_is_old_and_the_d
         await leader.tick(1.0)  # demand 140 and rising against 120 pages: a pair, half the blocks each
         assert segment.calls == [("drop", "a", "0:4"), ("drop", "b", "4:8")]
         assert leader.drops == 1 and leader.last_plan is not None and leader.last_plan.total_freed_pages == 40
+        assert segment.reserves == {"a": 25, "b": 25}  # each holds back the half of its mate's 50 KV pages it keeps
 
         segment.calls.clear()
         segment.records = [record("a", 0, 4, kv=10, restorable=(0, 8)), record("b", 4, 8, kv=10, restorable=(0, 8))]

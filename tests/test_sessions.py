@@ -206,6 +206,40 @@ def test_a_prompt_counts_in_admission_and_a_migration_is_admitted_on_what_it_hol
     run(scenario)
 
 
+def test_pages_held_for_a_drops_exchange_keep_new_sessions_out_until_victims_took_them_or_none_came() -> None:
+    """A drop holds back the pages its group-mates' victims will bring: new sessions may not take them, a victim's
+    import may, and takes them out of the hold; the rest lapses once no import ran for the idle time, or at once
+    when the server restores (a hold of 0)."""
+    async def scenario() -> None:
+        sessions = table(40, headroom_tokens=0)
+        assert sessions.sessions_fit() == 10  # 4 pages each, over 4 blocks
+        sessions.hold_for_exchange(24, idle_s=0.2)
+        assert sessions.held_for_exchange() == 24 and sessions.sessions_fit() == 4
+        for index in range(4):
+            sessions.open(f"new-{index}", 0, 4, batch=1, max_length=128)
+        with pytest.raises(ServerBusy, match="24 are held for the KV a drop's exchange brings"):
+            sessions.open("one-more", 0, 4, batch=1, max_length=128)
+        victim = sessions.open("victim", 0, 4, batch=1, max_length=128, tokens=40, moved_in=True)  # 3 pages a block
+        victim.importing_from = "mate"
+        assert sessions.held_for_exchange() == 12  # the victim took 12 of the 24
+        await asyncio.sleep(0.3)
+        assert sessions.held_for_exchange() == 12  # an import runs: the hold stays
+        victim.importing_from = None
+        assert sessions.held_for_exchange() == 12
+        await asyncio.sleep(0.3)
+        assert sessions.held_for_exchange() == 0  # no import for longer than the idle time: it lapsed
+        sessions.open("one-more", 0, 4, batch=1, max_length=128)
+        sessions.hold_for_exchange(8, idle_s=60.0)
+        sessions.hold_for_exchange(0)  # a restore ends it
+        assert sessions.held_for_exchange() == 0
+        for session in list(sessions):
+            sessions.close(session.session_id)
+        assert sessions.pool.stats().pages_kv == 0
+        sessions.pool.check_invariants()
+
+    run(scenario)
+
+
 def test_a_run_is_cleared_by_moving_kv_pages_that_keep_their_bytes_and_page_tables() -> None:
     async def scenario() -> None:
         sessions = table(32)  # KV pages are taken from the top: a..g hold pages 31..4 in fours, 0..3 are free

@@ -8,11 +8,19 @@ KV at once. The live servers, the orchestrator and the simulator call the same f
 - `groups`: Alg. 1 and its balanced variant (`plan_buddy_groups`), the slices each member keeps (`slice_group`),
   the whole plan of a segment (`plan_drop`), Alg. 1 continued from groups formed earlier (`plan_merge`) and the
   invariants of a plan (`check_plan`);
-- `exchange`: the victims' moves of a plan (`victim_moves`), their order and their mode (`exchange_mode`).
+- `exchange`: the victims' moves of a plan (`victim_moves`), their order and their mode (`exchange_mode`), and the
+  pages each member holds back for the KV its mates' victims bring (`incoming_pages`).
 Pure: no I/O, no clocks, no randomness.
 """
 
-from orchestrator.buddy.exchange import ExchangeMode, VictimMove, exchange_mode, exchange_order, victim_moves
+from orchestrator.buddy.exchange import (
+    ExchangeMode,
+    VictimMove,
+    exchange_mode,
+    exchange_order,
+    incoming_pages,
+    victim_moves,
+)
 from orchestrator.buddy.groups import (
     check_plan,
     groups_of,
@@ -39,6 +47,7 @@ __all__ = [
     "exchange_mode",
     "exchange_order",
     "groups_of",
+    "incoming_pages",
     "latest_rate",
     "plan_buddy_groups",
     "plan_drop",

@@ -13,6 +13,7 @@ Order (blocking): session by session, smallest KV first, which minimizes the vic
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -56,6 +57,28 @@ def victim_moves(
                     kv_bytes = tokens * (end - start) * kv_bytes_per_token_block
                     moves.append(VictimMove(session_id, peer, mate, start, end, tokens, kv_bytes))
     return exchange_order(moves)
+
+
+def incoming_pages(plan: DropPlan, served: Mapping[str, tuple[int, int]],
+                   pages_kv: Mapping[str, int]) -> dict[str, int]:
+    """Gives, for every member of `plan`, the KV pages its group-mates' victims are expected to move into it: each
+    member that drops blocks it serves now (`served`) sends the KV it holds over them (`pages_kv`, spread evenly over
+    the blocks it serves) to the mate that keeps them. A member holds that many of the pages its own drop freed back
+    for them (spec 5.2's transient: the freed pages less the incoming KV are what new sessions may take at once)."""
+    incoming = dict.fromkeys(plan.kept, 0.0)
+    for peer, (first, last) in sorted(served.items()):
+        if peer not in plan.kept or last <= first or not pages_kv.get(peer):
+            continue
+        keep_first, keep_last = plan.kept[peer]
+        gone = [(first, min(last, keep_first)), (max(first, keep_last), last)]  # what it serves and drops now
+        per_block = pages_kv[peer] / (last - first)
+        for mate in plan.group_of(peer).members:
+            if mate == peer or mate not in incoming:
+                continue
+            mate_first, mate_last = plan.kept[mate]
+            blocks = sum(max(0, min(end, mate_last) - max(start, mate_first)) for start, end in gone)
+            incoming[mate] += per_block * blocks
+    return {peer: math.ceil(pages) for peer, pages in incoming.items()}
 
 
 def exchange_order(moves: Sequence[VictimMove]) -> list[VictimMove]:

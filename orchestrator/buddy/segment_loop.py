@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.buddy.exchange import incoming_pages
 from orchestrator.buddy.groups import groups_of, plan_drop, plan_merge
 from orchestrator.buddy.records import DropPlan, SegmentReplica
 from orchestrator.buddy.triggers import RESTORE_MIN_DROPPED_S, drop_trigger, restore_trigger
@@ -96,7 +97,9 @@ class DropLoop:
 
     peer_id: str
     group: Callable[[], Awaitable[list[ServerRecord]]]  # fresh records of the segment's online servers, own included
-    drop: Callable[[str, int, int], Awaitable[None]]  # (member, start, end): keep only [start, end)
+    # (member, start, end, reserve): keep only [start, end), holding `reserve` freed pages back for the KV the
+    # member's group-mates' victims bring (`incoming_pages`)
+    drop: Callable[[str, int, int, int], Awaitable[None]]
     # (member, evict_merged): load the dropped blocks back; gives whether the member had any to load (a record that
     # lags behind a restore names a member that has none)
     restore: Callable[[str, bool], Awaitable[bool]]
@@ -180,7 +183,8 @@ class DropLoop:
         plan = plan_drop([replica_of(record) for record in records], required, balanced=self.balanced,
                          epoch=self.drops + self.aborts + 1)
         if plan.changes_anything:
-            await self._execute(plan, {record.peer_id: segment_of(record) for record in records}, now_s)
+            await self._execute(plan, {record.peer_id: segment_of(record) for record in records}, now_s,
+                                {record.peer_id: record.pages_kv for record in records})
 
     async def _merge(self, records: list[ServerRecord], required: int, now_s: float) -> None:
         """Fewer than two servers are whole: merges the smallest groups the kept ranges form (`plan_merge`), each
@@ -192,20 +196,23 @@ class DropLoop:
         if groups is None:
             return
         await self._execute(plan_merge(replicas, groups, kept, required, epoch=self.drops + self.aborts + 1), kept,
-                            now_s)
+                            now_s, {record.peer_id: record.pages_kv for record in records})
 
-    async def _execute(self, plan: DropPlan, kept: dict[str, tuple[int, int]], now_s: float) -> None:
-        """Tells every member whose range the plan changes to keep its new one; aborts the plan (and restores the
+    async def _execute(self, plan: DropPlan, kept: dict[str, tuple[int, int]], now_s: float,
+                       pages_kv: dict[str, int]) -> None:
+        """Tells every member whose range the plan changes to keep its new one, holding back the pages its mates'
+        victims' KV will take (`incoming_pages`, from the members' KV pages); aborts the plan (and restores the
         members that dropped for it) when one refuses or fails."""
         samples = (f"demand {[pages for _, pages in self.demand[-2:]]}, "
                    f"KV pages {[pages for _, pages in self.available[-2:]]}")
         changes = {peer: blocks for peer, blocks in sorted(plan.kept.items()) if blocks != kept[peer]}
         if not changes:
             return
+        incoming = incoming_pages(plan, kept, pages_kv)
         dropped: list[str] = []
         try:
             for peer, blocks in changes.items():
-                await self.drop(peer, *blocks)
+                await self.drop(peer, *blocks, incoming.get(peer, 0))
                 dropped.append(peer)
         except (SwarmError, OSError, TimeoutError) as error:
             self.aborts += 1
@@ -219,9 +226,9 @@ class DropLoop:
         self.dropped_peers.update(dropped)
         self.dropped_since_s = now_s
         self.available.clear()  # it jumped: a rate across the drop means nothing; demand's still does
-        log.info("drop plan %d for %d pages (%s): groups %s, kept %s, %d pages freed", plan.epoch,
-                 plan.required_pages, samples, [group.members for group in plan.groups], dict(plan.kept),
-                 plan.total_freed_pages)
+        log.info("drop plan %d for %d pages (%s): groups %s, kept %s, %d pages freed, held back for the exchange %s",
+                 plan.epoch, plan.required_pages, samples, [group.members for group in plan.groups], dict(plan.kept),
+                 plan.total_freed_pages, {peer: incoming.get(peer, 0) for peer in changes})
 
     async def _restore_all(self, dropped: list[ServerRecord], *, evict_merged: bool = False) -> None:
         """Has every member in `dropped` load its dropped blocks back. Once all answered, the segment is whole; it

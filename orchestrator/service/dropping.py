@@ -64,8 +64,8 @@ class FollowerDropping:
         async def group() -> list[ServerRecord]:
             return [await self.fresh(record) for record in self._members.get(segment, {}).values()]
 
-        async def drop(peer_id: str, start: int, end: int) -> None:
-            await self.call(self._members[segment][peer_id], "drop", {"blocks": [start, end]})
+        async def drop(peer_id: str, start: int, end: int, reserve: int) -> None:
+            await self.call(self._members[segment][peer_id], "drop", {"blocks": [start, end], "reserve": reserve})
 
         async def restore(peer_id: str, evict_merged: bool) -> bool:
             return restored_of(await self.call(self._members[segment][peer_id], "restore",
