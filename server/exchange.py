@@ -39,7 +39,6 @@ from server.remote_attention import RemoteAttention
 from server.sessions import Session, SessionTable
 from swarm.dht import lookup_servers_async
 from swarm.errors import BlocksDropped, Hop, MigrationRefused, PeerUnreachable, SwarmError
-from swarm.memory import kv_pages_for
 from swarm.model import BlockRange, ModelSource
 from swarm.records import ServerRecord, ServerState
 from swarm.rpc import CallContext, dial
@@ -204,9 +203,7 @@ class BlockExchange:
         """Moves the blocks of `session` outside `kept` to keepers, one part at a time; gives False when a part
         found no keeper with room (try again later). A victim whose parts go by replay is evicted."""
         for start, end in _parts_outside(session, kept):
-            pages = (end - start) * session.batch * kv_pages_for(max(1, session.position),
-                                                                 self.server.sessions.tokens_per_page)
-            keeper = _keeper(records, start, end, self.server.peer_id, pages)
+            keeper = _keeper(records, start, end, self.server.peer_id)
             if keeper is None:
                 return False
             mode = await self._mode(session, keeper, start, end)
@@ -388,8 +385,10 @@ def _parts_outside(session: Session, kept: tuple[int, int]) -> list[tuple[int, i
     return parts
 
 
-def _keeper(records: list[ServerRecord], start: int, end: int, me: str, pages: int) -> ServerRecord | None:
-    """Gives the online server, not `me`, that hosts [start, end) with the most free pages, if it has `pages`."""
+def _keeper(records: list[ServerRecord], start: int, end: int, me: str) -> ServerRecord | None:
+    """Gives the online server, not `me`, that hosts [start, end) with the most free pages in its record. Whether it
+    has room is for its admission to say (`ServerBusy`): the records lag behind the pages an exchange frees, and
+    buddies free theirs for each other (each victim that leaves a member frees KV pages there, which the member
+    holds for its mates' victims), so a record read before that would evict victims that would fit."""
     hosts = [r for r in records if r.peer_id != me and r.block_start <= start and end <= r.block_end]
-    best = max(hosts, key=lambda r: (r.pages_free, r.peer_id), default=None)
-    return best if best is not None and best.pages_free >= pages else None
+    return max(hosts, key=lambda r: (r.pages_free, r.peer_id), default=None)
