@@ -318,11 +318,12 @@ class SwarmServer:
         group-mates' victims bring here, until those stop arriving (`SessionTable.hold_for_exchange`); not under
         `auto`, whose victims may each replay instead, which this server would not learn."""
         replay = self.config.kv_exchange == "replay"
+        victims = await self.hosting.drop(start, end, evict=replay)
+        # At once, as the drop returns (no other task runs in between): a drop it refused holds nothing.
         if reserve_pages and self.config.kv_exchange in ("blocking", "live"):
             self.sessions.hold_for_exchange(reserve_pages, idle_s=EXCHANGE_STUCK_S)
             log.info("Holding %d free page(s) back from new sessions for the KV the group-mates' victims bring",
                      reserve_pages)
-        victims = await self.hosting.drop(start, end, evict=replay)
         if victims and not replay:
             self.exchange.after_drop(victims)
         return victims

@@ -56,8 +56,8 @@ def test_a_burst_in_the_orchestrators_queue_makes_its_followers_drop_and_jffc_di
             assert info["dropping"]["drops"] >= 1 and info["dropping"]["restorable"] is None
             assert info["dropping"]["exchange"]["replayed"] == 0, info["dropping"]["exchange"]
         assert len(infos(remote.swarm)) == 2
-        # the drop came while both ran sessions: each held pages back for the other's victims' KV
-        assert all("Holding" in proc.output() for proc in swarm_factory.procs if proc.name.startswith("server")), (
+        # the drop came while they ran sessions: a member held pages back for its mate's victims' KV
+        assert any("Holding" in proc.output() for proc in swarm_factory.procs if proc.name.startswith("server")), (
             [proc.output()[-3000:] for proc in swarm_factory.procs if proc.name.startswith("server")])
     finally:
         remote.shutdown()
