@@ -165,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drop-period", type=float, default=0.5, help="seconds between two looks at the demand")
     parser.add_argument("--restore-after", type=float, default=10.0,
                         help="seconds a drop lasts at least before its blocks may be restored")
+    parser.add_argument("--restore-calm", type=float, default=15.0,
+                        help="seconds the demand must have stayed within 80%% of the pages the servers would have "
+                        "for KV with every block back before a restore (a lull between two waves of one burst does "
+                        "not restore)")
     parser.add_argument("--kv-exchange", choices=EXCHANGE_SETTINGS, default="auto",
                         help="how the sessions running over blocks a drop frees go on: 'blocking' moves their KV of "
                         "those blocks to the servers that keep them (each waits for its own), 'live' goes on at once "
@@ -229,6 +233,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_dropping=args.kv_dropping,
         drop_period_s=args.drop_period,
         restore_after_s=args.restore_after,
+        restore_calm_s=args.restore_calm,
         kv_exchange=args.kv_exchange,
     )
 

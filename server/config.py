@@ -50,6 +50,7 @@ class ServerConfig:
     kv_dropping: bool = False  # without an orchestrator: its segment drops blocks under a KV burst (KunServe)
     drop_period_s: float = 0.5  # how often the segment's leader looks at its demand
     restore_after_s: float = 10.0  # a drop this old may be restored once the demand fits
+    restore_calm_s: float = 15.0  # and once it has fitted for this long
     kv_exchange: str = "auto"  # how a drop's victims reach the blocks' keepers: auto, blocking, live or replay
     max_batch_tokens: int | None = None  # tokens one batch computes at most (decode steps, then prefill chunks);
     # None: the device's default (server.scheduler.DEFAULT_MAX_BATCH_TOKENS)

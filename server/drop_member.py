@@ -97,7 +97,8 @@ class DropMember:
             return None
         self.loop = DropLoop(self.server.peer_id, group=self._fresh_group, drop=self._ask_to_drop,
                              restore=self._ask_to_restore, period_s=config.drop_period_s,
-                             restore_after_s=config.restore_after_s, extra_demand=lambda _: -self._refused_twice)
+                             restore_after_s=config.restore_after_s, restore_calm_s=config.restore_calm_s,
+                             extra_demand=lambda _: -self._refused_twice)
         return asyncio.create_task(self.loop.run(), name="segment-dropping")
 
     async def close(self) -> None:

@@ -27,6 +27,7 @@ from orchestrator.buddy import (
     restore_trigger,
     segments,
     slice_group,
+    stale_count,
     victim_moves,
 )
 from orchestrator.buddy.exchange import VictimMove
@@ -264,10 +265,33 @@ def test_the_drop_trigger_forecasts_one_second_with_the_latest_rates():
 
 def test_the_restore_trigger_waits_for_the_drop_to_age_and_for_room_with_a_margin():
     falling = [(0.0, 400), (1.0, 300)]
-    assert not restore_trigger(falling, capacity_undropped_pages=1000, dropped_for_s=5.0)  # too recent
-    assert restore_trigger(falling, capacity_undropped_pages=1000, dropped_for_s=12.0)
-    assert not restore_trigger([(0.0, 810), (1.0, 810)], capacity_undropped_pages=1000, dropped_for_s=60.0)  # > 80%
-    assert not restore_trigger([(0.0, 500), (1.0, 600)], capacity_undropped_pages=1000, dropped_for_s=60.0)  # rising
+    assert not restore_trigger(falling, capacity_undropped_pages=1000, dropped_for_s=5.0, calm_s=0.0)  # too recent
+    assert restore_trigger(falling, capacity_undropped_pages=1000, dropped_for_s=12.0, calm_s=0.0)
+    assert not restore_trigger([(0.0, 810), (1.0, 810)], capacity_undropped_pages=1000, dropped_for_s=60.0,
+                               calm_s=0.0)  # > 80%
+    assert not restore_trigger([(0.0, 500), (1.0, 600)], capacity_undropped_pages=1000, dropped_for_s=60.0,
+                               calm_s=0.0)  # rising
+
+
+def test_the_restore_trigger_waits_out_a_lull_between_two_waves():
+    # a wave above 80% of 1000 pages until t = 10, then a lull of a few sessions
+    wave_then_lull = [(t * 0.5, 900 if t * 0.5 <= 10 else 60) for t in range(0, 51)]  # 0 .. 25 s
+    at = {round(time_s, 1): index for index, (time_s, _) in enumerate(wave_then_lull)}
+    assert not restore_trigger(wave_then_lull[:at[20.0] + 1], 1000, dropped_for_s=20.0)  # the wave is 10 s old
+    assert not restore_trigger(wave_then_lull[:at[24.5] + 1], 1000, dropped_for_s=24.5)  # 14.5 s
+    assert restore_trigger(wave_then_lull[:at[25.0] + 1], 1000, dropped_for_s=25.0)  # 15 s of calm
+    assert restore_trigger(wave_then_lull[:at[20.0] + 1], 1000, dropped_for_s=20.0, calm_s=5.0)
+    # samples that do not reach back over the window (a leader that has just begun) cannot vouch for it
+    assert not restore_trigger([(100.0, 60), (100.5, 60)], 1000, dropped_for_s=30.0)
+    assert restore_trigger([(85.0, 60), (100.5, 60)], 1000, dropped_for_s=30.0)
+
+
+def test_stale_samples_are_those_older_than_the_window_before_the_newest_but_two_always_stay():
+    samples = [(float(t), 1) for t in range(10)]
+    assert stale_count(samples, keep_s=3.0) == 6  # 6.0 .. 9.0 stay
+    assert stale_count(samples, keep_s=100.0) == 0
+    assert stale_count(samples, keep_s=0.0) == 8
+    assert stale_count(samples[:2], keep_s=0.0) == 0
 
 
 # ---- victims ----

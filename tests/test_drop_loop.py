@@ -52,11 +52,12 @@ class Segment:
         self.calls.append(("restore", peer, "evict") if evict_merged else ("restore", peer))
         return peer not in self.whole  # whether it had dropped blocks to load back
 
-    def loop(self, peer: str) -> DropLoop:
-        return DropLoop(peer, group=self.group, drop=self.drop, restore=self.restore, restore_after_s=10.0)
+    def loop(self, peer: str, calm_s: float = 15.0) -> DropLoop:
+        return DropLoop(peer, group=self.group, drop=self.drop, restore=self.restore, restore_after_s=10.0,
+                        restore_calm_s=calm_s)
 
 
-def test_the_leader_drops_on_a_burst_and_restores_once_the_drop_is_old_and_the_demand_fits() -> None:
+def test_the_leader_drops_on_a_burst_and_restores_once_the_drop_is_old_and_the_demand_has_fitted_for_a_while() -> None:
     async def body() -> None:
         segment = Segment([record("a", 0, 8, kv=20), record("b", 0, 8, kv=20)])
         leader, member = segment.loop("a"), segment.loop("b")
@@ -78,6 +79,8 @@ def test_the_leader_drops_on_a_burst_and_restores_once_the_drop_is_old_and_the_d
             await leader.tick(now)
         assert segment.calls == []  # demand fits, but the drop is not 10 s old
         await leader.tick(11.5)
+        assert segment.calls == []  # the drop is old enough, but the burst's demand (t = 1.0) is not 15 s old
+        await leader.tick(16.5)
         assert segment.calls == [("restore", "a"), ("restore", "b")]
         assert leader.restores == 1 and leader.dropped_since_s is None
 
@@ -88,7 +91,7 @@ def test_a_record_that_lags_behind_a_restore_asks_again_but_counts_no_second_res
     async def body() -> None:
         dropped = [record("a", 0, 4, kv=10, restorable=(0, 8)), record("b", 4, 8, kv=10, restorable=(0, 8))]
         segment = Segment(dropped)
-        leader = segment.loop("a")
+        leader = segment.loop("a", calm_s=0.0)
         await leader.tick(0.0)
         await leader.tick(10.5)  # the drop is 10 s old and the demand fits
         assert segment.calls == [("restore", "a"), ("restore", "b")] and leader.restores == 1
@@ -132,7 +135,7 @@ def test_an_orchestrators_loop_keeps_what_it_did_while_a_followers_record_lags()
             return {"restored": True}
 
         dropping = FollowerDropping("orchestrator", fresh=fresh, call=call, queued_tokens=lambda: 0, period_s=0.25,
-                                    restore_after_s=10.0)
+                                    restore_after_s=10.0, restore_calm_s=0.0)
         steady = {"a": record("a", 0, 8, kv=20), "b": record("b", 0, 8, kv=20)}
         await dropping.tick(steady, 0.0)
         assert await dropping.tick({"a": record("a", 0, 8, kv=50, demand=20),
@@ -192,7 +195,7 @@ def test_a_member_that_leaves_while_dropped_makes_the_others_restore_at_once() -
 def test_a_burst_that_outgrows_the_first_plan_merges_the_servers_still_whole() -> None:
     async def body() -> None:
         segment = Segment([record(peer, 0, 8, kv=20) for peer in "abcd"])
-        leader = segment.loop("a")
+        leader = segment.loop("a", calm_s=0.0)
         await leader.tick(0.0)
         segment.records = [record(peer, 0, 8, kv=35) for peer in "abcd"]
         await leader.tick(0.5)  # demand 140 rising 120/s against 240 pages: 20 short, and a pair frees 40

@@ -234,7 +234,8 @@ def start_dropping_replicas(swarm: SwarmProcesses, model: Path, *, restore_after
     `exchange` is how victims go on (on this tiny model `auto` replays them)."""
     swarm.start_dht()
     servers = [swarm.start_server(model, "0:8", *POOL, *SMALL_SESSIONS, "--kv-dropping", "--drop-period", "0.25",
-                                  "--restore-after", str(restore_after_s), "--kv-exchange", exchange, wait=False)
+                                  "--restore-after", str(restore_after_s), "--restore-calm", "2",
+                                  "--kv-exchange", exchange, wait=False)
                for _ in range(2)]
     for server in servers:
         swarm.wait_ready(server)
@@ -439,7 +440,8 @@ def test_a_burst_that_outgrows_the_first_pair_pairs_the_servers_still_whole_and_
     back."""
     swarm_factory.start_dht()
     servers = [swarm_factory.start_server(tiny_llama, "0:8", *POOL, *SMALL_SESSIONS, "--kv-dropping",
-                                          "--restore-after", "8", "--kv-exchange", "blocking", wait=False)
+                                          "--restore-after", "8", "--restore-calm", "2", "--kv-exchange", "blocking",
+                                          wait=False)
                for _ in range(4)]
     for server in servers:
         swarm_factory.wait_ready(server)

@@ -15,7 +15,7 @@ from orchestrator.sim.kunserve_sim import KunServeSimConfig, SimRequest, _Runnin
 CONFIG = KunServeSimConfig(
     replicas=4, blocks=8, pages_total=100, params_pages=40, tokens_per_page=64, step_ms=10.0,
     prefill_token_ms=0.05, decode_token_ms=0.1, hop_ms=1.0, link_bytes_per_s=1e9, prefill_chunk_tokens=256,
-    restore_after_s=2.0,
+    restore_after_s=2.0, restore_calm_s=1.0,
 )
 
 

@@ -21,7 +21,7 @@ TIMEOUT_S = 30.0
 # jffc-only: the whole model on each follower; a job planned at 40 tokens takes one page per block, so each chain of
 # one server has 2 slots (20 KV pages); a chain through both halves of a dropped pair has more (60 pages a server).
 ORCHESTRATOR_ARGS = ("--variant", "jffc-only", "--cache-tokens", "40", "--kv-dropping", "--drop-period", "0.25",
-                     "--restore-after", "2", "--refresh-period", "0.5", "--lease-ttl", "10")
+                     "--restore-after", "2", "--restore-calm", "2", "--refresh-period", "0.5", "--lease-ttl", "10")
 
 
 def test_a_burst_in_the_orchestrators_queue_makes_its_followers_drop_and_jffc_dispatch_through_the_pair(

@@ -4,7 +4,7 @@ Under a KV burst, servers hosting the same segment merge into buddy groups; each
 the segment, the group still holds one copy and serves it as a pipeline, and the dropped blocks' parameter pages hold
 KV at once. The live servers, the orchestrator and the simulator call the same functions:
 - `triggers`: when to drop (`drop_trigger`, Sec. 3.1's 1-s forecast) and when to restore (`restore_trigger`,
-  with hysteresis);
+  with hysteresis and a calm window), and how many old demand samples a caller may forget (`stale_count`);
 - `groups`: Alg. 1 and its balanced variant (`plan_buddy_groups`), the slices each member keeps (`slice_group`),
   the whole plan of a segment (`plan_drop`), Alg. 1 continued from groups formed earlier (`plan_merge`) and the
   invariants of a plan (`check_plan`);
@@ -31,9 +31,17 @@ from orchestrator.buddy.groups import (
     slice_group,
 )
 from orchestrator.buddy.records import BuddyGroup, DropPlan, PlanError, PlanViolation, SegmentReplica
-from orchestrator.buddy.triggers import Samples, drop_trigger, latest_rate, restore_trigger
+from orchestrator.buddy.triggers import (
+    RESTORE_CALM_S,
+    Samples,
+    drop_trigger,
+    latest_rate,
+    restore_trigger,
+    stale_count,
+)
 
 __all__ = [
+    "RESTORE_CALM_S",
     "BuddyGroup",
     "DropPlan",
     "ExchangeMode",
@@ -55,5 +63,6 @@ __all__ = [
     "restore_trigger",
     "segments",
     "slice_group",
+    "stale_count",
     "victim_moves",
 ]

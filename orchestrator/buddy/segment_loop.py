@@ -39,7 +39,13 @@ from typing import Any
 from orchestrator.buddy.exchange import incoming_pages
 from orchestrator.buddy.groups import groups_of, plan_drop, plan_merge
 from orchestrator.buddy.records import DropPlan, SegmentReplica
-from orchestrator.buddy.triggers import RESTORE_MIN_DROPPED_S, drop_trigger, restore_trigger
+from orchestrator.buddy.triggers import (
+    RESTORE_CALM_S,
+    RESTORE_MIN_DROPPED_S,
+    drop_trigger,
+    restore_trigger,
+    stale_count,
+)
 from orchestrator.packing.segment_loop import leader_of
 from swarm.errors import SwarmError
 from swarm.records import ServerRecord, ServerState
@@ -48,6 +54,7 @@ log = logging.getLogger(__name__)
 
 DROP_PERIOD_S = 0.5
 SAMPLES_KEPT = 8
+SAMPLES_MARGIN_S = 2.0  # demand samples kept beyond the restore's calm window, so that they reach back over it
 
 
 def segment_of(record: ServerRecord) -> tuple[int, int]:
@@ -105,6 +112,7 @@ class DropLoop:
     restore: Callable[[str, bool], Awaitable[bool]]
     period_s: float = DROP_PERIOD_S
     restore_after_s: float = RESTORE_MIN_DROPPED_S
+    restore_calm_s: float = RESTORE_CALM_S
     balanced: bool = True
     leads: bool = False  # an orchestrator leads every segment of its followers; servers elect the smallest peer id
     # pages asked beyond the records' (an orchestrator's queue of waiting sessions), from the members' records
@@ -145,7 +153,7 @@ class DropLoop:
             if uncovered:
                 log.warning("blocks %s of the segment have no online server: restoring at once", uncovered)
             if uncovered or restore_trigger(self.demand, capacity, now_s - self.dropped_since_s,
-                                            min_dropped_s=self.restore_after_s):
+                                            min_dropped_s=self.restore_after_s, calm_s=self.restore_calm_s):
                 await self._restore_all(dropped, evict_merged=bool(uncovered))
                 return
             dropped_ids = {record.peer_id for record in dropped}
@@ -172,7 +180,9 @@ class DropLoop:
             # a rate would carry on over the horizon
             self.available.clear()
         self.available.append((now_s, available))
-        del self.demand[:-SAMPLES_KEPT], self.available[:-SAMPLES_KEPT]
+        # the demand for the restore's calm window, the available pages for the drop's rate
+        del self.demand[:stale_count(self.demand, self.restore_calm_s + SAMPLES_MARGIN_S)]
+        del self.available[:-SAMPLES_KEPT]
 
     def forget_samples(self) -> None:
         """Drops the demand and available samples (the next ones start anew), keeping what the loop did."""

@@ -10,7 +10,11 @@ demand), A the pages that can hold KV (held by KV plus free). The spec reads R a
 shortfall against the forecast A instead, so that a drop is asked exactly when the trigger fires [chainswarm].
 
 Restore, with hysteresis [chainswarm, spec 5.6]: when the demand forecast over 5 s fits in 80% of the KV capacity the
-servers would have with every block back, and the drop is at least 10 s old.
+servers would have with every block back, and the drop is at least 10 s old. Beyond the spec, the demand must also
+have stayed within those 80% for the last 15 s (a calm window, as autoscalers keep before they scale down). Without
+it, every kept live run of the code trace's burst restored in the lull between its two waves (the spec's rule holds
+there: the demand fell to a few sessions) and dropped again 1.5-10 s later, an exchange of victims each time; their
+demand replayed through a 15-s window restores after the burst in all 27 arm-runs (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -24,6 +28,17 @@ DROP_HORIZON_S = 1.0
 RESTORE_HORIZON_S = 5.0
 RESTORE_FILL = 0.8  # of the undropped KV capacity the forecast demand may use for a restore
 RESTORE_MIN_DROPPED_S = 10.0
+RESTORE_CALM_S = 15.0  # the demand stayed within RESTORE_FILL of the undropped capacity this long
+
+
+def stale_count(samples: Samples, keep_s: float) -> int:
+    """Gives how many of the oldest samples lie more than `keep_s` before the newest, leaving the newest two (a rate
+    needs them): the caller deletes that many."""
+    if len(samples) <= 2:
+        return 0
+    newest_s = samples[-1][0]
+    stale = next((index for index, (time_s, _) in enumerate(samples) if time_s >= newest_s - keep_s), len(samples))
+    return min(stale, len(samples) - 2)
 
 
 def latest_rate(samples: Samples) -> float:
@@ -50,12 +65,18 @@ def drop_trigger(demand_pages: Samples, available_pages: Samples, horizon_s: flo
 def restore_trigger(
     demand_pages: Samples, capacity_undropped_pages: int, dropped_for_s: float, *,
     horizon_s: float = RESTORE_HORIZON_S, fill: float = RESTORE_FILL, min_dropped_s: float = RESTORE_MIN_DROPPED_S,
+    calm_s: float = RESTORE_CALM_S,
 ) -> bool:
-    """Gives whether to restore the dropped blocks: the drop is old enough and the demand forecast over `horizon_s`
+    """Gives whether to restore the dropped blocks: the drop is old enough, the demand forecast over `horizon_s`
     (never below today's demand: a falling rate does not vouch for the next burst) fits in `fill` of the KV capacity
-    with every block back."""
+    with every block back, and every demand sample of the last `calm_s` seconds fitted there too. The samples must
+    reach back `calm_s` (a leader that has just begun to sample waits)."""
     if dropped_for_s < min_dropped_s or not demand_pages:
         return False
-    now = demand_pages[-1][1]
-    forecast = max(now, now + horizon_s * latest_rate(demand_pages))
-    return forecast <= fill * capacity_undropped_pages
+    limit = fill * capacity_undropped_pages
+    now_s, now = demand_pages[-1]
+    if max(now, now + horizon_s * latest_rate(demand_pages)) > limit:
+        return False
+    if demand_pages[0][0] > now_s - calm_s:
+        return False
+    return all(pages <= limit for time_s, pages in demand_pages if time_s > now_s - calm_s)

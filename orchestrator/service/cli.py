@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drop-period", type=float, default=0.5, help="seconds between two looks at the demand")
     parser.add_argument("--restore-after", type=float, default=10.0,
                         help="seconds a drop lasts at least before its blocks may be restored")
+    parser.add_argument("--restore-calm", type=float, default=15.0,
+                        help="seconds the demand must have stayed within 80%% of the pages the servers would have "
+                        "for KV with every block back before a restore (a lull between two waves of one burst does "
+                        "not restore)")
     parser.add_argument("--batch-aware", action=argparse.BooleanOptionalAction, default=True,
                         help="JFFC ranks chains by their service time at the batches their servers run now, from "
                         "the decode times by batch size the servers announce (--no-batch-aware: the paper's ranking "
@@ -101,7 +105,8 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         refresh_period_s=args.refresh_period, announce_period_s=args.announce_period, record_ttl_s=args.record_ttl,
         lease_ttl_s=args.lease_ttl, kv_packing=args.kv_packing, packing_epoch_s=args.packing_epoch,
         batch_aware=args.batch_aware, kv_dropping=args.kv_dropping, drop_period_s=args.drop_period,
-        restore_after_s=args.restore_after, metrics_port=args.metrics_port, metrics_host=args.host,
+        restore_after_s=args.restore_after, restore_calm_s=args.restore_calm, metrics_port=args.metrics_port,
+        metrics_host=args.host,
     )
 
 

@@ -31,11 +31,11 @@ class FollowerDropping:
     """The orchestrator's drop loops, one per segment its followers share."""
 
     def __init__(self, peer_id: str, *, fresh: FreshRecord, call: Call, queued_tokens: Callable[[], int],
-                 period_s: float, restore_after_s: float) -> None:
+                 period_s: float, restore_after_s: float, restore_calm_s: float) -> None:
         """`fresh(record)` gives a follower's record as it answers now; `call(record, method, payload)` calls it;
         `queued_tokens()` gives the KV tokens per block the sessions waiting in JFFC's queue will take."""
         self.peer_id, self.fresh, self.call, self.queued_tokens = peer_id, fresh, call, queued_tokens
-        self.period_s, self.restore_after_s = period_s, restore_after_s
+        self.period_s, self.restore_after_s, self.restore_calm_s = period_s, restore_after_s, restore_calm_s
         self.loops: dict[Range, DropLoop] = {}
         self._members: dict[Range, dict[str, ServerRecord]] = {}
 
@@ -79,7 +79,8 @@ class FollowerDropping:
             return (segment[1] - segment[0]) * kv_pages_for(tokens, tokens_per_page)
 
         return DropLoop(self.peer_id, group=group, drop=drop, restore=restore, period_s=self.period_s,
-                        restore_after_s=self.restore_after_s, leads=True, extra_demand=queued_pages)
+                        restore_after_s=self.restore_after_s, restore_calm_s=self.restore_calm_s, leads=True,
+                        extra_demand=queued_pages)
 
     def to_wire(self) -> dict[str, object]:
         """The loops of the segments two or more followers share now."""

@@ -109,6 +109,7 @@ class OrchestratorConfig:
     kv_dropping: bool = False  # KunServe: the followers of one segment drop blocks under a KV burst, by its word
     drop_period_s: float = 0.5
     restore_after_s: float = 10.0
+    restore_calm_s: float = 15.0
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,7 @@ class Orchestrator:
             self.dropping = FollowerDropping(
                 self.peer_id, fresh=self._fresh, call=self._call, queued_tokens=self._queued_tokens,
                 period_s=self.config.drop_period_s, restore_after_s=self.config.restore_after_s,
+                restore_calm_s=self.config.restore_calm_s,
             )
             loops.append((self._dropping_loop, "kv-dropping"))
         for loop, name in loops:

@@ -65,7 +65,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.buddy import SegmentReplica, drop_trigger, plan_drop, plan_merge, restore_trigger
+from orchestrator.buddy import (
+    RESTORE_CALM_S,
+    SegmentReplica,
+    drop_trigger,
+    plan_drop,
+    plan_merge,
+    restore_trigger,
+    stale_count,
+)
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,7 @@ class KunServeSimConfig:
     static_groups: int = 1
     balanced: bool = True
     restore_after_s: float = 10.0
+    restore_calm_s: float = RESTORE_CALM_S
     # Without a dispatcher (a swarm's clients): a request that finds no room tries again after its own backoff,
     # (first, longest) seconds doubling, and counts in the demand for `refused_window_s` after each refusal (the
     # servers' `kv_demand_pages`, which count it until its longest backoff has passed); None: one FCFS queue that
@@ -530,14 +539,14 @@ class _Sim:
         capacity = sum(u.capacity for u in self.units.values())
         self.demand.append((self.now, held + queued))
         self.available.append((self.now, capacity))
-        del self.demand[:-2], self.available[:-2]
+        del self.demand[:stale_count(self.demand, c.restore_calm_s + c.monitor_s)], self.available[:-2]
         self.samples.append((self.now, held + queued, capacity))
         if not c.dropping or c.static_groups > 1:
             return
         if self.dropped_at is not None:
             undropped = c.replicas * (c.pages_total - c.params_pages)
             if restore_trigger(self.demand, undropped, self.now - self.dropped_at,
-                               min_dropped_s=c.restore_after_s):
+                               min_dropped_s=c.restore_after_s, calm_s=c.restore_calm_s):
                 self._restore()
                 return
         required = drop_trigger(self.demand, self.available)
