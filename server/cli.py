@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "not restore)")
     parser.add_argument("--kv-exchange", choices=EXCHANGE_SETTINGS, default="auto",
                         help="how the sessions running over blocks a drop frees go on: 'blocking' moves their KV of "
-                        "those blocks to the servers that keep them (each waits for its own), 'live' goes on at once "
+                        "those blocks to the servers that keep them (each waits from the drop until its own moved, "
+                        "and the dropped blocks' pages are free at once), 'live' goes on at once "
                         "through those servers, which have this one attend over the KV until it has followed "
                         "(KunServe's remote attention: one round trip per such block and token), 'replay' evicts "
                         "them for their clients to replay, 'auto' (default) picks per session between blocking and "

@@ -4,12 +4,17 @@ After a drop, the sessions running here over blocks this server dropped (its vic
 KV, to servers that keep them, and go on as a chain through them: the session's pages for the dropped blocks travel
 by the migration mechanism (`server.migration`, a prefix or suffix of the session: a split), the part that stays
 here keeps the session's id, and the client learns the new chain from the next step (`ChainChanged`) and goes on
-without a replay. Blocking exchange: victims go one by one, smallest first (`exchange_order`); each waits only
-while its own KV moves, the others compute meanwhile over the dropped blocks, which stay loaded until the last
-victim has left them. A victim goes by replay instead (it is evicted with `BlocksDropped` and its client replays
+without a replay. Blocking exchange (the paper's): from the drop on, every victim's steps wait until its KV has
+moved, so nothing computes over the dropped blocks any more and their parameter pages are free at once (those of a
+batch computing at the drop, once it ends), for new sessions and for the KV the group-mates' victims bring (spec
+5.2's transient). Victims then go one by one, smallest first (`exchange_order`), each stalled from the drop until
+its own KV has moved [chainswarm: until stop 44 each victim computed on until its own turn, which kept the dropped
+blocks loaded until the last victim had left them: 2-4 s after a drop in which the burst's arrivals found "0 are
+free"]. A victim goes by replay instead (it is evicted with `BlocksDropped` and its client replays
 it through the keepers) where `exchange_mode` expects that to end sooner, where no keeper has room for it
-within `EXCHANGE_DEADLINE_S`, or with `--kv-exchange replay`. With `--kv-exchange live`, no victim waits: each goes
-on at once through the keepers, which have this server attend over the KV until it has followed
+within `EXCHANGE_DEADLINE_S`, or with `--kv-exchange replay`; under `auto` every victim waits from the drop as under
+`blocking`, until it moved or was evicted. With `--kv-exchange live`, no victim waits: each goes on at once through
+the keepers, which have this server attend over the KV until it has followed
 (`server.remote_attention`).
 
 After a restore, the sessions that run here and on into a buddy (as the client's last step named the next server)
@@ -50,7 +55,8 @@ ExchangeSetting = Literal["auto", "blocking", "live", "replay"]
 EXCHANGE_SETTINGS: tuple[ExchangeSetting, ...] = ("auto", "blocking", "live", "replay")
 EXCHANGE_DEADLINE_S = 30.0  # a victim no keeper takes within this is evicted: its client replays it
 # No victim moved for this long: the rest are evicted for a replay. Buddies whose pools are full wait on each other:
-# each keeper's free pages come from the parameters of the blocks it dropped, which stay until its own victims left.
+# each keeper's free pages come from the parameters of the blocks it dropped (under `live`, these stay until its
+# own victims left) and from the KV its victims take away.
 EXCHANGE_STUCK_S = 2.0
 RETRY_S = 0.25  # between two rounds over the victims that no keeper had room for
 # A restore takes the sessions' next parts back tail first; a part that is not its chain's last waits this long
@@ -114,6 +120,8 @@ class BlockExchange:
         self.server, self.setting = server, setting
         self.stats = ExchangeStats()
         self._task: asyncio.Task[None] | None = None
+        # blocking victims whose steps wait for their KV to move, and since when (perf_counter)
+        self._waiting: dict[str, tuple[Session, float]] = {}
 
     @property
     def reshaping(self) -> bool:
@@ -121,7 +129,20 @@ class BlockExchange:
         return self._task is not None and not self._task.done()
 
     def after_drop(self, victims: list[str]) -> None:
-        """Starts moving `victims` (sessions over blocks just dropped) to the servers that keep those blocks."""
+        """Starts moving `victims` (sessions over blocks just dropped) to the servers that keep those blocks.
+
+        Blocking and auto (the paper's blocking exchange, spec 3.5 and 5.2): from now on the victims' steps wait until
+        their KV moved (or they were evicted for a replay), so no victim computes over the dropped blocks any more,
+        and their parameter pages are free at once (those of a step computing now, once it ends) for new sessions and
+        the group-mates' victims."""
+        if self.setting in ("blocking", "auto"):
+            now = time.perf_counter()
+            for session_id in victims:
+                session = self._open(session_id)
+                if session is not None and session.awaiting_exchange is None:
+                    session.awaiting_exchange = asyncio.get_running_loop().create_future()
+                    self._waiting[session_id] = (session, now)
+            self.server.hosting.unload_unused()
         self._run(self._exchange(victims), "kv-exchange")
 
     def after_restore(self) -> None:
@@ -148,10 +169,36 @@ class BlockExchange:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        for session_id in list(self._waiting):
+            self._release(session_id)
+
+    def _open(self, session_id: str) -> Session | None:
+        try:
+            return self.server.sessions.get(session_id)
+        except SwarmError:  # closed or evicted meanwhile
+            return None
+
+    def _release(self, session_id: str) -> None:
+        """Lets a blocking victim's waiting steps go on: to where its KV went, to its eviction, or here."""
+        entry = self._waiting.pop(session_id, None)
+        if entry is None:
+            return
+        session = entry[0]
+        waiting, session.awaiting_exchange = session.awaiting_exchange, None
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
 
     # ---- victims of a drop
 
     async def _exchange(self, victims: list[str]) -> None:
+        try:
+            await self._move_all(victims)
+        finally:  # whatever ended the exchange, no victim's steps wait for it any more
+            for session_id in victims:
+                self._release(session_id)
+            self.server.hosting.unload_unused()
+
+    async def _move_all(self, victims: list[str]) -> None:
         server = self.server
         pending = self._by_size(victims, server.hosting.serving)
         self.stats.victims += len(pending)
@@ -164,10 +211,13 @@ class BlockExchange:
             retry = []
             for session in pending:
                 if not server.sessions.is_open(session) or not _parts_outside(session, kept):
+                    self._release(session.session_id)  # closed, or a restore brought its blocks back
                     continue
                 try:
                     if await self._move_victim(session, kept, records):
                         stuck = time.monotonic() + EXCHANGE_STUCK_S
+                        self._note_waited(session.session_id)
+                        self._release(session.session_id)
                     else:
                         retry.append(session)
                 except SwarmError as error:
@@ -183,11 +233,21 @@ class BlockExchange:
                        f"no victim's KV found room on a keeper for {EXCHANGE_STUCK_S:g} s")
                 for session in pending:
                     self._evict(session, kept, why)
+                    self._release(session.session_id)
                 log.info("Exchange: %d victim(s) evicted for a replay (%s)", len(pending), why)
                 break
             if pending:
                 await asyncio.sleep(RETRY_S)
-        server.hosting.unload_unused()
+
+    def _note_waited(self, session_id: str) -> None:
+        """Counts a blocking victim's stall: from the drop until its KV moved."""
+        entry = self._waiting.get(session_id)
+        if entry is not None:
+            self._note_stall((time.perf_counter() - entry[1]) * 1000)
+
+    def _note_stall(self, stall_ms: float) -> None:
+        self.stats.stall_ms_max = max(self.stats.stall_ms_max, stall_ms)
+        self.stats.stall_ms_total += stall_ms
 
     def _by_size(self, victims: list[str], kept: tuple[int, int]) -> list[Session]:
         """Gives the open victims, the least KV to move first (ties: session id)."""
@@ -216,9 +276,8 @@ class BlockExchange:
                                               self._hops_after(session, keeper, start, end))
             else:
                 await self._send_part(session, keeper, start, end)
-            stall_ms = (time.perf_counter() - stalled) * 1000
-            self.stats.stall_ms_max = max(self.stats.stall_ms_max, stall_ms)
-            self.stats.stall_ms_total += stall_ms
+            if session.session_id not in self._waiting:  # a blocking victim's stall began at the drop
+                self._note_stall((time.perf_counter() - stalled) * 1000)
         self.stats.moved += 1
         return True
 

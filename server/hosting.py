@@ -114,7 +114,8 @@ class Hosting:
     async def drop(self, start: int, end: int, *, evict: bool = True) -> list[str]:
         """Keeps only [start, end) of the serving range, at once; gives the ids of the sessions that use a dropped
         block (the victims), evicted unless `evict` is False (their KV then moves to the servers that keep those
-        blocks: `server.exchange`; the blocks unload once the last victim left them). Raises InvalidBlockRange
+        blocks: `server.exchange`; the blocks unload once no victim computes over them: at once under a blocking
+        exchange, whose victims wait for their KV to move). Raises InvalidBlockRange
         unless [start, end) is a non-empty part of the range."""
         async with self._lock:
             if not self.start <= start < end <= self.end:

@@ -182,11 +182,13 @@ class Migrations:
             raise ChainChanged.to(hops, session.position)
 
     async def wait_if_moving(self, session_id: str, blocks: tuple[int, int] | None = None) -> None:
-        """Waits while the session's KV leaves or a peer's part of it arrives; raises as `check_step` does."""
+        """Waits while the session's KV leaves, a peer's part of it arrives or it waits for the blocking exchange
+        after a drop; raises as `check_step` does."""
         session = self._find(session_id)
-        if session is not None and session.moving is not None:
+        while session is not None and (waiting := session.moving or session.awaiting_exchange) is not None:
             self.stats.held_steps += 1
-            await asyncio.shield(session.moving)
+            await asyncio.shield(waiting)
+            session = self._find(session_id)
         self.check_step(session_id, blocks)
 
     # ---- the source

@@ -666,7 +666,7 @@ class SwarmServer:
         known = self._known_step(session, step_id)
         if known is not None:
             return session, known
-        if session.moving is not None:
+        if session.moving is not None or session.awaiting_exchange is not None:
             raise ServerBusy(f"session {session_id!r} is moving to another server; ask for its step again")
         running = session.running
         if running is not None:

@@ -87,10 +87,18 @@ class Session:
     # While some of its blocks' KV is still on the server that dropped them (KunServe's live exchange): where, and
     # how far each block's copy got (`server.remote_attention.RemoteKV`); its steps compute outside batches then.
     remote: RemoteKV | None = None
+    # Set from a drop until KunServe's blocking exchange moved its KV for the dropped blocks (or gave up on it): its
+    # steps wait, so it computes nothing here, and the dropped blocks' parameters go at once (`waits_for_exchange`).
+    awaiting_exchange: asyncio.Future[None] | None = None
 
     @property
     def blocks(self) -> int:
         return self.end - self.start
+
+    @property
+    def waits_for_exchange(self) -> bool:
+        """Whether it waits for the blocking exchange and no step or batch of it computes now."""
+        return self.awaiting_exchange is not None and self.running is None and self.in_batches == 0
 
     @property
     def settling(self) -> bool:
@@ -220,9 +228,11 @@ class SessionTable:
         self.block_start, self.block_end = block_start, block_end
 
     def uses_block(self, block: int) -> bool:
-        """Gives whether a session, open or closed while a batch still computes with it, covers `block`."""
+        """Gives whether a session, open or closed while a batch still computes with it, covers `block` (a victim
+        waiting for the blocking exchange computes nothing and does not count)."""
         return any(
-            session.start <= block < session.end for session in (*self._sessions.values(), *self._closing.values())
+            session.start <= block < session.end and not session.waits_for_exchange
+            for session in (*self._sessions.values(), *self._closing.values())
         )
 
     def sessions_fit(self) -> int:
