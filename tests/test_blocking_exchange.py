@@ -6,16 +6,13 @@ the arrivals of the burst's first seconds were refused with "0 are free" for 4 s
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
-import torch
 
 from server.exchange import BlockExchange
-from server.sessions import Step, StepResult
 from swarm.errors import BlocksDropped
-from tests.test_hosting import HIDDEN, Core, run, until
+from tests.test_hosting import Core, run, until
 
 
 class LoneHost:
@@ -77,17 +74,12 @@ def test_a_victim_computing_at_the_drop_keeps_the_blocks_until_its_batch_ends_th
         core.scheduler.start()
         victim = core.open("victim", 0, 8)
         await core.step_exactly(victim, 3)
-        core.scheduler.hold_ms = lambda batch, block: 100.0  # each block of a batch takes 0.1 s: a wide window
-        core.sessions.grow(victim, victim.position + 30)
-        result: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
-        victim.running = Step(victim, "late", torch.randn(1, 30, HIDDEN, generator=core.generator), result)
-        core.scheduler.submit(victim.running)
-        await until(lambda: victim.in_batches > 0, timeout_s=5)
+        result = await core.computing(victim, 30)
 
         exchange = BlockExchange(LoneHost(core), "blocking")  # type: ignore[arg-type]
         exchange.after_drop(await core.hosting.drop(4, 8, evict=False))
         assert sorted(core.params_pages()) == list(range(8))  # its batch still computes with blocks 0:4
-        await result  # the step that began before the drop ends exactly as it would have
+        await result  # the step that began before the drop ends
         await until(lambda: sorted(core.params_pages()) == [4, 5, 6, 7], timeout_s=5)
         assert victim.awaiting_exchange is not None  # and nothing of it computes here again until its KV moved
         await exchange.stop()

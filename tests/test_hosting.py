@@ -62,6 +62,18 @@ class Core:
         output = (await result).output
         torch.testing.assert_close(output, self.references[session.session_id](hidden), rtol=1e-5, atol=1e-5)
 
+    async def computing(self, session: Session, tokens: int) -> asyncio.Future[StepResult]:
+        """Starts a step of `tokens` random hidden states that computes for a while (0.1 s a block) and gives its
+        result once its batch computes."""
+        self.scheduler.hold_ms = lambda batch, block: 100.0  # each block of a batch takes 0.1 s: a wide window
+        self.sessions.grow(session, session.position + tokens)
+        result: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+        session.running = Step(session, f"{session.position}",
+                               torch.randn(1, tokens, HIDDEN, generator=self.generator), result)
+        self.scheduler.submit(session.running)
+        await until(lambda: session.in_batches > 0, timeout_s=5)
+        return result
+
     def params_pages(self) -> dict[int, int]:
         return {owner.block: len(pages) for owner, pages in self.pool.owners().items()
                 if isinstance(owner, ParamsOwner)}
@@ -201,13 +213,7 @@ def test_a_victim_computing_while_its_blocks_drop_returns_its_pages_after_its_ba
         baseline_free = core.pool.stats().pages_free
         victim = core.open("victim", 0, 8)
         await core.step_exactly(victim, 3)
-        core.scheduler.hold_ms = lambda batch, block: 100.0  # each block of a batch takes 0.1 s: a wide window
-        core.sessions.grow(victim, victim.position + 60)
-        result: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
-        step = Step(victim, f"{victim.position}", torch.randn(1, 60, HIDDEN, generator=core.generator), result)
-        victim.running = step
-        core.scheduler.submit(step)
-        await until(lambda: victim.in_batches > 0, timeout_s=5)
+        result = await core.computing(victim, 60)
         assert await core.hosting.drop(4, 8) == ["victim"]
         assert core.hosting.serving == (4, 8)
         assert sorted(core.params_pages()) == list(range(8))  # the batch still computes with blocks 0-3
