@@ -214,9 +214,11 @@ class BlockExchange:
                     self._release(session.session_id)  # closed, or a restore brought its blocks back
                     continue
                 try:
+                    replayed = self.stats.replayed
                     if await self._move_victim(session, kept, records):
                         stuck = time.monotonic() + EXCHANGE_STUCK_S
-                        self._note_waited(session.session_id)
+                        if self.stats.replayed == replayed:  # it moved (`auto` may have evicted it for a replay)
+                            self._note_waited(session.session_id)
                         self._release(session.session_id)
                     else:
                         retry.append(session)
