@@ -12,7 +12,7 @@ shortfall against the forecast A instead, so that a drop is asked exactly when t
 Restore, with hysteresis [chainswarm, spec 5.6]: when the demand forecast over 5 s fits in 80% of the KV capacity the
 servers would have with every block back, and the drop is at least 10 s old. Beyond the spec, the demand must also
 have stayed within those 80% for the last 15 s (a calm window, as autoscalers keep before they scale down). Without
-it, every kept live run of the code trace's burst restored in the lull between its two waves (the spec's rule holds
+it, most kept live runs of the code trace's burst restored in the lull between its two waves (the spec's rule holds
 there: the demand fell to a few sessions) and dropped again 1.5-10 s later, an exchange of victims each time; their
 demand replayed through a 15-s window restores after the burst in all 27 arm-runs (docs/architecture.md).
 """
