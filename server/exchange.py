@@ -253,12 +253,7 @@ class BlockExchange:
 
     def _by_size(self, victims: list[str], kept: tuple[int, int]) -> list[Session]:
         """Gives the open victims, the least KV to move first (ties: session id)."""
-        sessions = []
-        for session_id in victims:
-            try:
-                sessions.append(self.server.sessions.get(session_id))
-            except SwarmError:
-                continue
+        sessions = [session for session in map(self._open, victims) if session is not None]
         return sorted(sessions, key=lambda s: (s.position * s.batch * _dropped_blocks(s, kept), s.session_id))
 
     async def _move_victim(self, session: Session, kept: tuple[int, int], records: list[ServerRecord]) -> bool:

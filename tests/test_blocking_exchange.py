@@ -20,14 +20,13 @@ class LoneHost:
 
     def __init__(self, core: Core) -> None:
         self.hosting, self.sessions, self.dht, self.p2p = core.hosting, core.sessions, None, None
-        self.announced = 0
 
     @property
     def peer_id(self) -> str:
         return "me"
 
     def announce_soon(self) -> None:
-        self.announced += 1
+        """Nothing to announce to."""
 
 
 @pytest.mark.parametrize("setting", ["blocking", "auto"])

@@ -286,9 +286,10 @@ def test_the_restore_trigger_waits_out_a_lull_between_two_waves():
     assert restore_trigger([(85.0, 60), (100.5, 60)], 1000, dropped_for_s=30.0)
 
 
-def test_stale_samples_are_those_older_than_the_window_before_the_newest_but_two_always_stay():
+def test_stale_samples_are_those_before_the_one_that_reaches_back_over_the_window_and_two_always_stay():
     samples = [(float(t), 1) for t in range(10)]
     assert stale_count(samples, keep_s=3.0) == 6  # 6.0 .. 9.0 stay
+    assert stale_count(samples, keep_s=2.5) == 6  # 6.0 stays: 7.0 .. 9.0 alone would not reach back 2.5 s
     assert stale_count(samples, keep_s=100.0) == 0
     assert stale_count(samples, keep_s=0.0) == 8
     assert stale_count(samples[:2], keep_s=0.0) == 0

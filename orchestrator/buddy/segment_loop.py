@@ -54,7 +54,6 @@ log = logging.getLogger(__name__)
 
 DROP_PERIOD_S = 0.5
 SAMPLES_KEPT = 8
-SAMPLES_MARGIN_S = 2.0  # demand samples kept beyond the restore's calm window, so that they reach back over it
 
 
 def segment_of(record: ServerRecord) -> tuple[int, int]:
@@ -181,7 +180,7 @@ class DropLoop:
             self.available.clear()
         self.available.append((now_s, available))
         # the demand for the restore's calm window, the available pages for the drop's rate
-        del self.demand[:stale_count(self.demand, self.restore_calm_s + SAMPLES_MARGIN_S)]
+        del self.demand[:stale_count(self.demand, self.restore_calm_s)]
         del self.available[:-SAMPLES_KEPT]
 
     def forget_samples(self) -> None:

@@ -32,13 +32,13 @@ RESTORE_CALM_S = 15.0  # the demand stayed within RESTORE_FILL of the undropped 
 
 
 def stale_count(samples: Samples, keep_s: float) -> int:
-    """Gives how many of the oldest samples lie more than `keep_s` before the newest, leaving the newest two (a rate
-    needs them): the caller deletes that many."""
+    """Gives how many of the oldest samples the caller may delete while the rest still reach back `keep_s` before the
+    newest (the last sample at or before that moment stays) and the newest two stay (a rate needs them)."""
     if len(samples) <= 2:
         return 0
-    newest_s = samples[-1][0]
-    stale = next((index for index, (time_s, _) in enumerate(samples) if time_s >= newest_s - keep_s), len(samples))
-    return min(stale, len(samples) - 2)
+    cutoff_s = samples[-1][0] - keep_s
+    before = [index for index, (time_s, _) in enumerate(samples) if time_s <= cutoff_s]
+    return min(before[-1] if before else 0, len(samples) - 2)
 
 
 def latest_rate(samples: Samples) -> float:

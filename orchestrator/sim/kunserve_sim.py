@@ -539,7 +539,7 @@ class _Sim:
         capacity = sum(u.capacity for u in self.units.values())
         self.demand.append((self.now, held + queued))
         self.available.append((self.now, capacity))
-        del self.demand[:stale_count(self.demand, c.restore_calm_s + c.monitor_s)], self.available[:-2]
+        del self.demand[:stale_count(self.demand, c.restore_calm_s)], self.available[:-2]
         self.samples.append((self.now, held + queued, capacity))
         if not c.dropping or c.static_groups > 1:
             return
