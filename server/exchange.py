@@ -15,7 +15,8 @@ it through the keepers) where `exchange_mode` expects that to end sooner, where 
 within `EXCHANGE_DEADLINE_S`, or with `--kv-exchange replay`; under `auto` every victim waits from the drop as under
 `blocking`, until it moved or was evicted. With `--kv-exchange live`, no victim waits: each goes on at once through
 the keepers, which have this server attend over the KV until it has followed
-(`server.remote_attention`).
+(`server.remote_attention`); their lends go all at once (they move no KV, and the keeper takes no pages for them
+until their KV follows), and the dropped blocks unload as soon as the last one is lent.
 
 After a restore, the sessions that run here and on into a buddy (as the client's last step named the next server)
 take the buddy's part back (a merge): this server holds the session's steps, asks the buddy to `export` its part
@@ -208,27 +209,14 @@ class BlockExchange:
         while pending:
             kept = server.hosting.serving  # a restore meanwhile leaves nothing to move
             records = [r for r in await self._records() if r.peer_id not in unreachable]
-            retry = []
-            for session in pending:
-                if not server.sessions.is_open(session) or not _parts_outside(session, kept):
-                    self._release(session.session_id)  # closed, or a restore brought its blocks back
-                    continue
-                try:
-                    replayed = self.stats.replayed
-                    if await self._move_victim(session, kept, records):
-                        stuck = time.monotonic() + EXCHANGE_STUCK_S
-                        if self.stats.replayed == replayed:  # it moved (`auto` may have evicted it for a replay)
-                            self._note_waited(session.session_id)
-                        self._release(session.session_id)
-                    else:
-                        retry.append(session)
-                except SwarmError as error:
-                    log.info("Exchange: session %s could not move (%s: %s)", session.session_id,
-                             type(error).__name__, error.message)
-                    if isinstance(error, PeerUnreachable) and error.details.get("peer_id"):
-                        unreachable.add(str(error.details["peer_id"]))
-                    retry.append(session)
-            pending = retry
+            if self.setting == "live":  # a lend moves no KV: every victim goes on through its keeper at once
+                outcomes = await asyncio.gather(*(self._attempt(s, kept, records, unreachable) for s in pending))
+                server.hosting.unload_unused()
+            else:  # the KV moves one victim after another, smallest first
+                outcomes = [await self._attempt(session, kept, records, unreachable) for session in pending]
+            if "moved" in outcomes:
+                stuck = time.monotonic() + EXCHANGE_STUCK_S
+            pending = [session for session, outcome in zip(pending, outcomes, strict=True) if outcome == "retry"]
             now = time.monotonic()
             if pending and (now > deadline or now > stuck):
                 why = ("no server that keeps its blocks took its KV in time" if now > deadline else
@@ -240,6 +228,28 @@ class BlockExchange:
                 break
             if pending:
                 await asyncio.sleep(RETRY_S)
+
+    async def _attempt(self, session: Session, kept: tuple[int, int], records: list[ServerRecord],
+                       unreachable: set[str]) -> Literal["moved", "retry", "gone"]:
+        """Tries to move one victim; gives whether it moved (or was evicted for a replay), must be tried again
+        (no keeper took it; an unreachable keeper joins `unreachable`), or needs nothing any more."""
+        if not self.server.sessions.is_open(session) or not _parts_outside(session, kept):
+            self._release(session.session_id)  # closed, or a restore brought its blocks back
+            return "gone"
+        try:
+            replayed = self.stats.replayed
+            if not await self._move_victim(session, kept, records):
+                return "retry"
+        except SwarmError as error:
+            log.info("Exchange: session %s could not move (%s: %s)", session.session_id, type(error).__name__,
+                     error.message)
+            if isinstance(error, PeerUnreachable) and error.details.get("peer_id"):
+                unreachable.add(str(error.details["peer_id"]))
+            return "retry"
+        if self.stats.replayed == replayed:  # it moved (`auto` may have evicted it for a replay)
+            self._note_waited(session.session_id)
+        self._release(session.session_id)
+        return "moved"
 
     def _note_waited(self, session_id: str) -> None:
         """Counts a blocking victim's stall: from the drop until its KV moved."""

@@ -368,18 +368,19 @@ class Migrations:
 
     def open_import(
         self, source: str, session_id: str, start: int, end: int, *, batch: int, max_length: int, position: int,
-        client: str, lease_id: str | None = None, merge: bool = False,
+        client: str, lease_id: str | None = None, merge: bool = False, kv_elsewhere: bool = False,
     ) -> Session:
         """Opens `session_id` with pages for its `position` tokens, importing from `source`; `client`, the peer
         that opened the session where it came from, may move it on from here; `lease_id`, the orchestrator's lease
         it runs under, goes with it. With `merge`, the blocks join this server's open session `session_id`, which
-        they must adjoin, at its position."""
+        they must adjoin, at its position. With `kv_elsewhere` it opens with no pages, its KV still on `source`
+        (KunServe's live exchange: the copy takes them block by block)."""
         if position < 0:
             raise InvalidTensor(f"a session's position is at least 0, got {position}")
         if merge:
             return self._open_merge(source, session_id, start, end, batch=batch, position=position)
         session = self.sessions.open(session_id, start, end, batch=batch, max_length=max_length, opener=client,
-                                     tokens=max(1, position), moved_in=True)
+                                     tokens=max(1, position), moved_in=True, kv_elsewhere=kv_elsewhere)
         session.importing_from, session.lease_id = source, lease_id
         self._moved.pop(session_id, None)
         return session

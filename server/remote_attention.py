@@ -5,16 +5,21 @@ has followed.
 Attention needs a block's KV but none of its weights; every other part of a block needs its weights but no KV. So
 after a drop, for a victim `S` whose blocks [a, b) this server (the lender) dropped:
 1. the lender asks the keeper, a server that keeps [a, b), to open `S` over [a, b) at its position (`attend_open`);
-   the lender's part of `S` shrinks to the blocks it keeps, and its pages for [a, b) stay here, lent to the keeper
-   (owned by `KVOwner(S, block, lent=True)`): the next step of `S` learns the new chain (`ChainChanged`), no replay;
+   the keeper takes no pages for it yet, so a keeper whose pool is full takes the victim all the same; the lender's
+   part of `S` shrinks to the blocks it keeps, and its pages for [a, b) stay here, lent to the keeper (owned by
+   `KVOwner(S, block, lent=True)`): the next step of `S` learns the new chain (`ChainChanged`), no replay;
 2. the keeper computes each step of `S` itself, one block after another: where a block's KV is still lent, it
    projects the queries, keys and values with its weights and sends them to the lender (`attend`), which appends the
    keys and values to the lent pages and answers the attention output; the keeper finishes the block with its weights;
 3. meanwhile the keeper copies each lent block's KV (`attend_read`, on a stream of its own, so that bulk never
-   delays a step's attention by more than one chunk); once what is left is at most `TAIL_TOKENS`, the next step's
-   `attend` for that block also brings the tokens since the copy (the final catch-up), the block's KV is the
-   keeper's from then on and the lender frees its lent pages. When no block is lent any more, `S` joins the keeper's
-   batches again.
+   delays a step's attention by more than one chunk), taking the block's pages chunk by chunk as free pages allow
+   (its steps attend on the lender while none are); once what is left is at most `TAIL_TOKENS`, and the keeper has
+   the pages for the rest, the next step's `attend` for that block also brings the tokens since the copy (the final
+   catch-up), the block's KV is the keeper's from then on and the lender frees its lent pages. When no block is lent
+   any more, `S` joins the keeper's batches again.
+   [chainswarm: until stop 45 the keeper took the victim's pages for every lent block at `attend_open`. Two buddies
+   whose pools were full then waited on each other: each one's dropped blocks stay loaded until its own victims are
+   lent, and lending needed room on the other. After 2 s the exchange evicted the victims for a replay.]
 A lender forgets lent KV whose keeper went silent for `import_idle_s`, or that the keeper gave up (`attend_release`);
 a keeper whose lender is lost fails the step with `SessionNotFound`: the client replays that part of the chain.
 """
@@ -288,7 +293,7 @@ class RemoteAttention:
         session = server.migrations.open_import(
             ctx.peer_id, session_id, blocks[0], blocks[1], batch=payload_field(payload, "batch", int),
             max_length=payload_field(payload, "max_length", int), position=position, client=client,
-            lease_id=lease_id,
+            lease_id=lease_id, kv_elsewhere=True,
         )
         session.importing_from, session.position = None, position
         session.remote = RemoteKV(ctx.peer_id, addrs, {block: 0 for block in range(session.start, session.end)})
@@ -328,7 +333,9 @@ class RemoteAttention:
                              keys: torch.Tensor, values: torch.Tensor, tokens: int) -> torch.Tensor:
         server = self.server
         copied = remote.copied[block]
-        switching = session.position - copied <= TAIL_TOKENS  # the rest comes with this call: the block is ours
+        # the rest comes with this call, and the block is ours, once it is that close and it has the pages for it here
+        switching = (session.position - copied <= TAIL_TOKENS
+                     and server.sessions.grow_block(session, block, session.position + tokens))
         request: dict[str, Any] = {
             "session_id": session.session_id, "block": block, "position": session.position, "tokens": tokens,
             "queries": encode_tensor(queries.contiguous()), "keys": encode_tensor(keys.contiguous()),
@@ -369,6 +376,9 @@ class RemoteAttention:
                     continue
                 start = remote.copied[block]
                 end = min(session.position, start + span)
+                if not server.sessions.grow_block(session, block, end):
+                    await asyncio.sleep(POLL_S)  # no room here yet: its steps attend on the lender meanwhile
+                    continue
                 reply = await remote.bulk.call("attend_read", {"session_id": session.session_id, "block": block,
                                                                "start": start, "end": end},
                                                timeout=server.config.push_timeout_s)

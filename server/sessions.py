@@ -255,7 +255,7 @@ class SessionTable:
 
     def open(
         self, session_id: str, start: int, end: int, *, batch: int, max_length: int, opener: str = "", tokens: int = 1,
-        prompt_tokens: int = 0, moved_in: bool = False, wait_id: str = "",
+        prompt_tokens: int = 0, moved_in: bool = False, wait_id: str = "", kv_elsewhere: bool = False,
     ) -> Session:
         """Gives a new session holding pages for its first `tokens` tokens (1: its first page) per block and row, or
         raises a typed error and holds nothing.
@@ -267,7 +267,10 @@ class SessionTable:
         taking free pages as they grow.
 
         `wait_id` names the client's wait for this session across its tries (each try opens with a new session id):
-        a refusal counts in `kv_demand_pages` under it, once however often the client tries, until it opens."""
+        a refusal counts in `kv_demand_pages` under it, once however often the client tries, until it opens.
+
+        With `kv_elsewhere` (a victim of KunServe's live exchange, its KV still lent by the server that dropped its
+        blocks) the session opens with no pages: it takes them block by block as its KV follows (`grow_block`)."""
         self.check_hosted(start, end)
         if not 0 < max_length <= self.max_length:
             raise MaxLengthExceeded(f"max_length {max_length} is outside 1..{self.max_length} (the server's limit)")
@@ -282,10 +285,11 @@ class SessionTable:
         if opener and self.quota.refuses_session(sum(1 for s in self._sessions.values() if s.opener == opener)):
             raise QuotaExceeded(f"client {opener} already holds {self.quota.max_sessions} sessions on this server, "
                                 f"as many as one client may")
-        self._check_pages_quota(opener, sequences * kv_pages_for(tokens, self.tokens_per_page))
+        now_pages = 0 if kv_elsewhere else sequences * kv_pages_for(tokens, self.tokens_per_page)
+        self._check_pages_quota(opener, now_pages)
         held = self.held_for_exchange()
         if moved_in:  # an exchange's victim among them: the held pages are for it
-            expected, reserve = sequences * kv_pages_for(tokens, self.tokens_per_page), self.prompt_reserve()
+            expected, reserve = now_pages, self.prompt_reserve()
         else:
             expected = self.policy.expected_pages(tokens=max(tokens - 1, prompt_tokens), max_length=max_length,
                                                   sequences=sequences)
@@ -305,6 +309,8 @@ class SessionTable:
         session = Session(session_id, start, end, batch, max_length, opener=opener, prompt_tokens=prompt_tokens)
         self._sessions[session_id] = session
         self._note_opened(wait_id or session_id)  # it holds pages now: no longer a demand beside them
+        if kv_elsewhere:
+            return session
         try:
             self._grow(session, tokens)
         except BaseException:
@@ -319,11 +325,35 @@ class SessionTable:
             raise MaxLengthExceeded(f"{tokens} tokens exceed the session's max_length {session.max_length}")
         self._grow(session, tokens)
 
+    def grow_block(self, session: Session, block: int, tokens: int) -> bool:
+        """Gives `session` pages for `tokens` tokens per row in `block` (all rows or none), as an import takes them:
+        from the free pages beyond what the announced prompts are still to take; gives False when those are too
+        few (the live exchange's copy of a lent block waits for room, its steps attending on the lender meanwhile)."""
+        if not session.start <= block < session.end:
+            raise ValueError(f"block {block} is outside session {session.session_id!r} ({session.start}:{session.end})")
+        needed = kv_pages_for(tokens, self.tokens_per_page)
+        rows = session.page_tables.get(block) or [[] for _ in range(session.batch)]
+        missing = sum(max(0, needed - len(pages)) for pages in rows)
+        if missing == 0:
+            return True
+        if not self.policy.admits(pages_free=self.pool.pages_free, reserve=self.prompt_reserve(),
+                                  new_session_pages=missing):
+            return False
+        self._check_pages_quota(session.opener, missing)
+        taken = list(self.pool.take(KVOwner(session.session_id, block), missing))
+        session.page_tables[block] = rows
+        for pages in rows:
+            while len(pages) < needed:
+                pages.append(taken.pop())
+        return True
+
     def _grow(self, session: Session, tokens: int) -> None:
         needed = kv_pages_for(tokens, self.tokens_per_page)
+        lent = session.remote.copied if session.remote is not None else {}  # their KV grows where it is lent
         missing = {
             block: sum(max(0, needed - len(pages)) for pages in session.page_tables.get(block, [[]] * session.batch))
             for block in range(session.start, session.end)
+            if block not in lent
         }
         total = sum(missing.values())
         if total == 0:

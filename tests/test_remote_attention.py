@@ -215,3 +215,62 @@ def test_a_session_that_closes_on_the_keeper_gives_the_lent_kv_back_and_a_lost_l
             assert core.pool.pages_free == baseline[name]
 
     asyncio.run(body())
+
+
+def test_a_keeper_whose_pool_is_full_takes_the_victim_at_once_and_its_kv_follows_once_pages_free(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def body() -> None:
+        lender, keeper = (Core(tiny_llama, name, chunk_bytes=8 * 256) for name in ("lender", "keeper"))
+        cores = {"lender": lender, "keeper": keeper}
+        connect(cores, monkeypatch, delay_s=0.005)
+        for core in cores.values():
+            core.scheduler.start()
+        reference = ReferenceBlocks(lender.source, 0, 8)
+        generator = torch.Generator().manual_seed(2)
+        baseline = {name: core.pool.pages_free for name, core in cores.items()}
+
+        session = lender.sessions.open("s", 0, 8, batch=1, max_length=256)
+        prompt = torch.randn(1, 40, HIDDEN, generator=generator)
+        torch.testing.assert_close(await lender.step(session, prompt), reference(prompt), rtol=1e-5, atol=1e-5)
+        # the keeper's pool is full but for 2 pages (its own sessions), where the victim's 4 blocks need 12
+        keeper.sessions.open("full", 0, 8, batch=1, max_length=256, tokens=256)
+        keeper.sessions.open("fuller", 0, 6, batch=1, max_length=256, tokens=80)
+        assert keeper.pool.pages_free == 2
+
+        hops = [Hop("lender", 0, 4, "s"), Hop("keeper", 4, 8, "s")]
+        await lender.remote.lend(session, "keeper", [], 4, 8, hops)  # before stop 45: ServerBusy, no room
+        kept = keeper.sessions.get("s")
+        assert kept.pages_held == 0 and kept.remote is not None and (kept.start, kept.end) == (4, 8)
+        for _ in range(5):  # its steps attend on the lender; the copy waits for room
+            hidden = torch.randn(1, 1, HIDDEN, generator=generator)
+            output = await keeper.step(kept, await lender.step(session, hidden))
+            torch.testing.assert_close(output, reference(hidden), rtol=1e-5, atol=1e-5)
+            await asyncio.sleep(0.02)
+        assert kept.remote is not None and kept.pages_held == 0 and keeper.pool.pages_free == 2
+        assert lender.remote.stats.lent_blocks_open == 4
+
+        keeper.sessions.close("full")  # room: the copy takes the blocks' pages and their KV follows
+        for _ in range(40):
+            hidden = torch.randn(1, 1, HIDDEN, generator=generator)
+            output = await keeper.step(kept, await lender.step(session, hidden))
+            torch.testing.assert_close(output, reference(hidden), rtol=1e-5, atol=1e-5)
+            if kept.remote is None:
+                break
+            await asyncio.sleep(0.02)
+        assert kept.remote is None, "the KV did not follow"
+        assert lender.remote.stats.lent_blocks_open == 0 and keeper.remote.stats.switched_blocks == 4
+        hidden = torch.randn(1, 1, HIDDEN, generator=generator)  # all here: a batched step again
+        output = await keeper.step(kept, await lender.step(session, hidden))
+        torch.testing.assert_close(output, reference(hidden), rtol=1e-5, atol=1e-5)
+
+        for core in cores.values():
+            for open_session in list(core.sessions):
+                core.sessions.close(open_session.session_id)
+            await core.scheduler.stop()
+            await core.remote.stop()
+        for name, core in cores.items():
+            core.pool.check_invariants()
+            assert core.pool.pages_free == baseline[name]
+
+    asyncio.run(body())
