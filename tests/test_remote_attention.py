@@ -103,6 +103,18 @@ def connect(cores: dict[str, Core], monkeypatch: pytest.MonkeyPatch, *, delay_s:
     return streams
 
 
+async def close_all(cores: dict[str, Core], baseline: dict[str, int]) -> None:
+    """Closes every session, stops both ends of every core, and checks each pool is back at its baseline."""
+    for core in cores.values():
+        for session in list(core.sessions):
+            core.sessions.close(session.session_id)
+        await core.scheduler.stop()
+        await core.remote.stop()
+    for name, core in cores.items():
+        core.pool.check_invariants()
+        assert core.pool.pages_free == baseline[name]
+
+
 def test_the_keeper_attends_on_the_lender_until_the_kv_followed_and_every_output_equals_the_local_blocks(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -205,14 +217,7 @@ def test_a_session_that_closes_on_the_keeper_gives_the_lent_kv_back_and_a_lost_l
         assert keeper.remote.stats.lost == 1
         assert keeper.sessions.is_open(kept) and kept.running is None  # the client replays it elsewhere
 
-        for core in cores.values():
-            for session in list(core.sessions):
-                core.sessions.close(session.session_id)
-            await core.scheduler.stop()
-            await core.remote.stop()
-        for name, core in cores.items():
-            core.pool.check_invariants()
-            assert core.pool.pages_free == baseline[name]
+        await close_all(cores, baseline)
 
     asyncio.run(body())
 
@@ -264,13 +269,6 @@ def test_a_keeper_whose_pool_is_full_takes_the_victim_at_once_and_its_kv_follows
         output = await keeper.step(kept, await lender.step(session, hidden))
         torch.testing.assert_close(output, reference(hidden), rtol=1e-5, atol=1e-5)
 
-        for core in cores.values():
-            for open_session in list(core.sessions):
-                core.sessions.close(open_session.session_id)
-            await core.scheduler.stop()
-            await core.remote.stop()
-        for name, core in cores.items():
-            core.pool.check_invariants()
-            assert core.pool.pages_free == baseline[name]
+        await close_all(cores, baseline)
 
     asyncio.run(body())
