@@ -327,34 +327,33 @@ class SessionTable:
 
     def grow_block(self, session: Session, block: int, tokens: int) -> bool:
         """Gives `session` pages for `tokens` tokens per row in `block` (all rows or none), as an import takes them:
-        from the free pages beyond what the announced prompts are still to take; gives False when those are too
-        few (the live exchange's copy of a lent block waits for room, its steps attending on the lender meanwhile)."""
+        from the free pages beyond what the announced prompts are still to take, out of the pages held for a drop's
+        exchange first; gives False when it may not have them yet (the live exchange's copy of a lent block waits for
+        room, its steps attending on the lender meanwhile)."""
         if not session.start <= block < session.end:
             raise ValueError(f"block {block} is outside session {session.session_id!r} ({session.start}:{session.end})")
         needed = kv_pages_for(tokens, self.tokens_per_page)
-        rows = session.page_tables.get(block) or [[] for _ in range(session.batch)]
-        missing = sum(max(0, needed - len(pages)) for pages in rows)
+        missing = self._missing(session, block, needed)
         if missing == 0:
             return True
         if not self.policy.admits(pages_free=self.pool.pages_free, reserve=self.prompt_reserve(),
                                   new_session_pages=missing):
             return False
-        self._check_pages_quota(session.opener, missing)
-        taken = list(self.pool.take(KVOwner(session.session_id, block), missing))
-        session.page_tables[block] = rows
-        for pages in rows:
-            while len(pages) < needed:
-                pages.append(taken.pop())
+        try:
+            self._check_pages_quota(session.opener, missing)
+        except QuotaExceeded:
+            return False
+        self._take(session, block, needed, missing)
+        held = self.held_for_exchange()
+        if held:  # the victim's KV is what the hold was for
+            self._held_for_exchange, self._hold_active_s = max(0, held - missing), time.monotonic()
         return True
 
     def _grow(self, session: Session, tokens: int) -> None:
         needed = kv_pages_for(tokens, self.tokens_per_page)
         lent = session.remote.copied if session.remote is not None else {}  # their KV grows where it is lent
-        missing = {
-            block: sum(max(0, needed - len(pages)) for pages in session.page_tables.get(block, [[]] * session.batch))
-            for block in range(session.start, session.end)
-            if block not in lent
-        }
+        missing = {block: self._missing(session, block, needed) for block in range(session.start, session.end)
+                   if block not in lent}
         total = sum(missing.values())
         if total == 0:
             return
@@ -365,16 +364,23 @@ class SessionTable:
                 f"but {self.pool.pages_free} are free; continue on another server"
             )
         for block, count in missing.items():
-            if count == 0:
-                continue
-            try:
-                taken = list(self.pool.take(KVOwner(session.session_id, block), count))
-            except OutOfPages as error:  # another owner took pages meanwhile (not on this loop today)
-                raise ServerBusy(f"out of KV pages: {error.message}; continue on another server") from None
-            rows = session.page_tables.setdefault(block, [[] for _ in range(session.batch)])
-            for pages in rows:
-                while len(pages) < needed:
-                    pages.append(taken.pop())
+            if count:
+                self._take(session, block, needed, count)
+
+    def _missing(self, session: Session, block: int, needed: int) -> int:
+        """Gives the pages `session` lacks in `block` for `needed` pages per row."""
+        return sum(max(0, needed - len(pages)) for pages in session.page_tables.get(block, [[]] * session.batch))
+
+    def _take(self, session: Session, block: int, needed: int, count: int) -> None:
+        """Takes the `count` pages that bring every row of `session`'s `block` to `needed` pages."""
+        try:
+            taken = list(self.pool.take(KVOwner(session.session_id, block), count))
+        except OutOfPages as error:  # another owner took pages meanwhile (not on this loop today)
+            raise ServerBusy(f"out of KV pages: {error.message}; continue on another server") from None
+        rows = session.page_tables.setdefault(block, [[] for _ in range(session.batch)])
+        for pages in rows:
+            while len(pages) < needed:
+                pages.append(taken.pop())
 
     def _check_pages_quota(self, client: str, more: int) -> None:
         """Raises QuotaExceeded if `client`'s sessions here would hold more KV pages than one client may."""

@@ -240,6 +240,30 @@ def test_pages_held_for_a_drops_exchange_keep_new_sessions_out_until_victims_too
     run(scenario)
 
 
+def test_a_live_exchange_victim_opens_with_no_pages_and_takes_them_block_by_block_out_of_the_hold() -> None:
+    """KunServe's live exchange: the keeper opens a victim whose KV is still lent with no pages, even with none free
+    beyond the hold; each block's pages come as its KV follows, out of the pages held for the exchange, and only while
+    they fit beside the announced prompts."""
+    async def scenario() -> None:
+        sessions = table(22, headroom_tokens=0)
+        sessions.open("prompted", 0, 4, batch=1, max_length=128, prompt_tokens=48)  # 4 pages now, 8 to come
+        sessions.hold_for_exchange(12, idle_s=60.0)
+        victim = sessions.open("victim", 0, 4, batch=1, max_length=128, tokens=40, moved_in=True, kv_elsewhere=True)
+        assert victim.pages_held == 0 and sessions.held_for_exchange() == 12
+        assert sessions.grow_block(victim, 1, 40)  # 3 pages
+        assert len(victim.page_tables[1][0]) == 3 and sessions.held_for_exchange() == 9
+        assert sessions.grow_block(victim, 1, 40) and sessions.pool.pages_free == 15  # it has them: nothing taken
+        assert sessions.grow_block(victim, 2, 40) and sessions.grow_block(victim, 3, 32)  # 3 and 2 pages
+        assert sessions.pool.pages_free == 10 and not sessions.grow_block(victim, 0, 40)  # the prompt's 8 stay free
+        assert victim.page_tables.keys() == {1, 2, 3} and sessions.held_for_exchange() == 4
+        for session in list(sessions):
+            sessions.close(session.session_id)
+        assert sessions.pool.pages_free == 22
+        sessions.pool.check_invariants()
+
+    run(scenario)
+
+
 def test_a_run_is_cleared_by_moving_kv_pages_that_keep_their_bytes_and_page_tables() -> None:
     async def scenario() -> None:
         sessions = table(32)  # KV pages are taken from the top: a..g hold pages 31..4 in fours, 0..3 are free
