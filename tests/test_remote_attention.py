@@ -103,6 +103,17 @@ def connect(cores: dict[str, Core], monkeypatch: pytest.MonkeyPatch, *, delay_s:
     return streams
 
 
+def started_pair(model: Path, monkeypatch: pytest.MonkeyPatch, *, chunk_bytes: int,
+                 delay_s: float) -> tuple[Core, Core, dict[str, Core], list[Stream]]:
+    """Gives a running lender and keeper, connected by streams whose replies wait `delay_s`."""
+    lender, keeper = (Core(model, name, chunk_bytes=chunk_bytes) for name in ("lender", "keeper"))
+    cores = {"lender": lender, "keeper": keeper}
+    streams = connect(cores, monkeypatch, delay_s=delay_s)
+    for core in cores.values():
+        core.scheduler.start()
+    return lender, keeper, cores, streams
+
+
 async def close_all(cores: dict[str, Core], baseline: dict[str, int]) -> None:
     """Closes every session, stops both ends of every core, and checks each pool is back at its baseline."""
     for core in cores.values():
@@ -123,11 +134,7 @@ def test_the_keeper_attends_on_the_lender_until_the_kv_followed_and_every_output
     async def body() -> None:
         # chunks of 4 tokens of one block, each reply held 10 ms: the copy of 4 x 40 tokens takes ~0.4 s, over
         # which the session's steps attend on the lender
-        lender, keeper = (Core(tiny_llama, name, chunk_bytes=4 * 256) for name in ("lender", "keeper"))
-        cores = {"lender": lender, "keeper": keeper}
-        streams = connect(cores, monkeypatch, delay_s=0.01)
-        for core in cores.values():
-            core.scheduler.start()
+        lender, keeper, cores, streams = started_pair(tiny_llama, monkeypatch, chunk_bytes=4 * 256, delay_s=0.01)
         reference = ReferenceBlocks(lender.source, 0, 8)
         generator = torch.Generator().manual_seed(0)
         baseline = {name: core.pool.pages_free for name, core in cores.items()}
@@ -184,11 +191,8 @@ def test_a_session_that_closes_on_the_keeper_gives_the_lent_kv_back_and_a_lost_l
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def body() -> None:
-        lender, keeper = (Core(tiny_llama, name, chunk_bytes=256) for name in ("lender", "keeper"))
-        cores = {"lender": lender, "keeper": keeper}
-        connect(cores, monkeypatch, delay_s=0.05)  # slow: the copy of 30 tokens a token a call takes 1.5 s a block
-        for core in cores.values():
-            core.scheduler.start()
+        # slow: the copy of 30 tokens a token a call takes 1.5 s a block
+        lender, keeper, cores, _ = started_pair(tiny_llama, monkeypatch, chunk_bytes=256, delay_s=0.05)
         generator = torch.Generator().manual_seed(1)
         baseline = {name: core.pool.pages_free for name, core in cores.items()}
         hops = [Hop("lender", 0, 4, "a"), Hop("keeper", 4, 8, "a")]
@@ -226,11 +230,7 @@ def test_a_keeper_whose_pool_is_full_takes_the_victim_at_once_and_its_kv_follows
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def body() -> None:
-        lender, keeper = (Core(tiny_llama, name, chunk_bytes=8 * 256) for name in ("lender", "keeper"))
-        cores = {"lender": lender, "keeper": keeper}
-        connect(cores, monkeypatch, delay_s=0.005)
-        for core in cores.values():
-            core.scheduler.start()
+        lender, keeper, cores, _ = started_pair(tiny_llama, monkeypatch, chunk_bytes=8 * 256, delay_s=0.005)
         reference = ReferenceBlocks(lender.source, 0, 8)
         generator = torch.Generator().manual_seed(2)
         baseline = {name: core.pool.pages_free for name, core in cores.items()}
