@@ -56,15 +56,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from benchmarks.client_work import ClientWork, Round
+from benchmarks.client_work import measure as measure_client_work
 from benchmarks.mell_live import replica_memory
 from benchmarks.mell_live_monitor import spawn_monitor
 from benchmarks.refused_tries import RefusedTries
 from benchmarks.refused_tries import measure as measure_refused_tries
 from benchmarks.table1_client import run_replay
+from client.batched_head import MAX_GANG_WAIT_S
 from client.inference import BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S
 from netem.network import EmulatedNetwork
 from netem.topology import Topology
@@ -73,7 +75,7 @@ from orchestrator.sim.workload import Trace, load_azure_trace
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS
 from server.sessions import REFUSED_WINDOW_S
 from swarm.local_swarm import SwarmProcesses
-from swarm.model import DEFAULT_MODEL, ClientHead, resolve_model
+from swarm.model import DEFAULT_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "data" / "azure_llm_inference_2023_code.csv"
@@ -236,14 +238,18 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
                exchanged: Sequence[ArmRun] = ()) -> KunServeSimConfig:
     """Gives the simulator the live swarm's geometry (from the servers' records) and speeds measured in the no-drop
     arm (`base`). What occupies a server: a decode iteration's fixed compute, the records' lone decode step through
-    all blocks; each more decoding request, the records' growth of a decode step with the batch; a prompt token, what
+    all blocks and, for each more decoding request, their growth of a decode step with the batch, both scaled by
+    what lone steps took the loaded servers against their start-up timing (`loaded_block_ms`); a prompt token, what
     the servers' counters measured (`prefill_token_ms_under_load`); prompts in chunks of the servers'
-    `--max-batch-tokens`. What occupies the client: the rest of the 10th percentile of the requests' TBT (the least
-    loaded) beyond the network's round trip. Of that, a pass of its LM head over one row, timed here
-    (`head_pass_ms`), is shared by the tokens of one iteration, as the client's sessions on one chain share a head
-    pass; the rest (the row, the RPCs) is each token's. Passes follow each other, as one Python process serves every
-    request. What only delays a token: the round trip. A group's extra member adds a half round trip
-    (the pushed hop), which the simulator counts in a micro-batch's time. A client's try before it is admitted or
+    `--max-batch-tokens`. What occupies the client: its CPU per head pass and per token, measured on this machine
+    (`client_work`): the tokens of one iteration share a pass, as the client's sessions on one chain share a head
+    pass, a pass waits for the chain's steps on their way (`MAX_GANG_WAIT_S`), and passes follow each other, as one
+    Python process serves every request. Decode steps join a prompt chunk's batch (`join_prefill`), as the CPU
+    servers' schedulers have them. What only delays a token: the
+    rest of the 10th percentile of the requests' TBT (the least loaded) beyond the compute and a lone token's client
+    work, at least the network's round trip (the emulated links, the p2pd daemons and the RPC layers on either
+    side). A group's extra member adds a half round trip (the pushed hop), which the simulator counts in a
+    micro-batch's time. A client's try before it is admitted or
     backs off: the median round of the no-drop arm's clients (`attempt_s_of`); what a round that ends in a back-off
     costs the shared cores: measured on this machine (`refused_try_cpu_ms`). Where a session goes: as the live
     clients route without an orchestrator, by latency over records that do not show load, to the same whole replica
@@ -257,23 +263,41 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
     widest = max(decode, default=1)
     blocks = first["block_end"] - first["block_start"]
     batch_one = decode.get(1, first["block_compute_ms"])
-    lone = blocks * batch_one
-    per_row = blocks * (decode[widest] - batch_one) / (widest - 1) if widest > 1 else 0
+    loaded = loaded_block_ms(base) / batch_one if batch_one > 0 else 1.0
+    lone = blocks * batch_one * loaded
+    per_row = blocks * (decode[widest] - batch_one) / (widest - 1) * loaded if widest > 1 else 0
     beyond_compute = max(0.0, float(np.percentile(base.tbt(requests), 10)) * 1000 - lone - per_row)
-    head_ms = min(head_pass_ms(base.workdir), max(0.0, beyond_compute - rtt_ms))
+    work = client_work(base.workdir and base.workdir.parent)
+    delay_ms = max(min(beyond_compute, rtt_ms), beyond_compute - work.pass_ms - work.token_ms)
     return KunServeSimConfig(
         replicas=len(SERVERS), blocks=blocks, pages_total=first["pages_total"],
         params_pages=first["pages_params"] // blocks * blocks, tokens_per_page=first["kv_tokens_per_page"],
         step_ms=lone, prefill_token_ms=prefill_token_ms_under_load(base, requests), decode_token_ms=max(0.0, per_row),
-        hop_ms=rtt_ms / 2, round_trip_ms=min(beyond_compute, rtt_ms),
-        client_token_ms=max(0.0, beyond_compute - rtt_ms - head_ms), client_pass_ms=head_ms,
+        hop_ms=rtt_ms / 2, round_trip_ms=delay_ms,
+        client_token_ms=work.token_ms, client_pass_ms=work.pass_ms,
         link_bytes_per_s=exchange_bytes_per_s(exchanged) or MBIT * 1e6 / 8,
         kv_bytes_per_token_block=first["kv_bytes_per_token"],
         prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping,
         retry_backoff_s=(BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S), refused_window_s=REFUSED_WINDOW_S,
         attempt_s=attempt_s_of(base), refused_try_cpu_ms=refused_try_cpu_ms(base.workdir and base.workdir.parent),
         placement="fewest_hops", cores=os.cpu_count() or 1, member_batching=True,
+        client_gang_wait_s=MAX_GANG_WAIT_S, join_prefill=True,
     )
+
+
+def loaded_block_ms(run: ArmRun) -> float:
+    """Gives what a lone decode step took a block while `run` loaded its servers: the median, over both servers'
+    polls from the first that shows it refined, of their `block_compute_ms` (each server's running mean of its lone
+    decode steps' compute per block, from its start-up timing on). Under the burst a step takes 2-3x its start-up
+    time: the servers and the client stream their weights through one machine's memory. A run whose servers
+    computed no lone step: the start-up timing."""
+    by_peer: dict[str, list[dict]] = {}
+    for row in sorted(run.polls, key=lambda row: row["t"]):
+        by_peer.setdefault(row["peer_id"], []).append(row)
+    refined = [row["block_compute_ms"] for rows in by_peer.values() for row in rows
+               if row["block_compute_ms"] != rows[0]["block_compute_ms"]]
+    first = min(run.polls, key=lambda row: row["t"])
+    return statistics.median(refined) if refined else first["block_compute_ms"]
 
 
 def exchange_bytes_per_s(runs: Sequence[ArmRun]) -> float | None:
@@ -290,10 +314,11 @@ def exchange_bytes_per_s(runs: Sequence[ArmRun]) -> float | None:
     return sent / (took_ms / 1000) if sent and took_ms else None
 
 
-HEAD_PASSES = 50  # passes of the client's head timed, the median kept
-HEAD_PASS_FILE = "client_head_pass.json"  # beside the no-drop arm's files: the report reads it again
+CLIENT_WORK_FILE = "client_work.json"  # in the run's workdir: the report reads it again
 REFUSED_TRIES_FILE = "refused_tries.json"  # in the run's workdir: the report reads it again
 REFUSED_TRIES_KV_PAGES = 3  # KV pages per block of the servers that measure a refused round (full either way)
+CLIENT_WORK_SESSIONS = 8  # sessions whose tokens share the client's passes when its work is measured (the most the
+# dropped arms run at once)
 
 
 def kept_reading(workdir: Path | None, name: str, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -308,25 +333,18 @@ def kept_reading(workdir: Path | None, name: str, measure: Callable[[], dict[str
     return reading
 
 
-def head_pass_ms(workdir: Path | None) -> float:
-    """Gives what a pass of the client's LM head over one row takes on this machine (ms, the median of
-    `HEAD_PASSES`): the part of a token's client work that the tokens of one pass share (`client.batched_head`).
-    Timed once per run and kept in `workdir`."""
-    return float(kept_reading(workdir, HEAD_PASS_FILE,
-                              lambda: {"ms": _timed_head_pass_ms(), "passes": HEAD_PASSES})["ms"])
+def client_work(workdir: Path | None) -> ClientWork:
+    """Gives the client's CPU per head pass and per token on this machine (`benchmarks.client_work`: a loopback swarm
+    of one server with the no-drop arm's flags). Measured once per run and kept in `workdir`."""
+    reading = kept_reading(workdir, CLIENT_WORK_FILE, lambda: dataclasses.asdict(_measured_client_work()))
+    return ClientWork(reading["pass_ms"], reading["token_ms"], Round(**reading["lone"]), Round(**reading["shared"]),
+                      reading["sessions"])
 
 
 @functools.cache
-def _timed_head_pass_ms() -> float:
-    head = ClientHead(resolve_model(DEFAULT_MODEL))
-    hidden = torch.randn(1, 1, head.lm_head.in_features, generator=torch.Generator().manual_seed(0))
-    head.logits(hidden)  # warm
-    times = []
-    for _ in range(HEAD_PASSES):
-        started = time.perf_counter()
-        head.logits(hidden)
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
+def _measured_client_work() -> ClientWork:
+    return measure_client_work(server_flags("no drop", "a", CLIENT_WORK_SESSIONS)[1],
+                               max_length=MAX_PROMPT + MAX_OUTPUT, sessions=CLIENT_WORK_SESSIONS)
 
 
 def refused_try_cpu_ms(workdir: Path | None) -> float:

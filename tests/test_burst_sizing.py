@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from benchmarks.client_work import Round, split_cost
 from benchmarks.kunserve_burst import (
     COMPUTE_SHARE,
     TRACE,
@@ -15,6 +16,7 @@ from benchmarks.kunserve_burst import (
     burst_requests,
     busiest_share,
     exchange_bytes_per_s,
+    loaded_block_ms,
     peak_sessions,
     sized_pool,
     sized_rate,
@@ -62,3 +64,25 @@ def test_the_exchange_rate_is_the_bytes_the_servers_moved_over_the_time_their_mo
     second = run(("b", 1.0, 2_000_000, 2000.0))
     assert exchange_bytes_per_s([first, second]) == pytest.approx(8e6 / 4.0)
     assert exchange_bytes_per_s([run(("a", 1.0, 0, 0.0))]) is None and exchange_bytes_per_s([]) is None
+
+
+def test_a_loaded_step_is_the_median_of_what_the_servers_refined_their_startup_timing_to() -> None:
+    def poll(peer: str, t: float, block_ms: float) -> dict:
+        return {"peer_id": peer, "t": t, "block_compute_ms": block_ms}
+
+    # `a` refines 0.8 to 1.6 and 2.0, `b` to 1.8; their unrefined polls before do not count
+    polls = [poll("a", 0.0, 0.8), poll("a", 1.0, 0.8), poll("a", 2.0, 1.6), poll("a", 3.0, 2.0),
+             poll("b", 0.5, 0.8), poll("b", 2.5, 1.8)]
+    assert loaded_block_ms(ArmRun("no drop", [], polls, 0.0)) == pytest.approx(1.8)
+    # servers that computed no lone step: their start-up timing
+    assert loaded_block_ms(ArmRun("no drop", [], [poll("a", 0.0, 0.8), poll("a", 1.0, 0.8)], 0.0)) == 0.8
+
+
+def test_the_clients_work_splits_into_a_pass_and_a_token_from_two_rounds_that_share_passes_unequally() -> None:
+    lone = Round(cpu_ms=24 * (10.0 + 5.0), tokens=24, passes=24)  # a pass a token: 10 ms a pass, 5 ms a token
+    shared = Round(cpu_ms=25 * 10.0 + 192 * 5.0, tokens=192, passes=25)
+    assert split_cost(lone, shared) == pytest.approx((10.0, 5.0))
+    # noise that would make one cost negative keeps it at 0, the other fitting the lone round
+    assert split_cost(Round(240.0, 24, 24), Round(2400.0, 192, 25)) == (0.0, 10.0)
+    with pytest.raises(ValueError, match="alike"):
+        split_cost(lone, Round(cpu_ms=300.0, tokens=24, passes=24))

@@ -214,6 +214,43 @@ def test_the_clients_own_work_queues_its_tokens_and_the_tokens_of_one_iteration_
     assert staggered.ttft_s[1] - staggered.ttft_s[0] == pytest.approx(0.1)
 
 
+def test_a_head_pass_waits_for_the_decode_steps_of_its_unit_still_on_their_way_and_they_go_on_in_step() -> None:
+    # two requests on one replica, the second arriving while the first's prompt computes: apart, each token takes
+    # its own 100-ms pass, so their iterations stay staggered; waiting for each other, they share one pass a token
+    lone_replica = dataclasses.replace(CONFIG, replicas=1, dropping=False, client_pass_ms=100.0, round_trip_ms=20.0)
+    requests = [SimRequest(0.0, 16, 24), SimRequest(0.005, 16, 24)]
+    apart = simulate(lone_replica, requests)
+    ganged = simulate(dataclasses.replace(lone_replica, client_gang_wait_s=0.5), requests)
+    assert (ganged.tbt_s < apart.tbt_s - 0.05).all()  # a pass a token for both, not one each
+    # the second's first token waits for the first's decode step on its way, but never longer than the wait
+    assert ganged.ttft_s[1] > apart.ttft_s[1]
+    capped = simulate(dataclasses.replace(lone_replica, client_gang_wait_s=0.001), requests)
+    assert capped.ttft_s[1] <= apart.ttft_s[1] + 0.001 + 1e-9
+    # a request alone never waits: the wait changes nothing
+    alone = [SimRequest(0.0, 16, 24)]
+    assert np.array_equal(simulate(dataclasses.replace(lone_replica, client_gang_wait_s=0.5), alone).tbt_s,
+                          simulate(lone_replica, alone).tbt_s)
+    with pytest.raises(ValueError, match="client_gang_wait_s"):
+        dataclasses.replace(lone_replica, client_gang_wait_s=-1.0)
+
+
+def test_decode_steps_join_a_prompt_chunk_computing_on_their_member_and_end_with_it() -> None:
+    # one replica: a request decoding, its steps 15 ms away between tokens, then a 1000-token prompt (four
+    # 256-token chunks of 12.8 ms + 10 ms each), whose chunks compute while the decode steps are away
+    lone_replica = dataclasses.replace(CONFIG, replicas=1, dropping=False, tokens_per_page=256, round_trip_ms=15.0)
+    requests = [SimRequest(0.0, 16, 64), SimRequest(0.1, 1000, 4)]
+    waiting = simulate(lone_replica, requests)
+    joining = simulate(dataclasses.replace(lone_replica, join_prefill=True), requests)
+    # a step that waited for each chunk now rides along: the decoding request's tokens come sooner
+    assert joining.tbt_s[0] < waiting.tbt_s[0]
+    # and the chunks wait while it catches up through what they have done: the prompt's first token comes later
+    assert joining.ttft_s[1] > waiting.ttft_s[1]
+    # with no prompt beside it, joining changes nothing
+    alone = [SimRequest(0.0, 16, 64)]
+    assert np.array_equal(simulate(dataclasses.replace(lone_replica, join_prefill=True), alone).tbt_s,
+                          simulate(lone_replica, alone).tbt_s)
+
+
 def test_a_request_holds_its_pages_until_its_client_has_closed_it() -> None:
     # one replica with room for one request of 32 pages at a time; a token's round trip to the client is 100 ms
     config = dataclasses.replace(CONFIG, replicas=1, dropping=False, round_trip_ms=100.0)

@@ -14,14 +14,18 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   - with `member_batching`, as swarm servers do: each member batches on its own. When free, it computes every
     decoding step waiting at its slice and prompt chunks, at its share of the blocks' cost. A decoding step then
     crosses to the next member in `hop_ms` (the server's push); a prompt crosses once its member has computed all
-    of it, in two hops (the client relays a prefill's hidden states, as the live client does).
+    of it, in two hops (the client relays a prefill's hidden states, as the live client does). With `join_prefill`,
+    decode steps that reach a member computing a prompt chunk join that batch, as a CPU server's scheduler has them:
+    it waits while they catch up through the part it has done (a lone step's time over it), and they end with it.
 - A token reaches its client `round_trip_ms` after its iteration ends, and the request's next step is ready on the
   unit then: the network to the client and back takes time but occupies no server, which meanwhile computes the
   other requests' steps. A prompt's chunks follow each other without it. With `client_token_ms` and
   `client_pass_ms`, the client's own work comes first: the tokens of one iteration take one pass of its LM head,
   `client_pass_ms` for the pass and `client_token_ms` for each token in it (its row, its RPCs), and passes follow
   each other, as one client process serving every request does, whose sessions on one chain share a head pass
-  (`client.batched_head`): under load, tokens queue there, and the pass's tokens go on together.
+  (`client.batched_head`): under load, tokens queue there, and the pass's tokens go on together. With
+  `client_gang_wait_s`, a pass also waits, that long at most, for the unit's decode steps still on their way, as the
+  batched head keeps one chain's sessions in step.
 - A request's KV is reserved at admission for its whole length (prompt + output, `blocks` x ceil(tokens /
   `tokens_per_page`) pages), as servers with `--kv-headroom-tokens` at least the output admit, on the unit with the
   fewest requests per member among those with room for it (`_place`); with `placement` "fewest_hops", as a swarm's
@@ -140,14 +144,21 @@ class KunServeSimConfig:
     # its requests and holding them for its whole traversal; True, as swarm servers, each member batching the steps
     # that reached it on its own
     member_batching: bool = False
+    # With the client's work: how long a pass of its head waits for the decode steps of the same unit still on their
+    # way (`client.batched_head`: sessions on one chain go on in step), 0: it never waits
+    client_gang_wait_s: float = 0.0
+    # With `member_batching`: decode steps that reach a member computing a prompt chunk join its batch there, as a
+    # CPU server's scheduler has them (`StepScheduler._worth_joining`): the batch waits while they catch up through
+    # the blocks it has passed, at a lone step's time, and they end with it
+    join_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.params_pages % self.blocks or self.params_pages >= self.pages_total:
             raise ValueError("params_pages must be a multiple of blocks and below pages_total")
         if self.static_groups < 1 or self.replicas % self.static_groups:
             raise ValueError("static_groups must divide the replicas")
-        if self.attempt_s < 0 or self.refused_try_cpu_ms < 0:
-            raise ValueError("attempt_s and refused_try_cpu_ms must be >= 0")
+        if self.attempt_s < 0 or self.refused_try_cpu_ms < 0 or self.client_gang_wait_s < 0:
+            raise ValueError("attempt_s, refused_try_cpu_ms and client_gang_wait_s must be >= 0")
         if self.cores is not None and self.cores < 1:
             raise ValueError("cores must be >= 1 (or None)")
         if self.placement not in PLACEMENTS:
@@ -173,6 +184,7 @@ class _Running:
     remote_until_s: float = 0.0  # live exchange: until then it attends over `remote_blocks` blocks remotely
     remote_blocks: int = 0
     in_flight: bool = False  # in a batch computing now
+    at_client: bool = False  # its token waits at the client for a head pass (`client_gang_wait_s`)
     closing: bool = False  # its last token is on its way to the client, whose close frees its pages
     stage: int = 0  # the member (index in its unit's members) its step waits at or computes on
     pass_done: int = 0  # prompt tokens of its current pass computed at `stage` (before the last member's)
@@ -196,14 +208,18 @@ class _Unit:
         return self.capacity - self.held
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _Batch:
-    """What one member (or a micro-batch, `MICRO_BATCH`) of unit `uid` computes at once: (request, tokens) items."""
+    """What one member (or a micro-batch, `MICRO_BATCH`) of unit `uid` computes at once: (request, tokens) items,
+    from `started_s` to `end_s` (later if steps join it, `join_prefill`)."""
 
     uid: int
     member: int
     last: bool  # the unit's last member: its tokens are done through every block
     items: list[tuple[_Running, int]]
+    started_s: float = 0.0
+    end_s: float = 0.0
+    prefill: bool = False  # it computes a prompt chunk
 
 
 @dataclass(frozen=True)
@@ -256,8 +272,10 @@ class _Sim:
         self.now = 0.0
         self.done = 0
         self.client_free_s = 0.0  # when the client has done the tokens it received so far
+        # per unit: tokens at the client waiting for the rest of its decode steps, and until when they wait
+        self.gangs: dict[int, tuple[float, list[_Running]]] = {}
         self.kept = {member: _even_slice(config.blocks, k, member % k) for member in range(config.replicas)}
-        self.computing: set[int] = set()  # members computing a batch now
+        self.computing: dict[int, _Batch] = {}  # members computing a batch now, and the batch
         self.refused_tries: deque[float] = deque()  # when the tries of the last `REFUSED_LOAD_WINDOW_S` were refused
 
     def _add_unit(self, members: tuple[int, ...]) -> _Unit:
@@ -291,9 +309,18 @@ class _Sim:
                 self._dispatch()
             elif kind == "step":
                 assert batch is not None
-                self._finish_step(batch)
+                if batch.end_s > self.now:  # steps joined it: it ends later
+                    self._push(batch.end_s, "step", subject, batch)
+                else:
+                    self._finish_step(batch)
             elif kind == "close":
                 self._close(subject)
+            elif kind == "gang":
+                deadline_s, gang = self.gangs.get(subject, (math.inf, []))
+                if deadline_s <= self.now:  # not a gang that passed before its wait was up
+                    del self.gangs[subject]
+                    self._client_pass(gang)
+                    self._start_all()
             elif kind == "wake":
                 unit = self.units.get(subject)
                 if unit is not None:
@@ -366,25 +393,47 @@ class _Sim:
         last = len(unit.members) - 1
         waiting: list[float] = []
         for stage, member in enumerate(unit.members):
-            if member in self.computing:
+            computing = self.computing.get(member)
+            if computing is not None and not (c.join_prefill and computing.prefill):
                 continue
             ready = []
             for running in unit.running:
-                if running.stage == stage and not running.in_flight and not running.closing:
+                if running.stage == stage and not (running.in_flight or running.closing or running.at_client):
                     if running.ready_s <= self.now:
                         ready.append(running)
                     else:
                         waiting.append(running.ready_s)
+            share = self._share(member, len(unit.members))
+            if computing is not None:
+                self._join(computing, [r for r in ready if r.prefilled >= r.request.prompt], share)
+                continue
             items = self._batch(ready)
             if not items:
                 continue
             work_ms, remote = self._work(items)
-            share = self._share(member, len(unit.members))
-            self.computing.add(member)
+            batch = _Batch(unit.uid, member, stage == last, items, self.now,
+                           prefill=any(r.prefilled < r.request.prompt for r, _ in items))
+            self.computing[member] = batch  # it counts among the processes computing
             compute_ms = work_ms * share * self._sharing(client=self.client_free_s > self.now)
-            step_s = (compute_ms + 2 * remote * share * c.hop_ms) / 1000
-            self._push(self.now + step_s, "step", member, _Batch(unit.uid, member, stage == last, items))
+            batch.end_s = self.now + (compute_ms + 2 * remote * share * c.hop_ms) / 1000
+            self._push(batch.end_s, "step", member, batch)
         self._wake(unit, waiting)
+
+    def _join(self, batch: _Batch, decoding: list[_Running], share: float) -> None:
+        """Decode steps `decoding` join `batch`, a prompt chunk's batch computing on a member with `share` of the
+        blocks: it waits while they catch up through the part it has done (a lone step's time over it), and each
+        adds its row's cost over the rest; they end with it."""
+        if not decoding:
+            return
+        c = self.config
+        span_s = batch.end_s - batch.started_s
+        done = min(1.0, (self.now - batch.started_s) / span_s) if span_s > 0 else 1.0
+        sharing = self._sharing(client=self.client_free_s > self.now)
+        added_ms = (done * c.step_ms + (1 - done) * c.decode_token_ms * len(decoding)) * share * sharing
+        batch.end_s += added_ms / 1000
+        for running in decoding:
+            running.in_flight = True
+            batch.items.append((running, 1))
 
     def _start_micro_batches(self, unit: _Unit) -> None:
         """Starts micro-batches on `unit` while it has a free pipeline slot and ready requests: a group of k members
@@ -395,7 +444,7 @@ class _Sim:
         slots = len(unit.members)
         share = max(1, math.ceil(len(unit.running) / slots))
         while unit.batches < slots:
-            idle = [r for r in unit.running if not r.in_flight and not r.closing]
+            idle = [r for r in unit.running if not (r.in_flight or r.closing or r.at_client)]
             ready = [r for r in idle if r.ready_s <= self.now]
             if not ready:
                 self._wake(unit, [r.ready_s for r in idle])
@@ -478,7 +527,7 @@ class _Sim:
             if not replaced:
                 self.units[batch.uid].batches -= 1
         else:
-            self.computing.discard(batch.member)
+            self.computing.pop(batch.member, None)
         tokens = []
         for running, count in batch.items:
             running.in_flight = False
@@ -502,12 +551,45 @@ class _Sim:
                     continue
             running.stage = 0
             tokens.append(running)
-        if tokens:  # one pass of the client's head over them
+        if tokens and c.client_gang_wait_s > 0:
+            self._gang(batch.uid, tokens)
+        else:
+            self._client_pass(tokens)
+        self._start_all()
+
+    def _start_all(self) -> None:
+        for unit in list(self.units.values()):  # no pages return here: only closes free them
+            self._start(unit)
+
+    def _gang(self, uid: int, tokens: list[_Running]) -> None:
+        """Tokens of unit `uid` reached the client: they wait there, with those of the unit that came before, for
+        the unit's other decode steps still on their way, at most `client_gang_wait_s` from the first; then one
+        pass takes them all (`client.batched_head`). A prompt's first token waits too, but no one waits for one."""
+        if uid not in self.gangs:
+            deadline_s = self.now + self.config.client_gang_wait_s
+            self.gangs[uid] = (deadline_s, [])
+            self._push(deadline_s, "gang", uid)
+        gang = self.gangs[uid][1]
+        gang.extend(tokens)
+        for running in tokens:
+            running.at_client = True
+        unit = self.units.get(uid)
+        arrived = {running.index for running in gang}
+        if unit is None or all(r.index in arrived or r.closing or r.produced == 0 for r in unit.running):
+            del self.gangs[uid]
+            self._client_pass(gang)
+
+    def _client_pass(self, tokens: list[_Running]) -> None:
+        """One pass of the client's head over `tokens` (after the passes before it): each is seen a round trip
+        later, and its next step is on its way then."""
+        c = self.config
+        if tokens:
             client_ms = (c.client_pass_ms + c.client_token_ms * len(tokens)) * self._sharing(client=True)
             self.client_free_s = max(self.client_free_s, self.now) + client_ms / 1000
         seen_s = self.client_free_s + c.round_trip_ms / 1000
         for running in tokens:
             request = running.request
+            running.at_client = False
             running.produced += 1
             running.ready_s = max(running.ready_s, seen_s)  # its next step is on its way
             if running.first_token_s is None:
@@ -518,8 +600,6 @@ class _Sim:
                 if request.output > 1:
                     self.tbt[running.index] = (seen_s - running.first_token_s) / (request.output - 1)
                 self._push(seen_s + c.round_trip_ms / 2000, "close", running.index)
-        for unit in list(self.units.values()):  # no pages return here: only closes free them
-            self._start(unit)
 
     def _close(self, index: int) -> None:
         """The client of request `index` closed its session: its pages return to whichever unit holds it now."""
