@@ -75,6 +75,14 @@ class SwarmProcesses:
         self.procs.append(proc)
         return proc
 
+    def _identity(self, name: str, extra: Sequence[str]) -> list[str]:
+        """Gives `--identity` with a fresh key file in the workdir for the process about to start as `name`, unless
+        `extra` names one: a process killed with SIGKILL leaves no key of its own behind in the system's temp dir
+        (`swarm.signing.open_dht` makes one there for processes without an identity, and removes it at exit)."""
+        if "--identity" in extra:
+            return []
+        return ["--identity", str(self.workdir / f"{name}-{len(self.procs)}.identity")]
+
     def _wait_for_line(self, proc: Proc, prefix: str, timeout_s: float = START_TIMEOUT_S) -> str:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -91,7 +99,7 @@ class SwarmProcesses:
 
         `launcher` prefixes the command, e.g. `ip netns exec NS` (netem runs each process in its own namespace,
         listening on that namespace's `host` address)."""
-        proc = self._spawn("dht", ["-m", "swarm.dht_cli", "--host", host], launcher)
+        proc = self._spawn("dht", ["-m", "swarm.dht_cli", "--host", host, *self._identity("dht", ())], launcher)
         line = self._wait_for_line(proc, "initial_peers:")
         self.initial_peers = line.split()[1:]
         return proc
@@ -110,7 +118,8 @@ class SwarmProcesses:
         if self.torch_threads > 0 and "--torch-threads" not in extra:
             args += ["--torch-threads", str(self.torch_threads)]
         label = blocks.replace(":", "-") if blocks else "auto"
-        proc = self._spawn(name or f"server-{label}-{len(self.procs)}", args, launcher)
+        name = name or f"server-{label}-{len(self.procs)}"
+        proc = self._spawn(name, [*args, *self._identity(name, extra)], launcher)
         if wait and blocks is None and "--orchestrator" in extra:
             self.wait_started(proc)
         elif wait:
@@ -123,7 +132,8 @@ class SwarmProcesses:
         args = ["-m", "orchestrator.service.cli", "--model", str(model), "--host", host,
                 "--initial-peers", *self.initial_peers, "--announce-period", str(self.announce_period_s),
                 "--record-ttl", str(self.record_ttl_s), *extra]
-        proc = self._spawn(name or f"orchestrator-{len(self.procs)}", args, launcher)
+        name = name or f"orchestrator-{len(self.procs)}"
+        proc = self._spawn(name, [*args, *self._identity(name, extra)], launcher)
         self._wait_for_line(proc, "orchestrator ready peer_id=")
         return proc
 

@@ -394,8 +394,8 @@ class _Sim:
         waiting: list[float] = []
         for stage, member in enumerate(unit.members):
             computing = self.computing.get(member)
-            if computing is not None and not (c.join_prefill and computing.prefill):
-                continue
+            if computing is not None and not (c.join_prefill and computing.prefill and computing.uid == unit.uid):
+                continue  # busy (a batch of the unit it was in before a drop or restore takes no one)
             ready = []
             for running in unit.running:
                 if running.stage == stage and not (running.in_flight or running.closing or running.at_client):
