@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,7 +34,14 @@ class ActAfterTokens(BaseStreamer):
         pass
 
 
+def identities() -> set[str]:
+    """Gives the identity folders in the system's temp dir (`swarm.signing.open_dht` makes one for a process started
+    without an identity, and removes it at exit: a process killed with SIGKILL leaves it behind)."""
+    return {entry.name for entry in Path(tempfile.gettempdir()).glob("chainswarm-identity-*")}
+
+
 def test_kill_9_mid_generation_replays_history_and_tokens_match(swarm_factory: SwarmProcesses, tiny_llama: Path):
+    temp_identities = identities()
     swarm_factory.start_dht()
     servers = [swarm_factory.start_server(tiny_llama, blocks, wait=False) for blocks in ("0:4", "0:4", "4:8", "4:8")]
     for server in servers:
@@ -64,5 +72,11 @@ def test_kill_9_mid_generation_replays_history_and_tokens_match(swarm_factory: S
             assert not {span.peer_id for span in session.route} & set(killed)
         assert actual.tolist() == expected.tolist()
         assert len(killed) == 2
+        # the killed servers' keys are in the swarm's workdir, which the harness removes, not in the temp dir
+        assert identities() <= temp_identities
+        for peer_id in killed:
+            args = by_peer[peer_id].popen.args
+            key = Path(args[args.index("--identity") + 1])
+            assert key.parent == swarm_factory.workdir and key.is_file()
     finally:
         remote.shutdown()

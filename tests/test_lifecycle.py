@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -53,25 +52,6 @@ def test_dead_server_vanishes_within_its_ttl_and_rejoins_with_the_same_identity(
         wait_until(lambda: first.peer_id in online_peers(client), 20, "the restarted server is back")
     finally:
         client.shutdown()
-
-
-def test_processes_killed_with_sigkill_leave_no_identity_behind_in_the_temp_dir(
-    swarm_factory: SwarmProcesses, tiny_llama: Path
-) -> None:
-    def identities() -> set[str]:
-        return {entry.name for entry in Path(tempfile.gettempdir()).glob("chainswarm-identity-*")}
-
-    before = identities()
-    dht = swarm_factory.start_dht()
-    server = swarm_factory.start_server(tiny_llama, "0:8")
-    for proc in (server, dht):  # no exit handler runs
-        swarm_factory.kill(proc, signal.SIGKILL)
-        proc.popen.wait(timeout=30)
-    assert identities() <= before
-    # their keys are in the swarm's workdir, which the harness removes
-    for proc in (server, dht):
-        key = Path(proc.popen.args[proc.popen.args.index("--identity") + 1])
-        assert key.parent == swarm_factory.workdir and key.is_file()
 
 
 def test_idle_session_times_out_and_frees_its_pages_then_sigterm_shuts_down_cleanly(

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client import ClientConfig, DistributedModelForCausalLM
+from client.inference import InferenceSession
 from client.swarm_client import SwarmClient
 from swarm.errors import MaxLengthExceeded, MigrationRefused, ServerBusy, SessionNotFound, SwarmError
 from swarm.local_swarm import REPO, Proc, SwarmProcesses
@@ -142,49 +143,68 @@ def other_host(client: SwarmClient, peer_id: str) -> str:
     return other
 
 
-@pytest.mark.parametrize(("mode", "push"), [("kv", True), ("kv", False), ("replay", True), ("auto", True)],
-                         ids=["kv-push", "kv-no-push", "replay-push", "auto-push"])
-def test_sessions_move_mid_generation_and_tokens_match(
-    swarm_factory: SwarmProcesses, tiny_llama: Path, mode: str, push: bool
-) -> None:
+MOVE_VARIANTS = [("kv", True), ("kv", False), ("replay", True), ("auto", True)]  # (mode, the servers push)
+
+
+def move_span(client: SwarmClient, session: InferenceSession, span_index: int, mode: str,
+              moved: list[tuple[str, str, str]]) -> Callable[[], None]:
+    """Gives an action that moves the session's span `span_index` to the other server of its blocks by `mode` and
+    notes (source, destination, the mode taken) in `moved`."""
+    def act() -> None:
+        source = session.route[span_index].peer_id
+        destination = other_host(client, source)
+        reply = session.migrate(span_index, destination, mode=mode)
+        assert reply["mode"] == mode or (mode == "auto" and set(reply["expected_s"]) == {"kv", "replay"})
+        moved.append((source, destination, reply["mode"]))
+        assert session.route[span_index].peer_id == destination
+
+    return act
+
+
+def test_sessions_move_mid_generation_and_tokens_match(swarm_factory: SwarmProcesses, tiny_llama: Path) -> None:
+    """Each move mode, with and without the servers' push, on one swarm: a session moves its second span after token
+    3 and its first span there and back after tokens 9 and 12, with the local model's greedy tokens, no failover, the
+    moves counted where they went (as deltas: the variants run one after the other) and every page back."""
     start_servers(swarm_factory, tiny_llama, "0:4", "0:4", "4:8", "4:8")
-    local, remote = local_and_remote(swarm_factory, tiny_llama, server_push=push)
+    local, pushing = local_and_remote(swarm_factory, tiny_llama, server_push=True)
+    _, relaying = local_and_remote(swarm_factory, tiny_llama, server_push=False)
     try:
-        client = remote.swarm
+        client = pushing.swarm
         baseline = {peer: info["record"]["pages_free"] for peer, info in infos(client).items()}
         input_ids = prompt(30, 7)
         expected = local.generate(input_ids, max_new_tokens=16, do_sample=False)
-        moved: list[tuple[str, str, str]] = []
-        with remote.inference_session(max_length=64) as session:
-
-            def move(span_index: int) -> Callable[[], None]:
-                def act() -> None:
-                    source = session.route[span_index].peer_id
-                    destination = other_host(client, source)
-                    reply = session.migrate(span_index, destination, mode=mode)
-                    assert reply["mode"] == mode or (mode == "auto" and set(reply["expected_s"]) == {"kv", "replay"})
-                    moved.append((source, destination, reply["mode"]))
-                    assert session.route[span_index].peer_id == destination
-
-                return act
-
-            # the first span moves there and back: its client may move it again where it arrived
-            streamer = ActAfterTokens({3: move(1), 9: move(0), 12: move(0)})
-            actual = remote.generate(input_ids, session=session, max_new_tokens=16, do_sample=False, streamer=streamer)
-            assert (session.moves, session.failovers) == (3, 0)  # moved, never failed over
-        assert actual.tolist() == expected.tolist()
-        replies = infos(client)
-        for source, destination, taken in moved:
-            counts = {"kv": 1, "replay": 0} if taken == "kv" else {"kv": 0, "replay": 1}
-            assert replies[source]["migrations"]["out"] == counts
-            assert replies[destination]["migrations"]["in"] == counts
-            chosen = counts if mode == "auto" else {"kv": 0, "replay": 0}
-            assert replies[source]["migrations"]["chosen"] == chosen
-            sent, received = replies[source]["migrations"]["bytes_out"], replies[destination]["migrations"]["bytes_in"]
-            assert sent == received and (sent > 0) == (taken == "kv")
-        assert {peer: info["record"]["pages_free"] for peer, info in replies.items()} == baseline
+        for mode, push in MOVE_VARIANTS:
+            variant = f"{mode}, {'push' if push else 'no push'}"
+            remote = pushing if push else relaying
+            before = {peer: info["migrations"] for peer, info in infos(client).items()}
+            moved: list[tuple[str, str, str]] = []
+            with remote.inference_session(max_length=64) as session:
+                # the first span moves there and back: its client may move it again where it arrived
+                streamer = ActAfterTokens({token: move_span(client, session, span, mode, moved)
+                                           for token, span in ((3, 1), (9, 0), (12, 0))})
+                actual = remote.generate(input_ids, session=session, max_new_tokens=16, do_sample=False,
+                                         streamer=streamer)
+                assert (session.moves, session.failovers) == (3, 0), variant  # moved, never failed over
+            assert actual.tolist() == expected.tolist(), variant
+            after = {peer: info["migrations"] for peer, info in infos(client).items()}
+            grown: dict[str, dict[str, dict[str, int]]] = {
+                peer: {way: {kind: after[peer][way][kind] - before[peer][way][kind] for kind in ("kv", "replay")}
+                       for way in ("out", "in", "chosen")} for peer in after}
+            expected_counts: dict[str, dict[str, dict[str, int]]] = {
+                peer: {way: {"kv": 0, "replay": 0} for way in ("out", "in", "chosen")} for peer in after}
+            for source, destination, taken in moved:
+                for peer, way in ((source, "out"), (destination, "in")):
+                    expected_counts[peer][way][taken] += 1
+                if mode == "auto":
+                    expected_counts[source]["chosen"][taken] += 1
+                sent = after[source]["bytes_out"] - before[source]["bytes_out"]
+                received = after[destination]["bytes_in"] - before[destination]["bytes_in"]
+                assert sent == received and (sent > 0) == (taken == "kv"), variant
+            assert grown == expected_counts, variant
+            assert {peer: info["record"]["pages_free"] for peer, info in infos(client).items()} == baseline, variant
     finally:
-        remote.shutdown()
+        pushing.shutdown()
+        relaying.shutdown()
 
 
 def test_only_the_sessions_client_may_move_it_and_a_moved_session_is_gone_from_its_source(
