@@ -288,9 +288,9 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
 def loaded_block_ms(run: ArmRun) -> float:
     """Gives what a lone decode step took a block while `run` loaded its servers: the median, over both servers'
     polls from the first that shows it refined, of their `block_compute_ms` (each server's running mean of its lone
-    decode steps' compute per block, from its start-up timing on). Under the burst a step takes 2-3x its start-up
-    time: the servers and the client stream their weights through one machine's memory. A run whose servers
-    computed no lone step: the start-up timing."""
+    decode steps' compute per block, from its start-up timing on). It came to 2-3x the start-up timing of bare blocks
+    (r14, r15): a real step also reads the session's KV pages and runs beside the other processes of one machine;
+    a loopback server with one session took 2x. A run whose servers computed no lone step: the start-up timing."""
     by_peer: dict[str, list[dict]] = {}
     for row in sorted(run.polls, key=lambda row: row["t"]):
         by_peer.setdefault(row["peer_id"], []).append(row)

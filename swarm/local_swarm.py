@@ -62,7 +62,12 @@ class SwarmProcesses:
         self.procs: list[Proc] = []
         self.initial_peers: list[str] = []
 
-    def _spawn(self, name: str, args: list[str], launcher: Sequence[str] = ()) -> Proc:
+    def _spawn(self, name: str, args: list[str], launcher: Sequence[str] = (), *, signed: bool = False) -> Proc:
+        """Starts `args` as `name`; `signed` (a DHT node that signs its records): with `--identity`, a fresh key file in
+        the workdir, unless `args` names one, so a process killed with SIGKILL leaves no key of its own behind in the
+        system's temp dir (`swarm.signing.open_dht` makes one there without an identity, and removes it at exit)."""
+        if signed and "--identity" not in args:
+            args = [*args, "--identity", str(self.workdir / f"{name}-{len(self.procs)}.identity")]
         log_path = self.workdir / f"{name}.log"
         # Idle OpenMP threads of one process would spin on the cores another process needs to compute.
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), OMP_WAIT_POLICY="PASSIVE")
@@ -74,14 +79,6 @@ class SwarmProcesses:
         proc = Proc(name, popen, log_path)
         self.procs.append(proc)
         return proc
-
-    def _identity(self, name: str, extra: Sequence[str]) -> list[str]:
-        """Gives `--identity` with a fresh key file in the workdir for the process about to start as `name`, unless
-        `extra` names one: a process killed with SIGKILL leaves no key of its own behind in the system's temp dir
-        (`swarm.signing.open_dht` makes one there for processes without an identity, and removes it at exit)."""
-        if "--identity" in extra:
-            return []
-        return ["--identity", str(self.workdir / f"{name}-{len(self.procs)}.identity")]
 
     def _wait_for_line(self, proc: Proc, prefix: str, timeout_s: float = START_TIMEOUT_S) -> str:
         deadline = time.monotonic() + timeout_s
@@ -99,7 +96,7 @@ class SwarmProcesses:
 
         `launcher` prefixes the command, e.g. `ip netns exec NS` (netem runs each process in its own namespace,
         listening on that namespace's `host` address)."""
-        proc = self._spawn("dht", ["-m", "swarm.dht_cli", "--host", host, *self._identity("dht", ())], launcher)
+        proc = self._spawn("dht", ["-m", "swarm.dht_cli", "--host", host], launcher, signed=True)
         line = self._wait_for_line(proc, "initial_peers:")
         self.initial_peers = line.split()[1:]
         return proc
@@ -118,8 +115,7 @@ class SwarmProcesses:
         if self.torch_threads > 0 and "--torch-threads" not in extra:
             args += ["--torch-threads", str(self.torch_threads)]
         label = blocks.replace(":", "-") if blocks else "auto"
-        name = name or f"server-{label}-{len(self.procs)}"
-        proc = self._spawn(name, [*args, *self._identity(name, extra)], launcher)
+        proc = self._spawn(name or f"server-{label}-{len(self.procs)}", args, launcher, signed=True)
         if wait and blocks is None and "--orchestrator" in extra:
             self.wait_started(proc)
         elif wait:
@@ -132,8 +128,7 @@ class SwarmProcesses:
         args = ["-m", "orchestrator.service.cli", "--model", str(model), "--host", host,
                 "--initial-peers", *self.initial_peers, "--announce-period", str(self.announce_period_s),
                 "--record-ttl", str(self.record_ttl_s), *extra]
-        name = name or f"orchestrator-{len(self.procs)}"
-        proc = self._spawn(name, [*args, *self._identity(name, extra)], launcher)
+        proc = self._spawn(name or f"orchestrator-{len(self.procs)}", args, launcher, signed=True)
         self._wait_for_line(proc, "orchestrator ready peer_id=")
         return proc
 
