@@ -33,7 +33,8 @@ class BatchStats:
     compute_ms: float = 0.0  # summed over batches
     mixed: int = 0  # batches where a prefill chunk and decode steps computed together
     prefill_tokens: int = 0  # prompt tokens computed (rows x tokens of prefill chunks)
-    prefill_batch_ms: float = 0.0  # compute of the batches that held a prefill chunk, summed
+    prefill_batches: int = 0  # batches that held a prefill chunk
+    prefill_batch_ms: float = 0.0  # their compute, summed
     joined: int = 0  # steps that joined a batch already computing
     steps_by_place: Counter[str] = field(default_factory=Counter)  # "loop" or "pool": steps computed there
     sizes: Counter[int] = field(default_factory=Counter)  # power-of-two bucket of steps per batch -> batches
@@ -55,6 +56,7 @@ class BatchStats:
         self.mixed += mixed
         if prefill_tokens:
             self.prefill_tokens += prefill_tokens
+            self.prefill_batches += 1
             self.prefill_batch_ms += compute_ms
         self.steps_by_place[place] += steps
         self.sizes[_bucket(steps)] += 1
@@ -67,6 +69,7 @@ class BatchStats:
             "compute_ms": round(self.compute_ms, 3),
             "mixed": self.mixed,
             "prefill_tokens": self.prefill_tokens,
+            "prefill_batches": self.prefill_batches,
             "prefill_batch_ms": round(self.prefill_batch_ms, 3),
             "joined": self.joined,
             "steps_per_batch": {f"<={bound}": count for bound, count in sorted(self.sizes.items())},

@@ -127,6 +127,7 @@ def test_a_long_prefill_is_chunked_and_decode_steps_ride_in_every_batch(tiny_lla
         assert stats.mixed >= 40 // 8 - 1  # its chunks shared their batches with the decode steps
         assert max(stats.tokens) <= 16  # never more than the budget (10)
         assert stats.prefill_tokens == 4 + 4 + 40  # every prompt token, counted once
+        assert 40 // 10 <= stats.prefill_batches <= stats.batches  # the long prompt alone took 4 chunks
         assert 0 < stats.prefill_batch_ms <= stats.compute_ms
         for _ in range(1000):  # the decode chains go on after the prefill; each step queues the next
             if not any(decoding.values()) and all(r.done() for r in (*results["a"], *results["b"])):
