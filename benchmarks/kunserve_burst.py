@@ -75,13 +75,14 @@ from orchestrator.sim.workload import Trace, load_azure_trace
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS
 from server.sessions import REFUSED_WINDOW_S
 from swarm.local_swarm import SwarmProcesses
-from swarm.model import DEFAULT_MODEL
+from swarm.model import DEFAULT_MODEL, resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO.parent / "shared" / "data" / "azure_llm_inference_2023_code.csv"
 SERVERS = ("a", "b")
 HOSTS = ("dht", "client", "mon", *SERVERS)
 MBIT = 100.0
+WIRE_BYTES = 4  # a hidden state's element on the wire: float32, the client's default (no --compression)
 PAGE_BYTES = 1 << 20
 MAX_PROMPT, MAX_OUTPUT = 256, 32
 HEADROOM_TOKENS = MAX_OUTPUT  # admission reserves a session's output: KV throttles on what sessions will take
@@ -236,28 +237,28 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping: bool,
                exchanged: Sequence[ArmRun] = ()) -> KunServeSimConfig:
-    """Gives the simulator the live swarm's geometry (from the servers' records) and speeds measured in the no-drop
-    arm (`base`). What occupies a server: a decode iteration's fixed compute, the records' lone decode step through
-    all blocks and, for each more decoding request, their growth of a decode step with the batch, both scaled by
-    what lone steps took the loaded servers against their start-up timing (`loaded_block_ms`); a prompt token, what
-    the servers' counters measured (`prefill_token_ms_under_load`); prompts in chunks of the servers'
+    """Gives the simulator the live swarm's geometry (from the servers' records) and speeds measured in the no-drop arm
+    (`base`). What occupies a server: a decode iteration's fixed compute, the records' lone decode step through all
+    blocks and, for each more decoding request, their growth of a decode step with the batch, both scaled by what lone
+    steps took the loaded servers against their start-up timing (`loaded_block_ms`); a prompt token, what the servers'
+    counters measured beyond that fixed step (`prefill_token_ms_under_load`); prompts in chunks of the servers'
     `--max-batch-tokens`. What occupies the client: its CPU per head pass and per token, measured on this machine
-    (`client_work`): the tokens of one iteration share a pass, as the client's sessions on one chain share a head
-    pass, a pass waits for the chain's steps on their way (`MAX_GANG_WAIT_S`), and passes follow each other, as one
-    Python process serves every request. Decode steps join a prompt chunk's batch (`join_prefill`), as the CPU
-    servers' schedulers have them. What only delays a token: the
-    rest of the 10th percentile of the requests' TBT (the least loaded) beyond the compute and a lone token's client
-    work, at least the network's round trip (the emulated links, the p2pd daemons and the RPC layers on either
-    side). A group's extra member adds a half round trip (the pushed hop), which the simulator counts in a
-    micro-batch's time. A client's try before it is admitted or
-    backs off: the median round of the no-drop arm's clients (`attempt_s_of`); what a round that ends in a back-off
-    costs the shared cores: measured on this machine (`refused_try_cpu_ms`). Where a session goes: as the live
-    clients route without an orchestrator, by latency over records that do not show load, to the same whole replica
-    until it refuses them (`placement` "fewest_hops"). The servers and the client share this machine's cores
-    (`cores`: the report runs where the arms ran), so work that starts while more of them compute than there are
-    cores runs slower. A group's members batch on their own, as the live servers do (`member_batching`). How fast
-    victims' KV crosses between members: what the servers of the runs that dropped
-    (`exchanged`) measured of their KV moves (`exchange_bytes_per_s`), else the link's rate."""
+    (`client_work`): the tokens of one iteration share a pass, as the client's sessions on one chain share a head pass,
+    a pass waits for the chain's steps on their way (`MAX_GANG_WAIT_S`), and passes follow each other, as one Python
+    process serves every request. Decode steps join a prompt chunk's batch (`join_prefill`), as the CPU servers'
+    schedulers have them. What only delays a token: the rest of the 10th percentile of the requests' TBT (the least
+    loaded) beyond the compute and a lone token's client work, at least the network's round trip (the emulated links,
+    the p2pd daemons and the RPC layers on either side). A group's extra member adds a half round trip (the pushed hop),
+    which the simulator counts in a micro-batch's time. A client's try before it is admitted or backs off: the median
+    round of the no-drop arm's clients (`attempt_s_of`); what a round that ends in a back-off costs the shared cores:
+    measured on this machine (`refused_try_cpu_ms`). Where a session goes: as the live clients route without an
+    orchestrator, by latency over records that do not show load, to the same whole replica until it refuses them
+    (`placement` "fewest_hops"). The servers and the client share this machine's cores (`cores`: the report runs where
+    the arms ran), so work that starts while more of them compute than there are cores runs slower. A group's members
+    batch on their own, as the live servers do (`member_batching`). A prompt's hidden states (float32, as the client
+    sends them) cross the client's emulated link, up to the first member and, through a group, down and up again between
+    members, one prompt after another. How fast victims' KV crosses between members: what the servers of the runs that
+    dropped (`exchanged`) measured of their KV moves (`exchange_bytes_per_s`), else the link's rate."""
     first = min(base.polls, key=lambda row: row["t"])
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
     widest = max(decode, default=1)
@@ -272,7 +273,8 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
     return KunServeSimConfig(
         replicas=len(SERVERS), blocks=blocks, pages_total=first["pages_total"],
         params_pages=first["pages_params"] // blocks * blocks, tokens_per_page=first["kv_tokens_per_page"],
-        step_ms=lone, prefill_token_ms=prefill_token_ms_under_load(base, requests), decode_token_ms=max(0.0, per_row),
+        step_ms=lone, prefill_token_ms=prefill_token_ms_under_load(base, requests, lone),
+        decode_token_ms=max(0.0, per_row),
         hop_ms=rtt_ms / 2, round_trip_ms=delay_ms,
         client_token_ms=work.token_ms, client_pass_ms=work.pass_ms,
         link_bytes_per_s=exchange_bytes_per_s(exchanged) or MBIT * 1e6 / 8,
@@ -282,7 +284,14 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
         attempt_s=attempt_s_of(base), refused_try_cpu_ms=refused_try_cpu_ms(base.workdir and base.workdir.parent),
         placement="fewest_hops", cores=os.cpu_count() or 1, member_batching=True,
         client_gang_wait_s=MAX_GANG_WAIT_S, join_prefill=True,
+        client_link_bytes_per_s=MBIT * 1e6 / 8, hidden_bytes_per_token=hidden_size() * WIRE_BYTES,
     )
+
+
+@functools.cache
+def hidden_size() -> int:
+    """Gives the hidden size of the served model (its converted checkpoint's config)."""
+    return int(resolve_model(DEFAULT_MODEL).config.hidden_size)
 
 
 def loaded_block_ms(run: ArmRun) -> float:
@@ -382,27 +391,29 @@ def attempt_s_of(run: ArmRun) -> float:
 
 def batch_counters(run: ArmRun) -> dict[str, float]:
     """Gives what the servers' batch counters (`info` batches) grew by over the run, summed over the servers: prompt
-    tokens, the compute of the batches that held them, and all compute (ms)."""
+    tokens, the batches that held them and their compute, and all compute (ms)."""
     by_peer: dict[str, list[dict]] = {}
     for row in run.polls:
         if "batches" in row:
             by_peer.setdefault(row["peer_id"], []).append(row)
-    grown = {"prefill_tokens": 0.0, "prefill_batch_ms": 0.0, "compute_ms": 0.0}
+    grown = {"prefill_tokens": 0.0, "prefill_batches": 0.0, "prefill_batch_ms": 0.0, "compute_ms": 0.0}
     for rows in by_peer.values():
         rows.sort(key=lambda row: row["t"])
         first, last = rows[0]["batches"], rows[-1]["batches"]
         for name in grown:
-            grown[name] += last[name] - first[name]
+            grown[name] += last.get(name, 0) - first.get(name, 0)  # prefill_batches: 0 in runs before it was counted
     return grown
 
 
-def prefill_token_ms_under_load(base: ArmRun, requests: dict[int, dict]) -> float:
+def prefill_token_ms_under_load(base: ArmRun, requests: dict[int, dict], step_ms: float) -> float:
     """Gives a prompt token's cost through all blocks while the no-drop arm ran: the servers' compute of the batches
-    that held prompt tokens over those tokens (`info` batches), summed over the servers. Runs recorded before the
-    servers counted them: the median of (first token - session open) / prompt tokens, which includes waiting."""
+    that held prompt tokens, less the fixed `step_ms` of each (the simulator adds it per chunk), over those tokens
+    (`info` batches), summed over the servers. Runs recorded before the servers counted those batches: their compute
+    whole. Runs recorded before the servers counted prompt tokens: the median of (first token - session open) /
+    prompt tokens, which includes waiting."""
     grown = batch_counters(base)
     if grown["prefill_tokens"] > 0:
-        return grown["prefill_batch_ms"] / grown["prefill_tokens"]
+        return max(0.0, grown["prefill_batch_ms"] - grown["prefill_batches"] * step_ms) / grown["prefill_tokens"]
     return statistics.median((r["first_token_s"] - r["started_s"]) * 1000 / requests[r["id"]]["prompt_tokens"]
                              for r in base.served)
 

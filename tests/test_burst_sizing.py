@@ -18,6 +18,7 @@ from benchmarks.kunserve_burst import (
     exchange_bytes_per_s,
     loaded_block_ms,
     peak_sessions,
+    prefill_token_ms_under_load,
     sized_pool,
     sized_rate,
 )
@@ -76,6 +77,22 @@ def test_a_loaded_step_is_the_median_of_what_the_servers_refined_their_startup_t
     assert loaded_block_ms(ArmRun("no drop", [], polls, 0.0)) == pytest.approx(1.8)
     # servers that computed no lone step: their start-up timing
     assert loaded_block_ms(ArmRun("no drop", [], [poll("a", 0.0, 0.8), poll("a", 1.0, 0.8)], 0.0)) == 0.8
+
+
+def test_a_prompt_tokens_cost_is_its_batches_compute_beyond_their_fixed_step_over_the_prompt_tokens() -> None:
+    def poll(peer: str, t: float, tokens: int, batches: int | None, ms: float) -> dict:
+        counters = {"prefill_tokens": tokens, "prefill_batch_ms": ms, "batches": 0, "compute_ms": ms}
+        if batches is not None:
+            counters["prefill_batches"] = batches
+        return {"peer_id": peer, "t": t, "batches": counters}
+
+    # `a` grew by 256 prompt tokens in 2 batches and 1100 ms, `b` by 128 in 1 batch and 600 ms: 3 steps of 100 ms
+    polls = [poll("a", 0.0, 0, 0, 0.0), poll("a", 2.0, 256, 2, 1100.0), poll("b", 1.0, 64, 1, 300.0),
+             poll("b", 3.0, 192, 2, 900.0)]
+    assert prefill_token_ms_under_load(ArmRun("no drop", [], polls, 0.0), {}, 100.0) == pytest.approx(1400 / 384)
+    # servers that did not count their prompt batches: the batches' compute whole
+    older = [poll("a", 0.0, 0, None, 0.0), poll("a", 2.0, 256, None, 1100.0)]
+    assert prefill_token_ms_under_load(ArmRun("no drop", [], older, 0.0), {}, 100.0) == pytest.approx(1100 / 256)
 
 
 def test_the_clients_work_splits_into_a_pass_and_a_token_from_two_rounds_that_share_passes_unequally() -> None:

@@ -234,6 +234,23 @@ def test_a_head_pass_waits_for_the_decode_steps_of_its_unit_still_on_their_way_a
         dataclasses.replace(lone_replica, client_gang_wait_s=-1.0)
 
 
+def test_a_prompts_hidden_states_cross_the_clients_link_once_to_a_replica_and_thrice_through_a_pair() -> None:
+    # 1000 bytes a token, 1 MB/s each way: a 16-token prompt takes 16 ms a crossing
+    link = {"client_link_bytes_per_s": 1e6, "hidden_bytes_per_token": 1000}
+    crossing_s = 16 * 1000 / 1e6
+    calm = [SimRequest(1.0 * i, 16, 48) for i in range(10)]
+    for groups, crossings in ((1, 1), (2, 3)):  # up to the replica; up, down from the first member, up to the next
+        config = dataclasses.replace(CONFIG, dropping=False, static_groups=groups, member_batching=True)
+        free, limited = simulate(config, calm), simulate(dataclasses.replace(config, **link), calm)
+        assert limited.ttft_s - free.ttft_s == pytest.approx(np.full(10, crossings * crossing_s))
+        assert np.allclose(limited.tbt_s, free.tbt_s)  # a decode step's hidden state queues behind no prompt
+    # prompts that arrive together cross one after another: the second's waits for the first's
+    together = [SimRequest(0.0, 16, 4), SimRequest(0.0, 16, 4)]
+    config = dataclasses.replace(CONFIG, dropping=False, replicas=2)
+    free, limited = simulate(config, together), simulate(dataclasses.replace(config, **link), together)
+    assert sorted(limited.ttft_s - free.ttft_s) == pytest.approx([crossing_s, 2 * crossing_s])
+
+
 def test_decode_steps_join_a_prompt_chunk_computing_on_their_member_and_end_with_it() -> None:
     # one replica: a request decoding, its steps 15 ms away between tokens, then a 1000-token prompt (four
     # 256-token chunks of 12.8 ms + 10 ms each), whose chunks compute while the decode steps are away

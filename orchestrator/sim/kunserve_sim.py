@@ -26,6 +26,10 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   (`client.batched_head`): under load, tokens queue there, and the pass's tokens go on together. With
   `client_gang_wait_s`, a pass also waits, that long at most, for the unit's decode steps still on their way, as the
   batched head keeps one chain's sessions in step.
+- With `client_link_bytes_per_s`, a prompt's hidden states cross the client's link: up to its unit's first member
+  at admission (and again when a drop or a restore starts its pass over), and, between members batching on their
+  own, down to the client and up to the next member; prompts cross each way one after another, and the hops'
+  propagation comes on top. A decode step's hidden state is a few kilobytes and queues behind no prompt [chosen].
 - A request's KV is reserved at admission for its whole length (prompt + output, `blocks` x ceil(tokens /
   `tokens_per_page`) pages), as servers with `--kv-headroom-tokens` at least the output admit, on the unit with the
   fewest requests per member among those with room for it (`_place`); with `placement` "fewest_hops", as a swarm's
@@ -151,14 +155,22 @@ class KunServeSimConfig:
     # CPU server's scheduler has them (`StepScheduler._worth_joining`): the batch waits while they catch up through
     # the blocks it has passed, at a lone step's time, and they end with it
     join_prefill: bool = False
+    # The client's link, each way (bytes/s; 0: no limit): a prompt pass's hidden states (`hidden_bytes_per_token` a
+    # token) go up it to the unit's first member, and with `member_batching` down from each member to the client and
+    # up to the next, one after another on each way, as the live client relays a prefill [chosen: a decode step's
+    # few kilobytes queue behind no prompt, as the links' flows share them]
+    client_link_bytes_per_s: float = 0.0
+    hidden_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         if self.params_pages % self.blocks or self.params_pages >= self.pages_total:
             raise ValueError("params_pages must be a multiple of blocks and below pages_total")
         if self.static_groups < 1 or self.replicas % self.static_groups:
             raise ValueError("static_groups must divide the replicas")
-        if self.attempt_s < 0 or self.refused_try_cpu_ms < 0 or self.client_gang_wait_s < 0:
-            raise ValueError("attempt_s, refused_try_cpu_ms and client_gang_wait_s must be >= 0")
+        if min(self.attempt_s, self.refused_try_cpu_ms, self.client_gang_wait_s, self.client_link_bytes_per_s,
+               self.hidden_bytes_per_token) < 0:
+            raise ValueError("attempt_s, refused_try_cpu_ms, client_gang_wait_s, client_link_bytes_per_s and "
+                             "hidden_bytes_per_token must be >= 0")
         if self.cores is not None and self.cores < 1:
             raise ValueError("cores must be >= 1 (or None)")
         if self.placement not in PLACEMENTS:
@@ -272,6 +284,7 @@ class _Sim:
         self.now = 0.0
         self.done = 0
         self.client_free_s = 0.0  # when the client has done the tokens it received so far
+        self.client_link_free_s = {"up": 0.0, "down": 0.0}  # when each way of its link has sent what queued on it
         # per unit: tokens at the client waiting for the rest of its decode steps, and until when they wait
         self.gangs: dict[int, tuple[float, list[_Running]]] = {}
         self.kept = {member: _even_slice(config.blocks, k, member % k) for member in range(config.replicas)}
@@ -343,7 +356,7 @@ class _Sim:
         unit = self._place(pages)
         if unit is not None:
             self.backing_off.pop(index, None)
-            unit.running.append(_Running(index, self.requests[index], pages))
+            unit.running.append(self._admitted(index, pages))
             self._start(unit)
             return
         if c.refused_try_cpu_ms > 0 and c.cores is not None:
@@ -367,8 +380,38 @@ class _Sim:
             if unit is None:
                 return
             self.queue.popleft()
-            unit.running.append(_Running(index, self.requests[index], pages))
+            unit.running.append(self._admitted(index, pages))
             self._start(unit)
+
+    def _admitted(self, index: int, pages: int) -> _Running:
+        """Gives request `index` admitted now with `pages`: its prompt is on its way up the client's link."""
+        running = _Running(index, self.requests[index], pages)
+        self._restart_pass(running)
+        return running
+
+    def _restart_pass(self, running: _Running) -> None:
+        """Has `running`'s pass start (again) at its unit's first member: a prompt's hidden states go up the
+        client's link first."""
+        running.stage, running.pass_done = 0, 0
+        if running.prefilled < running.request.prompt:
+            running.ready_s = max(running.ready_s, self._cross("up", running, self.now))
+
+    def _moved(self, running: _Running) -> None:
+        """`running` moved to a new unit (a drop, a restore): its pass starts again there, now if it is not computing,
+        else when its batch ends on the old one (`_finish_step`)."""
+        running.stage, running.pass_done = 0, 0
+        if not running.in_flight:
+            self._restart_pass(running)
+
+    def _cross(self, way: str, running: _Running, at_s: float) -> float:
+        """Gives when the hidden states of `running`'s prompt pass, queued at `at_s` on `way` ("up" or "down") of
+        the client's link, have crossed it; `at_s` without a limit."""
+        c = self.config
+        if c.client_link_bytes_per_s <= 0:
+            return at_s
+        seconds = (running.request.prompt - running.prefilled) * c.hidden_bytes_per_token / c.client_link_bytes_per_s
+        self.client_link_free_s[way] = max(at_s, self.client_link_free_s[way]) + seconds
+        return self.client_link_free_s[way]
 
     def _place(self, pages: int) -> _Unit | None:
         """Gives the unit a request of `pages` goes to: among those with room for it, the one running the fewest
@@ -534,7 +577,7 @@ class _Sim:
             prefill = running.prefilled < running.request.prompt
             if not batch.last:
                 if replaced:
-                    running.stage, running.pass_done = 0, 0
+                    self._restart_pass(running)
                     continue
                 if prefill:
                     running.pass_done += count
@@ -542,12 +585,18 @@ class _Sim:
                         continue
                     running.pass_done = 0
                 running.stage += 1
-                hops = 2 if prefill else 1  # a prompt's hidden states go through the client, a decode step is pushed
-                running.ready_s = max(running.ready_s, self.now + hops * c.hop_ms / 1000)
+                if prefill:  # a prompt's hidden states go through the client, a decode step is pushed
+                    at_client_s = self._cross("down", running, self.now) + c.hop_ms / 1000
+                    arrived_s = self._cross("up", running, at_client_s) + c.hop_ms / 1000
+                else:
+                    arrived_s = self.now + c.hop_ms / 1000
+                running.ready_s = max(running.ready_s, arrived_s)
                 continue
             if prefill:
                 running.prefilled += count
                 if running.prefilled < running.request.prompt:
+                    if replaced:
+                        self._restart_pass(running)
                     continue
             running.stage = 0
             tokens.append(running)
@@ -668,7 +717,7 @@ class _Sim:
                           - (plan.kept[_peer(member)][1] - plan.kept[_peer(member)][0])) for member in old.members]
                 for running in sorted(old.running, key=lambda r: (r.pages, r.index)):
                     self._stall_victim(running, moves)
-                    running.stage, running.pass_done = 0, 0  # its pass starts again on the group's first member
+                    self._moved(running)  # its pass starts again on the group's first member
                     merged.running.append(running)
             self.largest_group = max(self.largest_group, len(members))
         for peer, kept_range in plan.kept.items():
@@ -715,7 +764,7 @@ class _Sim:
             if room[target] < running.pages:
                 return  # the groups' requests do not fit on whole replicas yet: stay dropped
             room[target] -= running.pages
-            running.stage, running.pass_done = 0, 0
+            self._moved(running)
             placed[target].append(running)
         self.units = {}
         for member in sorted(members):
