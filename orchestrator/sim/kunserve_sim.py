@@ -398,8 +398,7 @@ class _Sim:
 
     def _moved(self, running: _Running) -> None:
         """`running` moved to a new unit (a drop, a restore): its pass starts again there, now if it is not computing,
-        else when its batch ends on the old one (`_finish_step`)."""
-        running.stage, running.pass_done = 0, 0
+        else when its batch ends on the old one (`_finish_step`, which sees the unit replaced)."""
         if not running.in_flight:
             self._restart_pass(running)
 
