@@ -206,6 +206,7 @@ class SwarmServer:
             orchestrators=list(self.config.orchestrators),
             accepting=self.packing.accepting,
             kv_demand_pages=self.sessions.kv_demand_pages(),
+            kv_packed_pages=stats.pages_kv + self.sessions.prompt_reserve(),
             restorable_start=self.hosting.restorable[0] if self.hosting.restorable else None,
             restorable_end=self.hosting.restorable[1] if self.hosting.restorable else None,
             reshaping=self.exchange.reshaping,

@@ -108,6 +108,12 @@ class ServerRecord(BaseModel):
                     "refused for room in the last 5 s (their clients may still wait) would have taken (KunServe's "
                     "drop trigger)",
     )
+    kv_packed_pages: int = Field(
+        default=0, ge=0,
+        description="KV pages the open sessions hold, a session that took no step yet counted at its announced "
+                    "prompt (it opened with one page per block): the KV a drop's victims bring to the members that "
+                    "keep their blocks (KunServe's hold for the exchange); 0 from a server before this field",
+    )
     restorable_start: int | None = Field(
         default=None, ge=0, lt=MAX_BLOCKS,
         description="with restorable_end: the range served before this server dropped blocks (KunServe), which it can "

@@ -16,12 +16,12 @@ from tests.test_records import make_wire
 PAGES_TOTAL, PARAMS_PER_BLOCK = 100, 5
 
 
-def record(peer: str, start: int, end: int, *, kv: int, demand: int = 0,
+def record(peer: str, start: int, end: int, *, kv: int, demand: int = 0, packed: int = 0,
            restorable: tuple[int, int] | None = None, reshaping: bool = False) -> ServerRecord:
     params = PARAMS_PER_BLOCK * (end - start)
     parsed = ServerRecord.from_wire(make_wire(
         peer_id=peer, block_start=start, block_end=end, pages_total=PAGES_TOTAL, pages_params=params, pages_kv=kv,
-        pages_free=PAGES_TOTAL - params - kv, kv_demand_pages=demand,
+        pages_free=PAGES_TOTAL - params - kv, kv_demand_pages=demand, kv_packed_pages=packed,
         restorable_start=restorable[0] if restorable else None, restorable_end=restorable[1] if restorable else None,
         reshaping=reshaping,
     ))
@@ -83,6 +83,21 @@ def test_the_leader_drops_on_a_burst_and_restores_once_the_drop_is_old_and_the_d
         await leader.tick(16.5)
         assert segment.calls == [("restore", "a"), ("restore", "b")]
         assert leader.restores == 1 and leader.dropped_since_s is None
+
+    asyncio.run(body())
+
+
+def test_a_drop_holds_pages_for_the_announced_prompts_of_sessions_that_opened_but_took_no_step_yet() -> None:
+    async def body() -> None:
+        # a holds 20 KV pages and two fresh sessions whose prompts take 16 more; b's sessions all opened just now
+        segment = Segment([record("a", 0, 8, kv=20, packed=36), record("b", 0, 8, kv=0, packed=32)])
+        leader = segment.loop("a")
+        await leader.tick(0.0)
+        segment.records = [record("a", 0, 8, kv=20, demand=70, packed=36),
+                           record("b", 0, 8, kv=0, demand=70, packed=32)]
+        await leader.tick(0.5)
+        assert segment.calls == [("drop", "a", "0:4"), ("drop", "b", "4:8")]
+        assert segment.reserves == {"a": 16, "b": 18}  # half of the mate's packed pages, not of its 0 or 20 KV pages
 
     asyncio.run(body())
 

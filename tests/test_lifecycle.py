@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -58,7 +59,8 @@ def test_idle_session_times_out_and_frees_its_pages_then_sigterm_shuts_down_clea
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:
     swarm_factory.start_dht()
-    server = swarm_factory.start_server(tiny_llama, "0:8", "--session-timeout", "2", "--drain-timeout", "5")
+    server = swarm_factory.start_server(tiny_llama, "0:8", "--session-timeout", "2", "--drain-timeout", "5",
+                                         "--page-size", "2KB")
     source = resolve_model(str(tiny_llama))
     client = SwarmClient(source.model_id, source.num_blocks, swarm_factory.initial_peers)
     try:
@@ -78,7 +80,12 @@ def test_idle_session_times_out_and_frees_its_pages_then_sigterm_shuts_down_clea
         with pytest.raises(SessionNotFound):
             call("step", {"session_id": session_id, "hidden": encode_tensor(torch.ones(1, 1, 64))})
 
-        call("open", {"blocks": [0, 8], "max_length": 32})  # an open session at shutdown is freed too
+        # an open session at shutdown is freed too; before its first step its record counts its announced prompt
+        call("open", {"blocks": [0, 8], "max_length": 32, "prompt_tokens": 20})
+        record = call("info", {})["record"]
+        tokens_per_page = record["page_bytes"] // record["kv_bytes_per_token"]
+        assert tokens_per_page < 20, record  # the prompt takes more than the page a session opens with per block
+        assert (record["pages_kv"], record["kv_packed_pages"]) == (8, 8 * math.ceil(20 / tokens_per_page))
         os.kill(server.popen.pid, signal.SIGTERM)  # as `kill PID` does
         assert server.popen.wait(timeout=60) == 0
         log = server.output()

@@ -5,12 +5,13 @@ whole servers again."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 
 from swarm.local_swarm import SwarmProcesses
-from tests.test_dropping import POOL, SMALL_SESSIONS, generate_watching
+from tests.test_dropping import POOL, SMALL_SESSIONS, Generation, generate_watching
 from tests.test_migration import infos
 from tests.test_orchestrator_live import orchestrator_state, wait_for
 from tests.test_orchestrator_packing import orchestrated_pair
@@ -40,8 +41,14 @@ def test_a_burst_in_the_orchestrators_queue_makes_its_followers_drop_and_jffc_di
             chains = orchestrator_state(remote)["chains"]
             longest_chain[0] = max([longest_chain[0], *(len(chain["servers"]) for chain in chains)])
 
-        generation = generate_watching(remote, prompts, new_tokens=40, look=look)
-        assert generation.errors == [] and generation.outputs == expected
+        # the first four fill both chains and hold KV before the next four wait in the queue, so that the drop comes
+        # while sessions run (it may not come before they opened: then it would have no victims whose KV to hold for)
+        first_tokens = threading.Semaphore(0)
+        running = Generation(remote, prompts[:4], new_tokens=40, after_first_token=first_tokens.release)
+        assert all(first_tokens.acquire(timeout=TIMEOUT_S) for _ in range(4)), "the first four never got a token"
+        queued = generate_watching(remote, prompts[4:], new_tokens=40, look=look)
+        running.join()
+        assert running.errors == queued.errors == [] and running.outputs + queued.outputs == expected
         assert longest_chain[0] == 2, "JFFC never dispatched through the dropped pair"
 
         # the burst is over: the orchestrator restores both, and its chains are whole servers again

@@ -90,6 +90,13 @@ def restored_of(reply: object) -> bool:
     return not isinstance(reply, dict) or reply.get("restored", True) is not False
 
 
+def kv_held_pages(record: ServerRecord) -> int:
+    """Gives the KV pages a member's sessions hold, a session that took no step yet counted at its announced prompt
+    (`kv_packed_pages`; a record without it: `pages_kv`): what its victims bring to the mates that keep their blocks
+    after a drop."""
+    return max(record.pages_kv, record.kv_packed_pages)
+
+
 def replica_of(record: ServerRecord) -> SegmentReplica:
     start, end = segment_of(record)
     return SegmentReplica(record.peer_id, start, end, params_pages_per_block(record),
@@ -193,7 +200,7 @@ class DropLoop:
                          epoch=self.drops + self.aborts + 1)
         if plan.changes_anything:
             await self._execute(plan, {record.peer_id: segment_of(record) for record in records}, now_s,
-                                {record.peer_id: record.pages_kv for record in records})
+                                {record.peer_id: kv_held_pages(record) for record in records})
 
     async def _merge(self, records: list[ServerRecord], required: int, now_s: float) -> None:
         """Fewer than two servers are whole: merges the smallest groups the kept ranges form (`plan_merge`), each
@@ -205,12 +212,12 @@ class DropLoop:
         if groups is None:
             return
         await self._execute(plan_merge(replicas, groups, kept, required, epoch=self.drops + self.aborts + 1), kept,
-                            now_s, {record.peer_id: record.pages_kv for record in records})
+                            now_s, {record.peer_id: kv_held_pages(record) for record in records})
 
     async def _execute(self, plan: DropPlan, kept: dict[str, tuple[int, int]], now_s: float,
                        pages_kv: dict[str, int]) -> None:
         """Tells every member whose range the plan changes to keep its new one, holding back the pages its mates'
-        victims' KV will take (`incoming_pages`, from the members' KV pages); aborts the plan (and restores the
+        victims' KV will take (`incoming_pages`, from the members' `kv_held_pages`); aborts the plan (and restores the
         members that dropped for it) when one refuses or fails."""
         samples = (f"demand {[pages for _, pages in self.demand[-2:]]}, "
                    f"KV pages {[pages for _, pages in self.available[-2:]]}")
