@@ -148,8 +148,9 @@ class BlockExchange:
         self._run(self._exchange(victims), "kv-exchange")
 
     def after_restore(self) -> None:
-        """Starts taking back the buddies' parts of the sessions that run on into them."""
-        self._run(self._merge_all(), "kv-merge")
+        """Starts taking back the buddies' parts of the sessions that run on into them, until the next drop (whose
+        exchange runs after the merges: its victims' steps must not wait for merges that it makes moot)."""
+        self._run(self._merge_all(self.server.hosting.drops), "kv-merge")
 
     def _run(self, work: Any, name: str) -> None:
         previous = self._task
@@ -343,7 +344,7 @@ class BlockExchange:
 
     # ---- merges after a restore
 
-    async def _merge_all(self) -> None:
+    async def _merge_all(self, drops: int) -> None:
         """Takes back the next parts of the sessions here, tail first: a part is pulled once it is its chain's last,
         after the servers behind it took theirs back (so two merges never chain through one part at once), or
         after `MERGE_WAIT_S` whatever it is. The client names every server after this one in each step, and after
@@ -352,7 +353,8 @@ class BlockExchange:
         end) is tried once: a part that refused because it grew meanwhile is tried again once a step names its new
         end. [A CI failure on a loaded machine: the first server asked for the second's part 2:4 after the 3 s
         wait, as that part took 4:8 back; it refused, the next step that named 2:8 came more than a round later,
-        and the rounds had ended.]"""
+        and the rounds had ended.] The rounds end at once when the server dropped blocks again since the restore
+        (`drops`, the hosting's count then): the sessions not merged yet run on through their buddies' parts."""
         server = self.server
         await server.announce_now()  # a buddy gives its part back only to a server that announces the blocks
         began = last_merge = time.monotonic()
@@ -361,6 +363,9 @@ class BlockExchange:
             start, end = server.hosting.serving
             waiting = False
             for session in list(server.sessions):
+                if server.hosting.drops != drops:
+                    log.info("Restore: blocks were dropped again; the sessions not merged yet stay on their chains")
+                    return
                 hop = session.next_hop
                 if (hop is None or hop.peer_id == server.peer_id or hop.start != session.end or hop.end is None
                         or not (start <= session.start and hop.end <= end) or session.merging is not None
