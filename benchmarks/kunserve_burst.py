@@ -542,46 +542,76 @@ def pct(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q)) if values.size else math.nan
 
 
-def report(rtt_ms: float, runs: dict[str, ArmRun], requests: list[dict]) -> None:
+def arm_dir(root: Path, rtt_ms: float, arm: str, repeat: int = 0) -> Path:
+    """Gives where the `repeat`-th run (from 0) of `arm` at `rtt_ms` keeps its files under `root`."""
+    return root / (f"{rtt_ms:g}-{arm.replace(' ', '-')}" + (f"-r{repeat + 1}" if repeat else ""))
+
+
+def kept_repeats(root: Path, rtt_ms: float, arm: str) -> list[ArmRun]:
+    """Gives every run of `arm` at `rtt_ms` kept under `root`: the first, then its repeats while their folders go on."""
+    runs = [load_arm(arm, arm_dir(root, rtt_ms, arm))]
+    while arm_dir(root, rtt_ms, arm, len(runs)).is_dir():
+        runs.append(load_arm(arm, arm_dir(root, rtt_ms, arm, len(runs))))
+    return runs
+
+
+def live_p99(repeats: Sequence[ArmRun]) -> tuple[float, list[float]]:
+    """Gives the median over `repeats` (runs of one arm on the same arrivals) of their P99 TTFT, and each one's."""
+    p99s = [pct(run.ttft(), 99) for run in repeats if run.served]
+    return (statistics.median(p99s) if p99s else math.nan), p99s
+
+
+def report(rtt_ms: float, runs: dict[str, list[ArmRun]], requests: list[dict]) -> None:
+    """Prints the arms' table (a row per run: `runs` holds each arm's repeats, in the order they ran), their targets
+    against the no-drop run of the same turn, the pages over time of the first turn, and the simulator against the
+    median of the repeats' live P99 TTFT."""
     by_id = {r["id"]: r for r in requests}
-    base = runs["no drop"]
+    base = runs["no drop"][0]
     reference = {r["id"]: r.get("tokens") for r in base.served}
-    base_ttft99, base_tbt50 = pct(base.ttft(), 99), pct(base.tbt(by_id), 50)
-    print(f"\nRTT {rtt_ms:g} ms, {len(requests)} requests over {requests[-1]['at_s']:.0f} s")
-    print(f"{'arm':<27} {'TTFT p50':>8} {'TTFT p99':>8} {'gain':>6} {'TBT p50':>8} {'TBT p99':>8} {'ratio':>6} "
+    turns = max(len(repeats) for repeats in runs.values())
+    print(f"\nRTT {rtt_ms:g} ms, {len(requests)} requests over {requests[-1]['at_s']:.0f} s"
+          + (f", {turns} turns of the arms (#2 on: the turn's row; tokens compared with the first no-drop run's)"
+             if turns > 1 else ""))
+    print(f"{'arm':<30} {'TTFT p50':>8} {'TTFT p99':>8} {'gain':>6} {'TBT p50':>8} {'TBT p99':>8} {'ratio':>6} "
           f"{'stall mx':>8} {'stall mn':>8} {'drops':>5} {'rest.':>5} {'differ':>6} {'errors':>6}")
-    print(f"{'':<27} {'s':>8} {'s':>8} {'':>6} {'ms':>8} {'ms':>8} {'':>6} {'s':>8} {'s':>8}")
-    for arm in ARMS:
-        run = runs.get(arm)
-        if run is None:
-            print(f"{arm:<27} not run (--arms)")
-            continue
-        ttft, tbt = run.ttft(), run.tbt(by_id)
-        stall_max, stall_mean, drops, restores = run.exchange()
-        differ = sum(1 for r in run.served if r.get("tokens") != reference.get(r["id"]))
-        errors = sum(1 for r in run.results if "error" in r)
-        gain = base_ttft99 / pct(ttft, 99) if ttft.size else math.nan
-        ratio = pct(tbt, 50) / base_tbt50 if tbt.size else math.nan
-        print(f"{arm:<27} {pct(ttft, 50):8.2f} {pct(ttft, 99):8.2f} {gain:5.1f}x {pct(tbt, 50) * 1000:8.0f} "
-              f"{pct(tbt, 99) * 1000:8.0f} {ratio:5.2f}x {stall_max:8.2f} {stall_mean:8.2f} {drops:5d} {restores:5d} "
-              f"{differ:6d} {errors:6d}")
-    for name in ("KunServe blocking", "KunServe remote attention"):
-        run = runs.get(name)
-        if run is None or not run.served:
-            continue
-        gain = base_ttft99 / pct(run.ttft(), 99)
-        ratio = pct(run.tbt(by_id), 50) / base_tbt50
-        print(f"targets, {name}: P99 TTFT >= {TARGET_TTFT_GAIN:g}x lower than no drop: {gain:.1f}x "
-              f"{'MET' if gain >= TARGET_TTFT_GAIN else 'NOT MET'}; TBT P50 within {TARGET_TBT_RATIO:g}x: "
-              f"{ratio:.2f}x {'MET' if ratio <= TARGET_TBT_RATIO else 'NOT MET'}")
-    live = runs.get("KunServe remote attention")
-    if live is not None:
+    print(f"{'':<30} {'s':>8} {'s':>8} {'':>6} {'ms':>8} {'ms':>8} {'':>6} {'s':>8} {'s':>8}")
+    for turn in range(turns):
+        turn_base = runs["no drop"][min(turn, len(runs["no drop"]) - 1)]
+        base_ttft99, base_tbt50 = pct(turn_base.ttft(), 99), pct(turn_base.tbt(by_id), 50)
+        for arm in ARMS:
+            repeats = runs.get(arm, [])
+            name = arm + (f" #{turn + 1}" if turn else "")
+            if turn >= len(repeats):
+                if turn == 0:
+                    print(f"{name:<30} not run (--arms)")
+                continue
+            run = repeats[turn]
+            ttft, tbt = run.ttft(), run.tbt(by_id)
+            stall_max, stall_mean, drops, restores = run.exchange()
+            differ = sum(1 for r in run.served if r.get("tokens") != reference.get(r["id"]))
+            errors = sum(1 for r in run.results if "error" in r)
+            gain = base_ttft99 / pct(ttft, 99) if ttft.size else math.nan
+            ratio = pct(tbt, 50) / base_tbt50 if tbt.size else math.nan
+            print(f"{name:<30} {pct(ttft, 50):8.2f} {pct(ttft, 99):8.2f} {gain:5.1f}x {pct(tbt, 50) * 1000:8.0f} "
+                  f"{pct(tbt, 99) * 1000:8.0f} {ratio:5.2f}x {stall_max:8.2f} {stall_mean:8.2f} {drops:5d} "
+                  f"{restores:5d} {differ:6d} {errors:6d}")
+        for arm in ("KunServe blocking", "KunServe remote attention"):
+            repeats = runs.get(arm, [])
+            if turn >= len(repeats) or not repeats[turn].served:
+                continue
+            run = repeats[turn]
+            gain = base_ttft99 / pct(run.ttft(), 99)
+            ratio = pct(run.tbt(by_id), 50) / base_tbt50
+            print(f"targets, {arm}{f' #{turn + 1}' if turn else ''}: P99 TTFT >= {TARGET_TTFT_GAIN:g}x lower than "
+                  f"no drop: {gain:.1f}x {'MET' if gain >= TARGET_TTFT_GAIN else 'NOT MET'}; TBT P50 within "
+                  f"{TARGET_TBT_RATIO:g}x: {ratio:.2f}x {'MET' if ratio <= TARGET_TBT_RATIO else 'NOT MET'}")
+    for turn, live in enumerate(runs.get("KunServe remote attention", [])):
         stats = live.live()
-        print(f"remote attention, both servers: {stats['lent_sessions']} victims lent their KV, "
-              f"{stats['attends_sent']} attends (mean {stats['attend_ms_mean']:.1f} ms a round trip), "
+        print(f"remote attention{f' #{turn + 1}' if turn else ''}, both servers: {stats['lent_sessions']} victims "
+              f"lent their KV, {stats['attends_sent']} attends (mean {stats['attend_ms_mean']:.1f} ms a round trip), "
               f"{stats['switched_blocks']} blocks switched to their keeper, {stats['copied_bytes'] / 1e6:.1f} MB "
               f"copied, {stats['lost']} sessions lost their lender")
-    kunserve = runs.get("KunServe blocking")
+    kunserve = runs.get("KunServe blocking", [None])[0]
     if kunserve is not None and kunserve.served:
         print("KV pages held / pages that can hold KV, both servers, 5-s windows (KunServe | no drop):")
         for name, run in (("KunServe", kunserve), ("no drop", base)):
@@ -591,29 +621,39 @@ def report(rtt_ms: float, runs: dict[str, ArmRun], requests: list[dict]) -> None
                     window = int(t // WINDOW_S)
                     windows[window] = (max(windows.get(window, (0, 0))[0], held), capacity)
             print(f"  {name:<9} " + " ".join(f"{held}/{capacity}" for _, (held, capacity) in sorted(windows.items())))
-        exchanged = [run for name, run in runs.items() if SIMULATED_ARMS.get(name, (False,))[0]]
-        fitted = sim_config(base, by_id, rtt_ms, True, exchanged)
-        print(f"simulator (same requests, the live swarm's geometry and speeds: iteration {fitted.step_ms:.0f} ms + "
-              f"{fitted.decode_token_ms:.1f} ms per decoding request + {fitted.prefill_token_ms:.2f} ms per prompt "
-              f"token, the client's work {fitted.client_pass_ms:.0f} ms a head pass and {fitted.client_token_ms:.0f} "
-              f"ms a token in it, a token's round trip "
-              f"{fitted.round_trip_ms:.0f} ms, hop {fitted.hop_ms:g} ms, victims' KV at "
-              f"{fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, a client's try "
-              f"{fitted.attempt_s * 1000:.0f} ms and, when refused, {fitted.refused_try_cpu_ms:.0f} ms of CPU; "
-              f"sessions to the first whole replica with room, "
-              f"{fitted.cores} cores shared) against live, P99 TTFT: the median of {SIM_REPLAYS} replays (the arrivals "
-              f"as recorded, and moved by up to {SIM_JITTER_S * 1000:.0f} ms) and their 10-90%:")
-        for arm in SIMULATED_ARMS:
-            run = runs.get(arm)
-            if run is None or not run.served:
-                continue
-            live = pct(run.ttft(), 99)
-            replays = np.array(sim_p99_ttft(base, rtt_ms, requests, arm, exchanged))
-            low, sim, high = np.percentile(replays, [10, 50, 90])
-            off = abs(sim - live) / live if live else math.nan
-            print(f"  {arm:<26} live {live:7.2f} s  sim {sim:7.2f} s ({low:.2f}-{high:.2f})  off by {off:.0%}: "
-                  f"{'within' if off <= TARGET_SIM else 'NOT within'} {TARGET_SIM:.0%}; live "
-                  f"{'inside' if low <= live <= high else 'outside'} the replays' 10-90%")
+        report_sim(rtt_ms, runs, requests)
+
+
+def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]], requests: list[dict]) -> None:
+    """Prints the simulator's P99 TTFT of every arm, fitted on the first no-drop run (and the KV moves of every run
+    that dropped), against the live one: the median of the arm's repeats, with each repeat's."""
+    by_id = {r["id"]: r for r in requests}
+    base = runs["no drop"][0]
+    exchanged = [run for name, repeats in runs.items() if SIMULATED_ARMS.get(name, (False,))[0] for run in repeats]
+    fitted = sim_config(base, by_id, rtt_ms, True, exchanged)
+    print(f"simulator (same requests, the live swarm's geometry and speeds: iteration {fitted.step_ms:.0f} ms + "
+          f"{fitted.decode_token_ms:.1f} ms per decoding request + {fitted.prefill_token_ms:.2f} ms per prompt "
+          f"token, the client's work {fitted.client_pass_ms:.0f} ms a head pass and {fitted.client_token_ms:.0f} "
+          f"ms a token in it, a token's round trip "
+          f"{fitted.round_trip_ms:.0f} ms, hop {fitted.hop_ms:g} ms, victims' KV at "
+          f"{fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, a client's try "
+          f"{fitted.attempt_s * 1000:.0f} ms and, when refused, {fitted.refused_try_cpu_ms:.0f} ms of CPU; "
+          f"sessions to the first whole replica with room, "
+          f"{fitted.cores} cores shared) against live, P99 TTFT: the median of {SIM_REPLAYS} replays (the arrivals "
+          f"as recorded, and moved by up to {SIM_JITTER_S * 1000:.0f} ms) and their 10-90%"
+          + (", against the median of the live repeats (each in brackets)" if any(len(r) > 1 for r in runs.values())
+             else "") + ":")
+    for arm in SIMULATED_ARMS:
+        live, each = live_p99(runs.get(arm, []))
+        if not each:
+            continue
+        replays = np.array(sim_p99_ttft(base, rtt_ms, requests, arm, exchanged))
+        low, sim, high = np.percentile(replays, [10, 50, 90])
+        off = abs(sim - live) / live if live else math.nan
+        repeats = f" [{', '.join(f'{p99:.2f}' for p99 in each)}]" if len(each) > 1 else ""
+        print(f"  {arm:<26} live {live:7.2f} s{repeats}  sim {sim:7.2f} s ({low:.2f}-{high:.2f})  off by {off:.0%}: "
+              f"{'within' if off <= TARGET_SIM else 'NOT within'} {TARGET_SIM:.0%}; live "
+              f"{'inside' if low <= live <= high else 'outside'} the replays' 10-90%")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -629,6 +669,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-pages-per-block", type=int,
                         help="KV pages of each server's pool per block beside its parameters, a session's each "
                              "(default: sized to the burst by the calibration run)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the arms this many turns per RTT on the same arrivals and pools; the simulator is "
+                             "held against the median of each arm's live P99 TTFT")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--workdir", type=Path, help="keep every arm's logs, polls and results here")
     parser.add_argument("--report-only", action="store_true",
@@ -639,8 +682,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.workdir is None:
             parser.error("--report-only needs --workdir")
         for rtt_ms in args.rtt:
-            runs = {arm: load_arm(arm, args.workdir / f"{rtt_ms:g}-{arm.replace(' ', '-')}") for arm in args.arms}
-            kept = args.workdir / f"{rtt_ms:g}-no-drop" / "requests.json"
+            runs = {arm: kept_repeats(args.workdir, rtt_ms, arm) for arm in args.arms}
+            kept = arm_dir(args.workdir, rtt_ms, "no drop") / "requests.json"
             if not kept.is_file() and args.rate is None:
                 parser.error(f"{kept} is missing: give the run's --rate")
             report(rtt_ms, runs, json.loads(kept.read_text()) if kept.is_file() else burst_requests(args, args.rate))
@@ -678,8 +721,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pools of {pool} KV pages per block (--kv-pages-per-block)", flush=True)
         requests = burst_requests(args, rate)
         for rtt_ms in args.rtt:
-            runs = {arm: run_arm(arm, rtt_ms, requests, pool, args, root / f"{rtt_ms:g}-{arm.replace(' ', '-')}")
-                    for arm in args.arms}
+            runs: dict[str, list[ArmRun]] = {arm: [] for arm in args.arms}
+            for turn in range(args.repeats):  # in turns, so that the machine's drift reaches every arm alike
+                for arm in args.arms:
+                    runs[arm].append(run_arm(arm, rtt_ms, requests, pool, args, arm_dir(root, rtt_ms, arm, turn),
+                                             label=arm + (f" #{turn + 1}" if turn else "")))
             report(rtt_ms, runs, requests)
     return 0
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 
@@ -13,9 +15,12 @@ from benchmarks.kunserve_burst import (
     ArmRun,
     Calibration,
     LoadedSpeeds,
+    arm_dir,
     burst_requests,
     busiest_share,
     exchange_bytes_per_s,
+    kept_repeats,
+    live_p99,
     loaded_block_ms,
     peak_sessions,
     prefill_token_ms_under_load,
@@ -103,3 +108,20 @@ def test_the_clients_work_splits_into_a_pass_and_a_token_from_two_rounds_that_sh
     assert split_cost(Round(240.0, 24, 24), Round(2400.0, 192, 25)) == (0.0, 10.0)
     with pytest.raises(ValueError, match="alike"):
         split_cost(lone, Round(cpu_ms=300.0, tokens=24, passes=24))
+
+
+def test_an_arms_repeats_are_found_in_order_and_the_simulator_meets_the_median_of_their_p99(tmp_path: Path) -> None:
+    waits = {0: 20.0, 1: 30.0, 2: 24.0, 4: 99.0}  # the fourth turn's folder (repeat 3) is missing: 4 is not read
+    for repeat, wait in waits.items():
+        folder = arm_dir(tmp_path, 40.0, "no drop", repeat)
+        folder.mkdir()
+        results = [{"id": n, "arrival_s": n, "arrival_wall": 100.0 + n, "first_token_s": n + (wait if n == 0 else 1),
+                    "ended_s": n + 60} for n in range(5)]
+        (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    assert [p.name for p in (arm_dir(tmp_path, 40, "no drop", n) for n in range(3))] == [
+        "40-no-drop", "40-no-drop-r2", "40-no-drop-r3"]
+    repeats = kept_repeats(tmp_path, 40.0, "no drop")
+    assert [run.workdir for run in repeats] == [arm_dir(tmp_path, 40.0, "no drop", n) for n in range(3)]
+    median, each = live_p99(repeats)
+    assert each == pytest.approx([w - 0.04 * (w - 1) for w in (20.0, 30.0, 24.0)])  # P99 of 5: near the longest
+    assert median == each[2]
