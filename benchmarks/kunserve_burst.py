@@ -29,9 +29,12 @@ Printed per RTT: per arm, P50/P99 TTFT (arrival to first token, backoff waits in
 mean time per token after its first), the victims' longest and mean stall (the servers' `exchange` statistics),
 drops and restores, requests whose tokens differ from the no-drop arm's, errors; the ratios to arm 1 (targets: P99
 TTFT >= 3x lower, TBT P50 within 2x); KV pages held and capacity over time in 5-s windows; the simulator's P99 TTFT
-of every arm on the live run's geometry and speeds, against the live one (target: within 15%).
+of every arm on the live run's geometry and speeds, against the live one (target: within 15%). A P99 of 79 requests
+is about their longest wait, and where clients back off who waits longest turns on milliseconds: `--repeats N` runs
+the arms N turns on the same arrivals and pools (a row per run, each turn's targets against its own no-drop run) and
+holds the simulator, fitted on the first turn, against the median of each arm's live P99s.
 
-    sudo .venv/bin/python benchmarks/kunserve_burst.py [--rtt 20 40] [--rate 0.6] [--thin 6]
+    sudo .venv/bin/python benchmarks/kunserve_burst.py [--rtt 20 40] [--rate 0.6] [--thin 6] [--repeats 3]
 
 Needs root (network namespaces). Never asserts.
 """

@@ -209,6 +209,7 @@ class SwarmServer:
             kv_packed_pages=stats.pages_kv + self.sessions.prompt_reserve(),
             restorable_start=self.hosting.restorable[0] if self.hosting.restorable else None,
             restorable_end=self.hosting.restorable[1] if self.hosting.restorable else None,
+            segment_dropping=self.config.kv_dropping and not self.config.orchestrators,
             reshaping=self.exchange.reshaping,
             moved_in=sum(self.migrations.stats.sessions_in.values()),
             moved_out=sum(self.migrations.stats.sessions_out.values()),

@@ -120,6 +120,11 @@ class ServerRecord(BaseModel):
                     "load back from its local checkpoint; None while nothing is dropped",
     )
     restorable_end: int | None = Field(default=None, ge=0, le=MAX_BLOCKS)
+    segment_dropping: bool = Field(
+        default=False, description="takes part in its segment's drops without an orchestrator (`--kv-dropping`): "
+        "its segment's leader is elected among, and plans for, the servers that do; false from a server before this "
+        "field",
+    )
     reshaping: bool = Field(
         default=False, description="whether a KV exchange after a drop, or the merges after a restore, run now "
         "(the server takes new sessions meanwhile)",

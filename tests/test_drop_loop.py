@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from orchestrator.buddy.segment_loop import DropLoop, drop_group, segment_of
+from orchestrator.buddy.segment_loop import REFUSED_PLAN_S, DropLoop, drop_group, segment_of
 from orchestrator.service.dropping import FollowerDropping
 from server.drop_member import opened_digests, refused_digests, refused_twice
 from swarm.errors import ServerBusy
@@ -17,13 +17,13 @@ PAGES_TOTAL, PARAMS_PER_BLOCK = 100, 5
 
 
 def record(peer: str, start: int, end: int, *, kv: int, demand: int = 0, packed: int = 0,
-           restorable: tuple[int, int] | None = None, reshaping: bool = False) -> ServerRecord:
+           restorable: tuple[int, int] | None = None, reshaping: bool = False, dropping: bool = True) -> ServerRecord:
     params = PARAMS_PER_BLOCK * (end - start)
     parsed = ServerRecord.from_wire(make_wire(
         peer_id=peer, block_start=start, block_end=end, pages_total=PAGES_TOTAL, pages_params=params, pages_kv=kv,
         pages_free=PAGES_TOTAL - params - kv, kv_demand_pages=demand, kv_packed_pages=packed,
         restorable_start=restorable[0] if restorable else None, restorable_end=restorable[1] if restorable else None,
-        reshaping=reshaping,
+        reshaping=reshaping, segment_dropping=dropping,
     ))
     assert parsed is not None
     return parsed
@@ -69,7 +69,7 @@ def test_the_leader_drops_on_a_burst_and_restores_once_the_drop_is_old_and_the_d
         await member.tick(1.0)
         assert segment.calls == []  # not the leader
         await leader.tick(1.0)  # demand 140 and rising against 120 pages: a pair, half the blocks each
-        assert segment.calls == [("drop", "a", "0:4"), ("drop", "b", "4:8")]
+        assert segment.calls == [("drop", "b", "4:8"), ("drop", "a", "0:4")]  # the leader's own last
         assert leader.drops == 1 and leader.last_plan is not None and leader.last_plan.total_freed_pages == 40
         assert segment.reserves == {"a": 25, "b": 25}  # each holds back the half of its mate's 50 KV pages it keeps
 
@@ -96,7 +96,7 @@ def test_a_drop_holds_pages_for_the_announced_prompts_of_sessions_that_opened_bu
         segment.records = [record("a", 0, 8, kv=20, demand=70, packed=36),
                            record("b", 0, 8, kv=0, demand=70, packed=32)]
         await leader.tick(0.5)
-        assert segment.calls == [("drop", "a", "0:4"), ("drop", "b", "4:8")]
+        assert segment.calls == [("drop", "b", "4:8"), ("drop", "a", "0:4")]  # the leader's own last
         assert segment.reserves == {"a": 16, "b": 18}  # half of the mate's packed pages, not of its 0 or 20 KV pages
 
     asyncio.run(body())
@@ -173,13 +173,51 @@ def test_an_orchestrators_loop_keeps_what_it_did_while_a_followers_record_lags()
 
 def test_a_member_that_refuses_the_plan_aborts_it_and_the_members_that_dropped_restore() -> None:
     async def body() -> None:
+        members = ("a", "b", "c")
+        segment = Segment([record(peer, 0, 8, kv=20) for peer in members], refuse=frozenset({"c"}))
+        leader = segment.loop("a")
+        await leader.tick(0.0)
+        segment.records = [record(peer, 0, 8, kv=50, demand=40) for peer in members]
+        await leader.tick(0.5)
+        # the leader's own drop comes last: b dropped before c refused, and b restores
+        assert segment.calls == [("drop", "b", "3:6"), ("drop", "c", "6:8"), ("restore", "b")]
+        assert (leader.drops, leader.aborts) == (0, 1)
+
+    asyncio.run(body())
+
+
+def test_the_leaders_plans_leave_a_member_that_refused_out_for_a_while_then_ask_it_again() -> None:
+    async def body() -> None:
         segment = Segment([record("a", 0, 8, kv=20), record("b", 0, 8, kv=20)], refuse=frozenset({"b"}))
         leader = segment.loop("a")
         await leader.tick(0.0)
         segment.records = [record("a", 0, 8, kv=50, demand=20), record("b", 0, 8, kv=50, demand=20)]
         await leader.tick(0.5)
-        assert segment.calls == [("drop", "a", "0:4"), ("drop", "b", "4:8"), ("restore", "a")]
-        assert (leader.drops, leader.aborts) == (0, 1)
+        assert segment.calls == [("drop", "b", "4:8")]  # refused before the leader dropped: nothing to undo
+        for tick in range(1, 2 * round(REFUSED_PLAN_S)):  # the burst goes on: no plan, since one server alone
+            segment.records = [record(peer, 0, 8, kv=50, demand=20 + tick) for peer in ("a", "b")]
+            await leader.tick(0.5 + tick * 0.5)  # keeps every block
+        assert segment.calls == [("drop", "b", "4:8")] and leader.aborts == 1
+        segment.refuse = frozenset()
+        segment.records = [record(peer, 0, 8, kv=50, demand=60) for peer in ("a", "b")]
+        await leader.tick(0.5 + REFUSED_PLAN_S)
+        assert segment.calls[1:] == [("drop", "b", "4:8"), ("drop", "a", "0:4")] and leader.drops == 1
+
+    asyncio.run(body())
+
+
+def test_a_server_of_the_segment_that_takes_no_part_in_its_drops_neither_leads_nor_is_planned_for() -> None:
+    bystander = record("a", 0, 8, kv=0, dropping=False)  # the smallest peer id: it would lead
+    members = {"a": bystander, "b": record("b", 0, 8, kv=0), "c": record("c", 0, 8, kv=0)}
+    assert [r.peer_id for r in drop_group(members, (0, 8))] == ["b", "c"]
+
+    async def body() -> None:
+        segment = Segment([members["b"], members["c"]])
+        leader = segment.loop("b")
+        await leader.tick(0.0)
+        segment.records = [record(peer, 0, 8, kv=50, demand=20) for peer in ("b", "c")]
+        await leader.tick(0.5)
+        assert segment.calls == [("drop", "c", "4:8"), ("drop", "b", "0:4")] and leader.drops == 1
 
     asyncio.run(body())
 
@@ -214,7 +252,7 @@ def test_a_burst_that_outgrows_the_first_plan_merges_the_servers_still_whole() -
         await leader.tick(0.0)
         segment.records = [record(peer, 0, 8, kv=35) for peer in "abcd"]
         await leader.tick(0.5)  # demand 140 rising 120/s against 240 pages: 20 short, and a pair frees 40
-        assert segment.calls == [("drop", "a", "0:4"), ("drop", "b", "4:8")]
+        assert segment.calls == [("drop", "b", "4:8"), ("drop", "a", "0:4")]  # the leader's own last
         segment.calls.clear()
         # the DHT still shows a and b whole, and the demand holds: nothing to do
         segment.records = [record(peer, 0, 8, kv=35) for peer in "abcd"]
@@ -259,8 +297,8 @@ def test_once_no_two_servers_are_whole_a_deeper_burst_merges_the_pairs_into_a_gr
         await leader.tick(1.0)
         segment.records = records(75)
         await leader.tick(1.5)
-        assert segment.calls == [("drop", "a", "0:2"), ("drop", "b", "4:6"), ("drop", "c", "2:4"),
-                                 ("drop", "d", "6:8")]
+        assert segment.calls == [("drop", "b", "4:6"), ("drop", "c", "2:4"), ("drop", "d", "6:8"),
+                                 ("drop", "a", "0:2")]
         assert leader.last_plan is not None and [g.members for g in leader.last_plan.groups] == [("a", "c", "b", "d")]
         assert leader.drops == 1
 
@@ -274,7 +312,7 @@ def test_no_deeper_drop_is_planned_while_an_exchange_runs() -> None:
         await leader.tick(0.0)
         segment.records = [record(peer, 0, 8, kv=35) for peer in "abcd"]
         await leader.tick(0.5)
-        assert segment.calls == [("drop", "a", "0:4"), ("drop", "b", "4:8")]
+        assert segment.calls == [("drop", "b", "4:8"), ("drop", "a", "0:4")]  # the leader's own last
         segment.calls.clear()
         # a's victims move: their KV counts on both sides and a's dropped blocks still hold their parameters
         segment.records = [record(peer, 0, 8, kv=50, reshaping=peer == "a") for peer in "abcd"]

@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hivemind.p2p import P2P
 
 from client import ClientConfig, DistributedModelForCausalLM
 from client.inference import RemoteInferenceSession
@@ -20,6 +21,7 @@ from client.swarm_client import SwarmClient
 from orchestrator.buddy import SegmentReplica, groups_of, plan_merge
 from swarm.errors import AssignmentRefused
 from swarm.local_swarm import Proc, SwarmProcesses
+from swarm.signing import load_identity, peer_id_of
 from tests.test_failover import ActAfterTokens
 from tests.test_migration import info_of, infos, local_and_remote
 from tests.test_swarm_generate import prompt
@@ -228,15 +230,25 @@ POOL = ("--memory", "1600KB", "--page-size", "16KB")  # tiny Llama: 80 pages of 
 SMALL_SESSIONS = ("--max-length", "64", "--kv-headroom-tokens", "32")  # one KV page per block and session
 
 
+def ordered_identities(folder: Path, count: int) -> list[Path]:
+    """Gives `count` new libp2p identity files (`--identity`) in the order of their peer ids: the first one's server
+    would lead any segment the others are in."""
+    paths = [folder / f"ordered-{n}.identity" for n in range(count)]
+    for path in paths:
+        P2P.generate_identity(str(path))
+    return sorted(paths, key=lambda path: peer_id_of(load_identity(path).public_key()).to_base58())
+
+
 def start_dropping_replicas(swarm: SwarmProcesses, model: Path, *, restore_after_s: float,
-                            exchange: str = "auto") -> list[Proc]:
+                            exchange: str = "auto", identities: Sequence[Path] = ()) -> list[Proc]:
     """Starts the DHT and two servers of all blocks with small pools, dropping on their own (`--kv-dropping`);
-    `exchange` is how victims go on (on this tiny model `auto` replays them)."""
+    `exchange` is how victims go on (on this tiny model `auto` replays them); `identities`: the servers' keys."""
     swarm.start_dht()
+    keys = [["--identity", str(path)] for path in identities] or [[], []]
     servers = [swarm.start_server(model, "0:8", *POOL, *SMALL_SESSIONS, "--kv-dropping", "--drop-period", "0.25",
                                   "--restore-after", str(restore_after_s), "--restore-calm", "2",
-                                  "--kv-exchange", exchange, wait=False)
-               for _ in range(2)]
+                                  "--kv-exchange", exchange, *key, wait=False)
+               for key in keys]
     for server in servers:
         swarm.wait_ready(server)
     return servers
@@ -299,9 +311,10 @@ def wait_until_restored(client: SwarmClient, servers: list[Proc],
     restored at least once (one restore takes back what a drop and a later merge into a larger group dropped);
     gives their `info`."""
     wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
+    peers = {server.peer_id for server in servers}
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
-        after = infos(client)
+        after = {peer: info for peer, info in infos(client).items() if peer in peers}
         if all(info["record"]["pages_free"] == baseline[peer]["pages_free"] for peer, info in after.items()):
             break
         time.sleep(0.2)
@@ -315,19 +328,23 @@ def wait_until_restored(client: SwarmClient, servers: list[Proc],
 def test_a_burst_makes_the_segment_drop_admit_more_sessions_with_exact_tokens_and_restore_after(
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:
-    """Without an orchestrator (`--kv-dropping`): two replicas whose pages hold two sessions each take eight at
-    once. Refused sessions raise the segment's demand, its leader has both drop half of the blocks, all eight
-    sessions are open at the same time, every session ends with the local model's tokens, and once the burst is over
-    both restore their blocks and pages."""
-    servers = start_dropping_replicas(swarm_factory, tiny_llama, restore_after_s=2)
+    """Without an orchestrator (`--kv-dropping`): two replicas whose pages hold two sessions each, beside a third
+    server of the segment that takes no part in its drops and has the smallest peer id, take ten at once. Refused
+    sessions raise the segment's demand, its leader (the smaller peer id of the two that drop) has both drop half of
+    the blocks, all ten sessions are open at the same time, every session ends with the local model's tokens, and
+    once the burst is over both restore their blocks and pages; the third kept its range all along."""
+    bystander_key, *keys = ordered_identities(swarm_factory.workdir, 3)
+    servers = start_dropping_replicas(swarm_factory, tiny_llama, restore_after_s=2, identities=keys)
+    bystander = swarm_factory.start_server(tiny_llama, "0:8", *POOL, *SMALL_SESSIONS, "--identity", str(bystander_key))
     local, remote = local_and_remote(swarm_factory, tiny_llama, busy_wait_s=120.0)
     client = remote.swarm
     try:
-        wait_for_ranges(client, {server.peer_id: (0, 8) for server in servers})
+        wait_for_ranges(client, {server.peer_id: (0, 8) for server in [*servers, bystander]})
+        assert bystander.peer_id < min(server.peer_id for server in servers)
         baseline = {peer: info["record"] for peer, info in infos(client).items()}
-        prompts = [prompt(seed, 20) for seed in range(8)]
+        prompts = [prompt(seed, 20) for seed in range(10)]
         expected = [local.generate(ids, max_new_tokens=40, do_sample=False).tolist() for ids in prompts]
-        # each session waits after its first token until all eight have one: the undropped pools hold four, so the
+        # each session waits after its first token until all ten have one: the undropped pools hold six, so the
         # rest open only beside them, once the drop made room (a barrier that times out fails its sessions)
         all_open = threading.Barrier(len(prompts), timeout=TIMEOUT_S * 2)
         generation = Generation(remote, prompts, new_tokens=40, after_first_token=all_open.wait)
@@ -337,7 +354,10 @@ def test_a_burst_makes_the_segment_drop_admit_more_sessions_with_exact_tokens_an
         # the burst is over: both restore the whole segment, and their pages come back
         after = wait_until_restored(client, servers, baseline)
         leader = min(after)
-        assert after[leader]["dropping"]["loop"]["drops"] >= 1
+        assert after[leader]["dropping"]["loop"]["drops"] >= 1 and after[leader]["dropping"]["loop"]["aborts"] == 0
+        kept = info_of(client, bystander.peer_id)
+        assert (kept["record"]["block_start"], kept["record"]["block_end"], kept["dropping"]["drops"]) == (0, 8, 0)
+        assert kept["record"]["segment_dropping"] is False
     finally:
         remote.shutdown()
 

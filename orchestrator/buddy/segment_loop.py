@@ -2,16 +2,21 @@
 orchestrator). It does no I/O of its own: the caller gives it the members' fresh records and the drops and restores
 as callables.
 
-A segment is the range a server hosts, or, once it dropped blocks, the range it can restore; its servers form a group
-whose leader is the online one with the smallest peer id (every member computes the same from the DHT, as MELL's
-packing does). Every `period_s` the leader:
+A segment is the range a server hosts, or, once it dropped blocks, the range it can restore; its servers that take
+part in its drops (`--kv-dropping`, record `segment_dropping`) form a group whose leader is the online one with the
+smallest peer id (every member computes the same from the DHT, as MELL's packing does). A server of the segment that
+does not take part is no member: it keeps its range, and neither leads nor is planned for [chainswarm: before, it
+counted, so a segment whose smallest peer id did not drop never dropped, and a plan that named it was aborted every
+tick]. Every `period_s` the leader:
 1. reads each member's record: KV demand (pages its KV holds, plus `kv_demand_pages`: its sessions' expected growth
    and what it refused for room in the last 5 s) and the pages that can hold KV (all but its parameters');
 2. while nothing is dropped, runs `drop_trigger` on the segment's sums; when it asks for R pages, plans the drop
-   (`plan_drop`: buddy groups, kept slices) and tells each member that keeps less than the segment to `drop`. The
-   plan is proposed and committed in one round: a member that refuses or fails aborts it, and the leader asks the
-   members that had dropped to restore [chainswarm: a round of RPCs from the leader, in place of the spec's
-   propose-commit over DHT records];
+   (`plan_drop`: buddy groups, kept slices) and tells each member that keeps less than the segment to `drop`, its
+   own hosting last. The plan is proposed and committed in one round: a member that refuses or fails aborts it, the
+   leader asks the members that had dropped to restore, and leaves the member out of its plans for `REFUSED_PLAN_S`
+   [chainswarm: a round of RPCs from the leader, in place of the spec's propose-commit over DHT records; without
+   the pause the same plan was proposed to it again at the next tick, and the members before it dropped and
+   restored every 0.5 s];
 3. while blocks are dropped, runs `restore_trigger` and tells every member that dropped to `restore`; at once, whatever
    the trigger says, when a block of the segment is left without an online server (a member that kept it left):
    then the members first evict the sessions of the group's chain, which is broken, to make room for the blocks;
@@ -54,6 +59,7 @@ log = logging.getLogger(__name__)
 
 DROP_PERIOD_S = 0.5
 SAMPLES_KEPT = 8
+REFUSED_PLAN_S = 10.0  # a member that refused or failed a plan is left out of the leader's plans this long
 
 
 def segment_of(record: ServerRecord) -> tuple[int, int]:
@@ -64,9 +70,9 @@ def segment_of(record: ServerRecord) -> tuple[int, int]:
 
 
 def drop_group(records: dict[str, ServerRecord], segment: tuple[int, int]) -> list[ServerRecord]:
-    """Gives the online servers of `segment`, in peer-id order."""
+    """Gives the online servers of `segment` that take part in its drops (`segment_dropping`), in peer-id order."""
     return sorted((record for record in records.values()
-                   if record.state == ServerState.online and segment_of(record) == segment),
+                   if record.state == ServerState.online and record.segment_dropping and segment_of(record) == segment),
                   key=lambda record: record.peer_id)
 
 
@@ -131,6 +137,7 @@ class DropLoop:
     aborts: int = 0
     last_plan: DropPlan | None = None
     dropped_peers: set[str] = field(default_factory=set)  # told to drop since the last restore (records may lag)
+    refused_until: dict[str, float] = field(default_factory=dict)  # member -> when plans may name it again
 
     async def run(self) -> None:
         while True:
@@ -167,15 +174,21 @@ class DropLoop:
             if any(record.reshaping for record in records):
                 return  # an exchange runs: its victims hold KV on both sides, the dropped blocks' pages are not free
             required = drop_trigger(self.demand, self.available)
+            whole = self._plannable(whole, now_s)
             if required > 0 and len(whole) > 1:
                 await self._drop(whole, required, now_s)
-            elif required > 0 and all(record.restorable_start is not None for record in dropped):
+            elif (required > 0 and all(record.restorable_start is not None for record in dropped)
+                  and len(self._plannable(records, now_s)) == len(records)):
                 await self._merge(records, required, now_s)
             return
         self.dropped_since_s = None
         required = drop_trigger(self.demand, self.available)
         if required > 0:
-            await self._drop(records, required, now_s)
+            await self._drop(self._plannable(records, now_s), required, now_s)
+
+    def _plannable(self, records: list[ServerRecord], now_s: float) -> list[ServerRecord]:
+        """Gives `records` less the members that refused or failed a plan in the last `REFUSED_PLAN_S`."""
+        return [record for record in records if self.refused_until.get(record.peer_id, now_s) <= now_s]
 
     def _sample(self, now_s: float, records: list[ServerRecord]) -> None:
         extra = self.extra_demand(records) if self.extra_demand is not None else 0
@@ -221,7 +234,9 @@ class DropLoop:
         members that dropped for it) when one refuses or fails."""
         samples = (f"demand {[pages for _, pages in self.demand[-2:]]}, "
                    f"KV pages {[pages for _, pages in self.available[-2:]]}")
-        changes = {peer: blocks for peer, blocks in sorted(plan.kept.items()) if blocks != kept[peer]}
+        # the leader's own drop last: a member that refuses then leaves less to undo
+        changes = {peer: blocks for peer, blocks in sorted(plan.kept.items(), key=lambda item: (
+            item[0] == self.peer_id, item[0])) if blocks != kept[peer]}
         if not changes:
             return
         incoming = incoming_pages(plan, kept, pages_kv)
@@ -232,8 +247,11 @@ class DropLoop:
                 dropped.append(peer)
         except (SwarmError, OSError, TimeoutError) as error:
             self.aborts += 1
-            log.warning("drop plan %d aborted (%s: %s); restoring %s", plan.epoch, type(error).__name__, error,
-                        dropped)
+            refuser = next(peer for peer in changes if peer not in dropped)
+            self.refused_until[refuser] = now_s + REFUSED_PLAN_S
+            log.warning("drop plan %d aborted: %s refused or failed (%s: %s); restoring %s, and no plan names %s "
+                        "for %g s", plan.epoch, refuser, type(error).__name__, error, dropped, refuser,
+                        REFUSED_PLAN_S)
             for peer in dropped:
                 await self._try_restore(peer)
             return
