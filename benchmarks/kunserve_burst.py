@@ -32,7 +32,8 @@ TTFT >= 3x lower, TBT P50 within 2x); KV pages held and capacity over time in 5-
 of every arm on the live run's geometry and speeds, against the live one (target: within 15%). A P99 of 79 requests
 is about their longest wait, and where clients back off who waits longest turns on milliseconds: `--repeats N` runs
 the arms N turns on the same arrivals and pools (a row per run, each turn's targets against its own no-drop run) and
-holds the simulator, fitted on the first turn, against the median of each arm's live P99s.
+holds the simulator against each run, fitted on its turn's no-drop run (the machine's speed moves between turns), and
+the median of each arm's simulated P99s against that of its live ones.
 
     sudo .venv/bin/python benchmarks/kunserve_burst.py [--rtt 20 40] [--rate 0.6] [--thin 6] [--repeats 3]
 
@@ -558,10 +559,12 @@ def kept_repeats(root: Path, rtt_ms: float, arm: str) -> list[ArmRun]:
     return runs
 
 
-def live_p99(repeats: Sequence[ArmRun]) -> tuple[float, list[float]]:
-    """Gives the median over `repeats` (runs of one arm on the same arrivals) of their P99 TTFT, and each one's."""
-    p99s = [pct(run.ttft(), 99) for run in repeats if run.served]
-    return (statistics.median(p99s) if p99s else math.nan), p99s
+def turn_fit(runs: dict[str, list[ArmRun]], turn: int) -> tuple[ArmRun, list[ArmRun]]:
+    """Gives what the simulator of turn `turn` (from 0) is fitted on: that turn's no-drop run, and that turn's runs
+    that dropped (their KV moves)."""
+    exchanged = [repeats[turn] for name, repeats in runs.items()
+                 if SIMULATED_ARMS.get(name, (False,))[0] and turn < len(repeats)]
+    return runs["no drop"][turn], exchanged
 
 
 def report(rtt_ms: float, runs: dict[str, list[ArmRun]], requests: list[dict]) -> None:
@@ -628,35 +631,59 @@ def report(rtt_ms: float, runs: dict[str, list[ArmRun]], requests: list[dict]) -
 
 
 def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]], requests: list[dict]) -> None:
-    """Prints the simulator's P99 TTFT of every arm, fitted on the first no-drop run (and the KV moves of every run
-    that dropped), against the live one: the median of the arm's repeats, with each repeat's."""
+    """Prints the simulator's P99 TTFT of every arm against the live one, run by run: each turn's simulator is fitted
+    on that turn's no-drop run (`turn_fit`), since what a step costs moves between turns as this machine's speed does.
+    With more than one turn, then, per arm, the median over the turns of the simulated P99s against that of the live
+    ones."""
     by_id = {r["id"]: r for r in requests}
-    base = runs["no drop"][0]
-    exchanged = [run for name, repeats in runs.items() if SIMULATED_ARMS.get(name, (False,))[0] for run in repeats]
-    fitted = sim_config(base, by_id, rtt_ms, True, exchanged)
-    print(f"simulator (same requests, the live swarm's geometry and speeds: iteration {fitted.step_ms:.0f} ms + "
-          f"{fitted.decode_token_ms:.1f} ms per decoding request + {fitted.prefill_token_ms:.2f} ms per prompt "
-          f"token, the client's work {fitted.client_pass_ms:.0f} ms a head pass and {fitted.client_token_ms:.0f} "
-          f"ms a token in it, a token's round trip "
-          f"{fitted.round_trip_ms:.0f} ms, hop {fitted.hop_ms:g} ms, victims' KV at "
-          f"{fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, a client's try "
-          f"{fitted.attempt_s * 1000:.0f} ms and, when refused, {fitted.refused_try_cpu_ms:.0f} ms of CPU; "
-          f"sessions to the first whole replica with room, "
-          f"{fitted.cores} cores shared) against live, P99 TTFT: the median of {SIM_REPLAYS} replays (the arrivals "
-          f"as recorded, and moved by up to {SIM_JITTER_S * 1000:.0f} ms) and their 10-90%"
-          + (", against the median of the live repeats (each in brackets)" if any(len(r) > 1 for r in runs.values())
-             else "") + ":")
-    for arm in SIMULATED_ARMS:
-        live, each = live_p99(runs.get(arm, []))
-        if not each:
+    turns = len(runs["no drop"])
+    fits = [turn_fit(runs, turn) for turn in range(turns)]
+    for turn, (base, exchanged) in enumerate(fits):
+        fitted = sim_config(base, by_id, rtt_ms, True, exchanged)
+        speeds = (f"iteration {fitted.step_ms:.0f} ms + {fitted.decode_token_ms:.1f} ms per decoding request + "
+                  f"{fitted.prefill_token_ms:.2f} ms per prompt token")
+        if turn:
+            print(f"  turn {turn + 1}'s fit: {speeds}, a token's round trip {fitted.round_trip_ms:.0f} ms, victims' KV "
+                  f"at {fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, a client's try {fitted.attempt_s * 1000:.0f} ms")
             continue
-        replays = np.array(sim_p99_ttft(base, rtt_ms, requests, arm, exchanged))
-        low, sim, high = np.percentile(replays, [10, 50, 90])
-        off = abs(sim - live) / live if live else math.nan
-        repeats = f" [{', '.join(f'{p99:.2f}' for p99 in each)}]" if len(each) > 1 else ""
-        print(f"  {arm:<26} live {live:7.2f} s{repeats}  sim {sim:7.2f} s ({low:.2f}-{high:.2f})  off by {off:.0%}: "
-              f"{'within' if off <= TARGET_SIM else 'NOT within'} {TARGET_SIM:.0%}; live "
-              f"{'inside' if low <= live <= high else 'outside'} the replays' 10-90%")
+        each = ", fitted on each turn" if turns > 1 else ""
+        print(f"simulator (same requests, the live swarm's geometry and speeds{each}: {speeds}, the client's work "
+              f"{fitted.client_pass_ms:.0f} ms a head pass and "
+              f"{fitted.client_token_ms:.0f} ms a token in it, a token's round trip {fitted.round_trip_ms:.0f} ms, hop "
+              f"{fitted.hop_ms:g} ms, victims' KV at {fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, a client's try "
+              f"{fitted.attempt_s * 1000:.0f} ms and, when refused, {fitted.refused_try_cpu_ms:.0f} ms of CPU; "
+              f"sessions to the first whole replica with room, {fitted.cores} cores shared) against live, P99 TTFT: "
+              f"the median of {SIM_REPLAYS} replays (the arrivals as recorded, and moved by up to "
+              f"{SIM_JITTER_S * 1000:.0f} ms) and their 10-90%:")
+    within, compared = 0, 0
+    for arm in SIMULATED_ARMS:
+        lives, sims = [], []
+        for turn, run in enumerate(runs.get(arm, [])[:turns]):
+            if not run.served:
+                continue
+            base, exchanged = fits[turn]
+            replays = np.array(sim_p99_ttft(base, rtt_ms, requests, arm, exchanged))
+            low, sim, high = np.percentile(replays, [10, 50, 90])
+            lives.append(pct(run.ttft(), 99))
+            sims.append(float(sim))
+            met = sim_line(arm + (f" #{turn + 1}" if turn else ""), lives[-1], sims[-1], (float(low), float(high)))
+            within, compared = within + met, compared + 1
+        if len(lives) > 1:
+            sim_line(f"{arm}, median", statistics.median(lives), statistics.median(sims))
+    print(f"  {within} of {compared} runs within {TARGET_SIM:.0%}")
+
+
+def sim_line(name: str, live: float, sim: float, band: tuple[float, float] | None = None) -> bool:
+    """Prints how far the simulated P99 TTFT `sim` is from the `live` one (and whether `live` is inside the replays'
+    10-90% `band`); gives whether it is within the target."""
+    off = abs(sim - live) / live if live else math.nan
+    spread = inside = ""
+    if band is not None:
+        spread = f" ({band[0]:.2f}-{band[1]:.2f})"
+        inside = f"; live {'inside' if band[0] <= live <= band[1] else 'outside'} the replays' 10-90%"
+    print(f"  {name:<30} live {live:7.2f} s  sim {sim:7.2f} s{spread}  off by {off:.0%}: "
+          f"{'within' if off <= TARGET_SIM else 'NOT within'} {TARGET_SIM:.0%}{inside}")
+    return off <= TARGET_SIM
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -674,7 +701,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: sized to the burst by the calibration run)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the arms this many turns per RTT on the same arrivals and pools; the simulator is "
-                             "held against the median of each arm's live P99 TTFT")
+                             "fitted on each turn and held against each run, and against the median of each arm's live "
+                             "P99 TTFT")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--workdir", type=Path, help="keep every arm's logs, polls and results here")
     parser.add_argument("--report-only", action="store_true",

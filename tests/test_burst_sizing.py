@@ -20,12 +20,12 @@ from benchmarks.kunserve_burst import (
     busiest_share,
     exchange_bytes_per_s,
     kept_repeats,
-    live_p99,
     loaded_block_ms,
     peak_sessions,
     prefill_token_ms_under_load,
     sized_pool,
     sized_rate,
+    turn_fit,
 )
 
 WINDOW = argparse.Namespace(start=700.0, end=900.0, thin=8, prompt_scale=8.0)
@@ -110,18 +110,23 @@ def test_the_clients_work_splits_into_a_pass_and_a_token_from_two_rounds_that_sh
         split_cost(lone, Round(cpu_ms=300.0, tokens=24, passes=24))
 
 
-def test_an_arms_repeats_are_found_in_order_and_the_simulator_meets_the_median_of_their_p99(tmp_path: Path) -> None:
-    waits = {0: 20.0, 1: 30.0, 2: 24.0, 4: 99.0}  # the fourth turn's folder (repeat 3) is missing: 4 is not read
-    for repeat, wait in waits.items():
+def test_an_arms_repeats_are_found_in_order_and_each_turns_simulator_is_fitted_on_that_turns_runs(
+        tmp_path: Path) -> None:
+    for repeat in (0, 1, 2, 4):  # the fourth turn's folder (repeat 3) is missing: the fifth is not read
         folder = arm_dir(tmp_path, 40.0, "no drop", repeat)
         folder.mkdir()
-        results = [{"id": n, "arrival_s": n, "arrival_wall": 100.0 + n, "first_token_s": n + (wait if n == 0 else 1),
-                    "ended_s": n + 60} for n in range(5)]
+        results = [{"id": n, "arrival_s": n, "arrival_wall": 100.0 + n, "first_token_s": n + 1, "ended_s": n + 60}
+                   for n in range(5)]
         (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     assert [p.name for p in (arm_dir(tmp_path, 40, "no drop", n) for n in range(3))] == [
         "40-no-drop", "40-no-drop-r2", "40-no-drop-r3"]
     repeats = kept_repeats(tmp_path, 40.0, "no drop")
     assert [run.workdir for run in repeats] == [arm_dir(tmp_path, 40.0, "no drop", n) for n in range(3)]
-    median, each = live_p99(repeats)
-    assert each == pytest.approx([w - 0.04 * (w - 1) for w in (20.0, 30.0, 24.0)])  # P99 of 5: near the longest
-    assert median == each[2]
+    runs = {arm: [ArmRun(arm, [], [], float(turn)) for turn in range(3)]
+            for arm in ("static pipeline", "KunServe blocking", "KunServe remote attention")}
+    runs["no drop"] = repeats
+    runs["KunServe remote attention"] = runs["KunServe remote attention"][:1]  # it ran one turn
+    base, exchanged = turn_fit(runs, 1)
+    assert base is repeats[1]  # the machine's speed of that turn
+    assert exchanged == [runs["KunServe blocking"][1]]  # the KV moves of that turn's runs that dropped
+    assert turn_fit(runs, 0)[1] == [runs["KunServe blocking"][0], runs["KunServe remote attention"][0]]
