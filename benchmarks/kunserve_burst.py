@@ -23,7 +23,9 @@ whatever their speed. A calibration run loads the no-drop swarm with 12 of the r
 what a prompt token and a decode step cost a loaded server (its batch counters) and a session's median TTFT and TBT.
 The rate is the one at which the requests arriving in the busiest 10 s ask the two servers for exactly their 10 s of
 compute; the pools, the largest at which the busiest moment (every request open from its arrival for its calibrated
-time) asks twice the sessions the two servers hold undropped. Every RTT replays the same arrivals on the same pools.
+time) asks twice the sessions the two servers hold undropped. Each RTT, and each turn of `--repeats`, is sized by
+its own calibration run at that RTT just before its arms, since this VM's speed moves between turns; the arms of one
+turn replay the same arrivals on the same pools.
 
 Printed per RTT: per arm, P50/P99 TTFT (arrival to first token, backoff waits included), P50/P99 TBT (a request's
 mean time per token after its first), the victims' longest and mean stall (the servers' `exchange` statistics),
@@ -31,7 +33,7 @@ drops and restores, requests whose tokens differ from the no-drop arm's, errors;
 TTFT >= 3x lower, TBT P50 within 2x); KV pages held and capacity over time in 5-s windows; the simulator's P99 TTFT
 of every arm on the live run's geometry and speeds, against the live one (target: within 15%). A P99 of 79 requests
 is about their longest wait, and where clients back off who waits longest turns on milliseconds: `--repeats N` runs
-the arms N turns on the same arrivals and pools (a row per run, each turn's targets against its own no-drop run) and
+the arms N turns, each sized anew (a row per run, each turn's targets against its own no-drop run) and
 holds the simulator against each run, fitted on its turn's no-drop run (the machine's speed moves between turns), and
 the median of each arm's simulated P99s against that of its live ones.
 
@@ -129,6 +131,7 @@ class ArmRun:
     polls: list[dict]
     t0_wall: float
     workdir: Path | None = None  # where its files are kept
+    requests: dict[int, dict] = dataclasses.field(default_factory=dict)  # what it replayed, by id
 
     @property
     def served(self) -> list[dict]:
@@ -137,8 +140,8 @@ class ArmRun:
     def ttft(self) -> np.ndarray:
         return np.array([r["first_token_s"] - r["arrival_s"] for r in self.served])
 
-    def tbt(self, requests: dict[int, dict]) -> np.ndarray:
-        return np.array([(r["ended_s"] - r["first_token_s"]) / (requests[r["id"]]["output_tokens"] - 1)
+    def tbt(self) -> np.ndarray:
+        return np.array([(r["ended_s"] - r["first_token_s"]) / (self.requests[r["id"]]["output_tokens"] - 1)
                          for r in self.served])
 
     def last_polls(self) -> dict[str, dict]:
@@ -229,8 +232,10 @@ def load_arm(arm: str, workdir: Path) -> ArmRun:
     """Gives the run of `arm` whose client results and monitor polls are in `workdir`."""
     results = _read_jsonl(workdir / "results.jsonl")
     offsets = [r["arrival_wall"] - r["arrival_s"] for r in results]
+    kept = workdir / "requests.json"
+    requests = {r["id"]: r for r in json.loads(kept.read_text())} if kept.is_file() else {}
     return ArmRun(arm, results, _read_jsonl(workdir / "polls.jsonl"), statistics.median(offsets) if offsets else 0.0,
-                  workdir)
+                  workdir, requests)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -239,7 +244,7 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping: bool,
+def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
                exchanged: Sequence[ArmRun] = ()) -> KunServeSimConfig:
     """Gives the simulator the live swarm's geometry (from the servers' records) and speeds measured in the no-drop arm
     (`base`). What occupies a server: a decode iteration's fixed compute, the records' lone decode step through all
@@ -271,13 +276,13 @@ def sim_config(base: ArmRun, requests: dict[int, dict], rtt_ms: float, dropping:
     loaded = loaded_block_ms(base) / batch_one if batch_one > 0 else 1.0
     lone = blocks * batch_one * loaded
     per_row = blocks * (decode[widest] - batch_one) / (widest - 1) * loaded if widest > 1 else 0
-    beyond_compute = max(0.0, float(np.percentile(base.tbt(requests), 10)) * 1000 - lone - per_row)
+    beyond_compute = max(0.0, float(np.percentile(base.tbt(), 10)) * 1000 - lone - per_row)
     work = client_work(base.workdir and base.workdir.parent)
     delay_ms = max(min(beyond_compute, rtt_ms), beyond_compute - work.pass_ms - work.token_ms)
     return KunServeSimConfig(
         replicas=len(SERVERS), blocks=blocks, pages_total=first["pages_total"],
         params_pages=first["pages_params"] // blocks * blocks, tokens_per_page=first["kv_tokens_per_page"],
-        step_ms=lone, prefill_token_ms=prefill_token_ms_under_load(base, requests, lone),
+        step_ms=lone, prefill_token_ms=prefill_token_ms_under_load(base, lone),
         decode_token_ms=max(0.0, per_row),
         hop_ms=rtt_ms / 2, round_trip_ms=delay_ms,
         client_token_ms=work.token_ms, client_pass_ms=work.pass_ms,
@@ -409,7 +414,7 @@ def batch_counters(run: ArmRun) -> dict[str, float]:
     return grown
 
 
-def prefill_token_ms_under_load(base: ArmRun, requests: dict[int, dict], step_ms: float) -> float:
+def prefill_token_ms_under_load(base: ArmRun, step_ms: float) -> float:
     """Gives a prompt token's cost through all blocks while the no-drop arm ran: the servers' compute of the batches
     that held prompt tokens, less the fixed `step_ms` of each (the simulator adds it per chunk), over those tokens
     (`info` batches), summed over the servers. Runs recorded before the servers counted those batches: their compute
@@ -418,7 +423,7 @@ def prefill_token_ms_under_load(base: ArmRun, requests: dict[int, dict], step_ms
     grown = batch_counters(base)
     if grown["prefill_tokens"] > 0:
         return max(0.0, grown["prefill_batch_ms"] - grown["prefill_batches"] * step_ms) / grown["prefill_tokens"]
-    return statistics.median((r["first_token_s"] - r["started_s"]) * 1000 / requests[r["id"]]["prompt_tokens"]
+    return statistics.median((r["first_token_s"] - r["started_s"]) * 1000 / base.requests[r["id"]]["prompt_tokens"]
                              for r in base.served)
 
 
@@ -430,11 +435,11 @@ class LoadedSpeeds:
     output_token_ms: float  # every other batch, over the decode steps the sessions took
 
 
-def loaded_speeds(run: ArmRun, requests: dict[int, dict]) -> LoadedSpeeds:
+def loaded_speeds(run: ArmRun) -> LoadedSpeeds:
     """Gives the speeds the no-drop swarm's servers measured in `run`. A decode step batched with a prompt counts in
     the prompt's batch, so the output token's figure is a little low."""
     grown = batch_counters(run)
-    steps = sum(requests[r["id"]]["output_tokens"] - 1 for r in run.served)
+    steps = sum(run.requests[r["id"]]["output_tokens"] - 1 for r in run.served)
     return LoadedSpeeds(grown["prefill_batch_ms"] / max(1.0, grown["prefill_tokens"]),
                         (grown["compute_ms"] - grown["prefill_batch_ms"]) / max(1, steps))
 
@@ -501,12 +506,11 @@ def calibration_requests(args: argparse.Namespace) -> list[dict]:
 
 def calibrate(rtt_ms: float, args: argparse.Namespace, workdir: Path) -> Calibration:
     """Runs the no-drop swarm on `calibration_requests` and gives what its sessions and loaded servers measured."""
-    requests = calibration_requests(args)
-    by_id = {r["id"]: r for r in requests}
-    run = run_arm("no drop", rtt_ms, requests, CALIBRATION_KV_PAGES, args, workdir, label="calibration")
+    run = run_arm("no drop", rtt_ms, calibration_requests(args), CALIBRATION_KV_PAGES, args, workdir,
+                  label="calibration")
     last = max(run.polls, key=lambda row: row["t"])
     held = (last["pages_total"] - last["pages_params"]) // (last["block_end"] - last["block_start"])
-    return Calibration(loaded_speeds(run, by_id), float(np.median(run.ttft())), float(np.median(run.tbt(by_id))),
+    return Calibration(loaded_speeds(run), float(np.median(run.ttft())), float(np.median(run.tbt())),
                        max(0, held - CALIBRATION_KV_PAGES))
 
 
@@ -523,15 +527,15 @@ SIM_REPLAYS = 21  # the simulator's replays of one arm: the arrivals as recorded
 SIM_JITTER_S = 0.05  # each jittered replay moves every arrival by up to this, either way
 
 
-def sim_p99_ttft(base: ArmRun, rtt_ms: float, requests: list[dict], arm: str,
-                 exchanged: Sequence[ArmRun] = ()) -> list[float]:
-    """Gives the simulator's P99 TTFT of `arm` on `requests`, with the geometry and speeds of `base`, in each of
+def sim_p99_ttft(base: ArmRun, rtt_ms: float, arm: str, exchanged: Sequence[ArmRun] = ()) -> list[float]:
+    """Gives the simulator's P99 TTFT of `arm` on the requests of `base`, with its geometry and speeds, in each of
     `SIM_REPLAYS` replays: the arrivals as recorded, then moved by up to `SIM_JITTER_S` either way (seeded). Where
     clients back off, which client gets a freed slot turns on milliseconds, and the P99 with it; the replays show
     how far."""
     dropping, live_exchange, groups = SIMULATED_ARMS[arm]
-    config = dataclasses.replace(sim_config(base, {r["id"]: r for r in requests}, rtt_ms, dropping, exchanged),
+    config = dataclasses.replace(sim_config(base, rtt_ms, dropping, exchanged),
                                  live_exchange=live_exchange, static_groups=groups)
+    requests = sorted(base.requests.values(), key=lambda request: request["id"])
     p99s = []
     for seed in range(SIM_REPLAYS):
         shift = np.random.default_rng(seed).uniform(-SIM_JITTER_S, SIM_JITTER_S, len(requests)) if seed else None
@@ -567,15 +571,16 @@ def turn_fit(runs: dict[str, list[ArmRun]], turn: int) -> tuple[ArmRun, list[Arm
     return runs["no drop"][turn], exchanged
 
 
-def report(rtt_ms: float, runs: dict[str, list[ArmRun]], requests: list[dict]) -> None:
+def report(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
     """Prints the arms' table (a row per run: `runs` holds each arm's repeats, in the order they ran), their targets
     against the no-drop run of the same turn, the pages over time of the first turn, and the simulator against the
     median of the repeats' live P99 TTFT."""
-    by_id = {r["id"]: r for r in requests}
     base = runs["no drop"][0]
     reference = {r["id"]: r.get("tokens") for r in base.served}
     turns = max(len(repeats) for repeats in runs.values())
-    print(f"\nRTT {rtt_ms:g} ms, {len(requests)} requests over {requests[-1]['at_s']:.0f} s"
+    spans = [f"{len(run.requests)} requests over {max(r['at_s'] for r in run.requests.values()):.0f} s"
+             for run in runs["no drop"]]
+    print(f"\nRTT {rtt_ms:g} ms, {' | '.join(dict.fromkeys(spans))}"
           + (f", {turns} turns of the arms (#2 on: the turn's row; tokens compared with the first no-drop run's)"
              if turns > 1 else ""))
     print(f"{'arm':<30} {'TTFT p50':>8} {'TTFT p99':>8} {'gain':>6} {'TBT p50':>8} {'TBT p99':>8} {'ratio':>6} "
@@ -583,7 +588,7 @@ def report(rtt_ms: float, runs: dict[str, list[ArmRun]], requests: list[dict]) -
     print(f"{'':<30} {'s':>8} {'s':>8} {'':>6} {'ms':>8} {'ms':>8} {'':>6} {'s':>8} {'s':>8}")
     for turn in range(turns):
         turn_base = runs["no drop"][min(turn, len(runs["no drop"]) - 1)]
-        base_ttft99, base_tbt50 = pct(turn_base.ttft(), 99), pct(turn_base.tbt(by_id), 50)
+        base_ttft99, base_tbt50 = pct(turn_base.ttft(), 99), pct(turn_base.tbt(), 50)
         for arm in ARMS:
             repeats = runs.get(arm, [])
             name = arm + (f" #{turn + 1}" if turn else "")
@@ -592,7 +597,7 @@ def report(rtt_ms: float, runs: dict[str, list[ArmRun]], requests: list[dict]) -
                     print(f"{name:<30} not run (--arms)")
                 continue
             run = repeats[turn]
-            ttft, tbt = run.ttft(), run.tbt(by_id)
+            ttft, tbt = run.ttft(), run.tbt()
             stall_max, stall_mean, drops, restores = run.exchange()
             differ = sum(1 for r in run.served if r.get("tokens") != reference.get(r["id"]))
             errors = sum(1 for r in run.results if "error" in r)
@@ -607,7 +612,7 @@ def report(rtt_ms: float, runs: dict[str, list[ArmRun]], requests: list[dict]) -
                 continue
             run = repeats[turn]
             gain = base_ttft99 / pct(run.ttft(), 99)
-            ratio = pct(run.tbt(by_id), 50) / base_tbt50
+            ratio = pct(run.tbt(), 50) / base_tbt50
             print(f"targets, {arm}{f' #{turn + 1}' if turn else ''}: P99 TTFT >= {TARGET_TTFT_GAIN:g}x lower than "
                   f"no drop: {gain:.1f}x {'MET' if gain >= TARGET_TTFT_GAIN else 'NOT MET'}; TBT P50 within "
                   f"{TARGET_TBT_RATIO:g}x: {ratio:.2f}x {'MET' if ratio <= TARGET_TBT_RATIO else 'NOT MET'}")
@@ -627,19 +632,18 @@ def report(rtt_ms: float, runs: dict[str, list[ArmRun]], requests: list[dict]) -
                     window = int(t // WINDOW_S)
                     windows[window] = (max(windows.get(window, (0, 0))[0], held), capacity)
             print(f"  {name:<9} " + " ".join(f"{held}/{capacity}" for _, (held, capacity) in sorted(windows.items())))
-        report_sim(rtt_ms, runs, requests)
+        report_sim(rtt_ms, runs)
 
 
-def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]], requests: list[dict]) -> None:
+def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
     """Prints the simulator's P99 TTFT of every arm against the live one, run by run: each turn's simulator is fitted
     on that turn's no-drop run (`turn_fit`), since what a step costs moves between turns as this machine's speed does.
     With more than one turn, then, per arm, the median over the turns of the simulated P99s against that of the live
     ones."""
-    by_id = {r["id"]: r for r in requests}
     turns = len(runs["no drop"])
     fits = [turn_fit(runs, turn) for turn in range(turns)]
     for turn, (base, exchanged) in enumerate(fits):
-        fitted = sim_config(base, by_id, rtt_ms, True, exchanged)
+        fitted = sim_config(base, rtt_ms, True, exchanged)
         speeds = (f"iteration {fitted.step_ms:.0f} ms + {fitted.decode_token_ms:.1f} ms per decoding request + "
                   f"{fitted.prefill_token_ms:.2f} ms per prompt token")
         if turn:
@@ -662,7 +666,7 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]], requests: list[dict
             if not run.served:
                 continue
             base, exchanged = fits[turn]
-            replays = np.array(sim_p99_ttft(base, rtt_ms, requests, arm, exchanged))
+            replays = np.array(sim_p99_ttft(base, rtt_ms, arm, exchanged))
             low, sim, high = np.percentile(replays, [10, 50, 90])
             lives.append(pct(run.ttft(), 99))
             sims.append(float(sim))
@@ -700,9 +704,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="KV pages of each server's pool per block beside its parameters, a session's each "
                              "(default: sized to the burst by the calibration run)")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="run the arms this many turns per RTT on the same arrivals and pools; the simulator is "
-                             "fitted on each turn and held against each run, and against the median of each arm's live "
-                             "P99 TTFT")
+                        help="run the arms this many turns per RTT, each sized by its own calibration run (unless "
+                             "--rate and --kv-pages-per-block fix it); the simulator is fitted on each turn and held "
+                             "against each run, and against the median of each arm's live P99 TTFT")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--workdir", type=Path, help="keep every arm's logs, polls and results here")
     parser.add_argument("--report-only", action="store_true",
@@ -714,10 +718,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--report-only needs --workdir")
         for rtt_ms in args.rtt:
             runs = {arm: kept_repeats(args.workdir, rtt_ms, arm) for arm in args.arms}
-            kept = arm_dir(args.workdir, rtt_ms, "no drop") / "requests.json"
-            if not kept.is_file() and args.rate is None:
-                parser.error(f"{kept} is missing: give the run's --rate")
-            report(rtt_ms, runs, json.loads(kept.read_text()) if kept.is_file() else burst_requests(args, args.rate))
+            missing = [str(run.workdir) for repeats in runs.values() for run in repeats if not run.requests]
+            if missing:
+                parser.error(f"no requests.json in {', '.join(missing)}")
+            report(rtt_ms, runs)
         return 0
     if os.geteuid() != 0:
         print("needs root: network namespaces", file=sys.stderr)
@@ -727,38 +731,46 @@ def main(argv: list[str] | None = None) -> int:
           f"{datetime.date.today()} on {platform.node()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kunserve-burst-") as tmp:
         root = args.workdir or Path(tmp)
-        rate, pool = args.rate, args.kv_pages_per_block
-        if rate is None or pool is None:
-            calibration = calibrate(args.rtt[0], args, root / "calibration")
-            speeds = calibration.speeds
-            print(f"calibration: the no-drop swarm loaded with {CALIBRATION_REQUESTS} requests, one every "
-                  f"{CALIBRATION_GAP_S:g} s: a prompt token took {speeds.prompt_token_ms:.2f} ms and a decode step "
-                  f"{speeds.output_token_ms:.1f} ms of a loaded server's compute; a session's TTFT "
-                  f"{calibration.ttft_s:.2f} s and TBT {calibration.tbt_s * 1000:.0f} ms (medians)", flush=True)
-            if rate is None:
-                rate = sized_rate(args, speeds)
-                print(f"mean {rate:g}/s, sized: the busiest {BUSIEST_S:g} s of arrivals ask {COMPUTE_SHARE:.0%} of "
-                      f"both servers' compute", flush=True)
-            if pool is None:
-                pool = sized_pool(burst_requests(args, rate), calibration)
-                peak = peak_sessions(burst_requests(args, rate), calibration)
-                print(f"pools of {pool} KV pages per block ({pool + calibration.spare_sessions} sessions of 30 blocks "
-                      f"per server), sized: the busiest moment asks {peak} sessions (arrivals at the calibrated TTFT "
-                      f"and TBT, none waiting), {KV_OVERLOAD:g}x what the two servers hold undropped or more",
-                      flush=True)
-        if args.rate is not None:
-            print(f"mean {rate:g}/s (--rate)", flush=True)
-        if args.kv_pages_per_block is not None:
-            print(f"pools of {pool} KV pages per block (--kv-pages-per-block)", flush=True)
-        requests = burst_requests(args, rate)
         for rtt_ms in args.rtt:
             runs: dict[str, list[ArmRun]] = {arm: [] for arm in args.arms}
             for turn in range(args.repeats):  # in turns, so that the machine's drift reaches every arm alike
+                rate, pool = sized_burst(args, rtt_ms, arm_dir(root, rtt_ms, "calibration", turn))
+                requests = burst_requests(args, rate)
                 for arm in args.arms:
                     runs[arm].append(run_arm(arm, rtt_ms, requests, pool, args, arm_dir(root, rtt_ms, arm, turn),
                                              label=arm + (f" #{turn + 1}" if turn else "")))
-            report(rtt_ms, runs, requests)
+            report(rtt_ms, runs)
     return 0
+
+
+def sized_burst(args: argparse.Namespace, rtt_ms: float, workdir: Path) -> tuple[float, int]:
+    """Gives the mean arrival rate and the pools' KV pages per block of a turn: `--rate` and `--kv-pages-per-block`
+    where given, else sized to the machine as it runs now by a calibration run at `rtt_ms` (kept in `workdir`): this
+    VM's speed moved 10-40% between turns an hour apart (r17), and a burst sized once left later turns too light."""
+    rate, pool = args.rate, args.kv_pages_per_block
+    if rate is None or pool is None:
+        calibration = calibrate(rtt_ms, args, workdir)
+        speeds = calibration.speeds
+        print(f"calibration: the no-drop swarm loaded with {CALIBRATION_REQUESTS} requests, one every "
+              f"{CALIBRATION_GAP_S:g} s: a prompt token took {speeds.prompt_token_ms:.2f} ms and a decode step "
+              f"{speeds.output_token_ms:.1f} ms of a loaded server's compute; a session's TTFT "
+              f"{calibration.ttft_s:.2f} s and TBT {calibration.tbt_s * 1000:.0f} ms (medians)", flush=True)
+        if rate is None:
+            rate = sized_rate(args, speeds)
+            print(f"mean {rate:g}/s, sized: the busiest {BUSIEST_S:g} s of arrivals ask {COMPUTE_SHARE:.0%} of "
+                  f"both servers' compute", flush=True)
+        if pool is None:
+            pool = sized_pool(burst_requests(args, rate), calibration)
+            peak = peak_sessions(burst_requests(args, rate), calibration)
+            print(f"pools of {pool} KV pages per block ({pool + calibration.spare_sessions} sessions of 30 blocks "
+                  f"per server), sized: the busiest moment asks {peak} sessions (arrivals at the calibrated TTFT "
+                  f"and TBT, none waiting), {KV_OVERLOAD:g}x what the two servers hold undropped or more",
+                  flush=True)
+    if args.rate is not None:
+        print(f"mean {rate:g}/s (--rate)", flush=True)
+    if args.kv_pages_per_block is not None:
+        print(f"pools of {pool} KV pages per block (--kv-pages-per-block)", flush=True)
+    return rate, pool
 
 
 if __name__ == "__main__":

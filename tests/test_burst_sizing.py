@@ -94,10 +94,10 @@ def test_a_prompt_tokens_cost_is_its_batches_compute_beyond_their_fixed_step_ove
     # `a` grew by 256 prompt tokens in 2 batches and 1100 ms, `b` by 128 in 1 batch and 600 ms: 3 steps of 100 ms
     polls = [poll("a", 0.0, 0, 0, 0.0), poll("a", 2.0, 256, 2, 1100.0), poll("b", 1.0, 64, 1, 300.0),
              poll("b", 3.0, 192, 2, 900.0)]
-    assert prefill_token_ms_under_load(ArmRun("no drop", [], polls, 0.0), {}, 100.0) == pytest.approx(1400 / 384)
+    assert prefill_token_ms_under_load(ArmRun("no drop", [], polls, 0.0), 100.0) == pytest.approx(1400 / 384)
     # servers that did not count their prompt batches: the batches' compute whole
     older = [poll("a", 0.0, 0, None, 0.0), poll("a", 2.0, 256, None, 1100.0)]
-    assert prefill_token_ms_under_load(ArmRun("no drop", [], older, 0.0), {}, 100.0) == pytest.approx(1100 / 256)
+    assert prefill_token_ms_under_load(ArmRun("no drop", [], older, 0.0), 100.0) == pytest.approx(1100 / 256)
 
 
 def test_the_clients_work_splits_into_a_pass_and_a_token_from_two_rounds_that_share_passes_unequally() -> None:
@@ -118,10 +118,16 @@ def test_an_arms_repeats_are_found_in_order_and_each_turns_simulator_is_fitted_o
         results = [{"id": n, "arrival_s": n, "arrival_wall": 100.0 + n, "first_token_s": n + 1, "ended_s": n + 60}
                    for n in range(5)]
         (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+        # each turn is sized anew: its own arrivals, and here its own output lengths
+        requests = [{"id": n, "at_s": n / (repeat + 1), "prompt_tokens": 8, "output_tokens": 2 + repeat * 58}
+                    for n in range(5)]
+        (folder / "requests.json").write_text(json.dumps(requests))
     assert [p.name for p in (arm_dir(tmp_path, 40, "no drop", n) for n in range(3))] == [
         "40-no-drop", "40-no-drop-r2", "40-no-drop-r3"]
     repeats = kept_repeats(tmp_path, 40.0, "no drop")
     assert [run.workdir for run in repeats] == [arm_dir(tmp_path, 40.0, "no drop", n) for n in range(3)]
+    assert [run.requests[4]["at_s"] for run in repeats] == [4.0, 2.0, 4 / 3]
+    assert [run.tbt().tolist() for run in repeats[:2]] == [[59.0] * 5, [1.0] * 5]  # 59 s over each turn's tokens
     runs = {arm: [ArmRun(arm, [], [], float(turn)) for turn in range(3)]
             for arm in ("static pipeline", "KunServe blocking", "KunServe remote attention")}
     runs["no drop"] = repeats
