@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -51,12 +52,14 @@ def test_the_busiest_share_counts_the_prompt_and_decode_work_arriving_within_10_
     assert busiest_share(requests, speeds) == 4.0 / 20.0  # two requests in [0, 10) or [9, 19), of 2 x 10 s
 
 
-def test_the_pools_hold_half_the_sessions_the_busiest_moment_asks() -> None:
+def test_the_pools_hold_a_third_of_the_sessions_the_busiest_moment_asks() -> None:
     requests = [{"id": n, "at_s": 0.5 * n, "prompt_tokens": 50, "output_tokens": 11} for n in range(12)]
     calibration = Calibration(LoadedSpeeds(5.0, 25.0), ttft_s=1.0, tbt_s=0.5, spare_sessions=1)
     assert peak_sessions(requests, calibration) == 12  # each open 6 s, all arrived within 5.5 s
-    assert sized_pool(requests, calibration) == 2  # 3 sessions a server, 6 a pair: 12 asks twice that
-    assert sized_pool(requests[:2], calibration) == 1  # never below one page per block
+    assert sized_pool(requests, calibration) == 1  # 2 sessions a server (one spare), 4 a pair: 12 asks 3x that
+    without_spare = dataclasses.replace(calibration, spare_sessions=0)
+    assert sized_pool(requests, without_spare) == 2
+    assert sized_pool(requests[:2], without_spare) == 1  # never below one page per block
 
 
 def test_the_exchange_rate_is_the_bytes_the_servers_moved_over_the_time_their_moves_took() -> None:
