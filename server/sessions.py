@@ -270,7 +270,8 @@ class SessionTable:
         a refusal counts in `kv_demand_pages` under it, once however often the client tries, until it opens.
 
         With `kv_elsewhere` (a victim of KunServe's live exchange, its KV still lent by the server that dropped its
-        blocks) the session opens with no pages: it takes them block by block as its KV follows (`grow_block`)."""
+        blocks) the session opens with no pages, however few are free: it takes them block by block as its KV
+        follows (`grow_block`), and attends through the lender meanwhile."""
         self.check_hosted(start, end)
         if not 0 < max_length <= self.max_length:
             raise MaxLengthExceeded(f"max_length {max_length} is outside 1..{self.max_length} (the server's limit)")
@@ -295,7 +296,10 @@ class SessionTable:
                                                   sequences=sequences)
             reserve = self.growth_reserve() + held
         pages_free = self.pool.pages_free
-        if not self.policy.admits(pages_free=pages_free, reserve=reserve, new_session_pages=expected):
+        # A lent victim takes no page now, and its KV comes only into room (`grow_block`): refusing it would keep
+        # the lender's dropped blocks in use, whose pages are the room its group-mates' victims wait for
+        if not kv_elsewhere and not self.policy.admits(pages_free=pages_free, reserve=reserve,
+                                                       new_session_pages=expected):
             self._note_refused(wait_id or session_id, expected)
             raise ServerBusy(
                 f"no room for a session of {end - start} blocks x {batch} row(s): it is expected to take {expected} "

@@ -424,7 +424,8 @@ def test_a_burst_that_arrives_as_the_group_restores_ends_exact_with_every_block_
         deadline = time.monotonic() + TIMEOUT_S
         while time.monotonic() < deadline and not any(info["dropping"]["restores"] for info in infos(client).values()):
             time.sleep(0.05)
-        assert any(info["dropping"]["restores"] for info in infos(client).values()), "the group never restored"
+        assert any(info["dropping"]["restores"] for info in infos(client).values()), \
+            "the group never restored:\n" + "\n".join(plan_lines(servers))
         during = generate_watching(remote, second, new_tokens=24, look=look)
         assert burst.errors == [] and during.errors == []
         assert burst.outputs + during.outputs == expected

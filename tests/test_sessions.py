@@ -15,7 +15,7 @@ from client.inference import BUSY_BACKOFF_MAX_S
 from orchestrator.admission import ClientQuota, KVPolicy, SessionKV
 from server.sessions import REFUSED_WINDOW_S, SessionTable
 from swarm.errors import BlocksNotHosted, MaxLengthExceeded, QuotaExceeded, ServerBusy, SessionNotFound
-from swarm.memory import KVOwner, PagePool
+from swarm.memory import KVOwner, PagePool, ParamsOwner
 
 TOKENS_PER_PAGE = 16
 
@@ -259,6 +259,32 @@ def test_a_live_exchange_victim_opens_with_no_pages_and_takes_them_block_by_bloc
         for session in list(sessions):
             sessions.close(session.session_id)
         assert sessions.pool.pages_free == 22
+        sessions.pool.check_invariants()
+
+    run(scenario)
+
+
+def test_a_lent_victim_opens_on_a_full_pool_where_a_victim_bringing_its_kv_waits() -> None:
+    """Right after a drop both members' pools can be full, their dropped blocks' pages freed only once their own
+    victims stop using them. A victim lent to the keeper takes no page now, so it opens however few are free (else
+    each member waits on the other's victims and the freed pages come only as sessions end); one bringing its KV
+    still waits for room."""
+    async def scenario() -> None:
+        sessions = table(12, headroom_tokens=0)
+        prompted = sessions.open("prompted", 0, 4, batch=1, max_length=128, prompt_tokens=48)  # 4 pages, 8 to come
+        sessions.pool.allocate(ParamsOwner(7), 8)  # as a block's parameters the server's own victims still use
+        assert sessions.pool.pages_free == 0
+        with pytest.raises(ServerBusy):
+            sessions.open("moved", 0, 4, batch=1, max_length=128, tokens=16, moved_in=True)
+        victim = sessions.open("lent", 0, 4, batch=1, max_length=128, tokens=40, moved_in=True, kv_elsewhere=True)
+        assert victim.pages_held == 0 and not sessions.grow_block(victim, 0, 40)  # its KV stays lent meanwhile
+        sessions.pool.free(ParamsOwner(7))
+        assert not sessions.grow_block(victim, 0, 40)  # the 8 freed are the announced prompt's
+        sessions.grow(prompted, 48)
+        sessions.close("prompted")
+        assert sessions.grow_block(victim, 0, 40) and victim.pages_held == 3
+        sessions.close("lent")
+        assert sessions.pool.pages_free == 12
         sessions.pool.check_invariants()
 
     run(scenario)
