@@ -75,7 +75,7 @@ from benchmarks.table1_client import run_replay
 from client.batched_head import MAX_GANG_WAIT_S
 from client.inference import BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S
 from netem.network import EmulatedNetwork
-from netem.topology import Topology
+from netem.topology import constant
 from orchestrator.sim.kunserve_sim import KunServeSimConfig, SimRequest, simulate
 from orchestrator.sim.workload import Trace, load_azure_trace
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS
@@ -101,11 +101,6 @@ COMPUTE_SHARE, BUSIEST_S = 1.0, 10.0  # the busiest 10 s of arrivals ask all of 
 CALIBRATION_REQUESTS, CALIBRATION_GAP_S, CALIBRATION_KV_PAGES = 12, 0.5, 4
 KV_OVERLOAD = 3.0  # the busiest moment's sessions over what the two servers' pools hold undropped [r18: at 2x,
 # calibration noise sized 2 pages per block in 4 of 6 turns, a burst that barely throttled (no-drop P99 7.8-9.4 s)]
-
-
-def topology(rtt_ms: float) -> Topology:
-    rtt = [[0.0 if i == j else rtt_ms for j in range(len(HOSTS))] for i in range(len(HOSTS))]
-    return Topology(HOSTS, rtt, {host: MBIT for host in HOSTS}, source=f"every pair {rtt_ms:g} ms, {MBIT:g} Mbit/s")
 
 
 @functools.cache
@@ -204,7 +199,7 @@ def run_arm(arm: str, rtt_ms: float, requests: list[dict], kv_pages_per_block: i
             workdir: Path, label: str | None = None) -> ArmRun:
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with EmulatedNetwork(topology(rtt_ms), run_id=f"kb{os.getpid()}{ARMS.index(arm)}") as network, \
+    with EmulatedNetwork(constant(HOSTS, rtt_ms, mbit=MBIT), run_id=f"kb{os.getpid()}{ARMS.index(arm)}") as network, \
             SwarmProcesses(workdir, announce_period_s=5.0, record_ttl_s=30.0, torch_threads=1) as swarm:
         swarm.start_dht(host=network.address("dht"), launcher=network.command("dht", []))
         procs = {}

@@ -34,7 +34,7 @@ from hivemind.p2p import P2P
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from netem.network import EmulatedNetwork
-from netem.topology import Topology
+from netem.topology import constant
 from swarm.rpc import RpcConnection, RpcServer
 
 HOSTS = ("client", "a")
@@ -60,20 +60,14 @@ class LinkCrossing:
     small_call_s: float
 
 
-def topology(rtt_ms: float) -> Topology:
-    rtt = [[0.0 if i == j else rtt_ms for j in range(len(HOSTS))] for i in range(len(HOSTS))]
-    return Topology(HOSTS, rtt, {host: MBIT for host in HOSTS}, source=f"every pair {rtt_ms:g} ms, {MBIT:g} Mbit/s")
-
-
-def measure(rtt_ms: float, tokens: Sequence[int] = TOKENS, log_dir: Path | None = None) -> LinkCrossing:
+def measure(rtt_ms: float, tokens: Sequence[int] = TOKENS) -> LinkCrossing:
     """Runs the rig at `rtt_ms` and gives its reading."""
     script = str(Path(__file__).resolve())
-    with EmulatedNetwork(topology(rtt_ms), run_id=f"lc{int(rtt_ms)}") as network:
-        server = network.spawn("a", [sys.executable, script, "--serve", network.address("a")], name="link-serve",
-                               log_dir=log_dir)
+    with EmulatedNetwork(constant(HOSTS, rtt_ms, mbit=MBIT), run_id=f"lc{int(rtt_ms)}") as network:
+        server = network.spawn("a", [sys.executable, script, "--serve", network.address("a")], name="link-serve")
         maddr = server.wait_for_line("ready ", 120).split()[1]
         probe = network.spawn("client", [sys.executable, script, "--probe", maddr, "--tokens", *map(str, tokens)],
-                              name="link-probe", log_dir=log_dir)
+                              name="link-probe")
         line = probe.wait_for_line("{", 300 + ROUNDS * len(tokens) * 3 * IDLE_S)
         probe.stop()
         server.stop()

@@ -51,7 +51,7 @@ from benchmarks.mell_live_monitor import spawn_monitor
 from benchmarks.table1_client import run_replay, trace_requests
 from netem import netns
 from netem.network import EmulatedNetwork
-from netem.topology import Topology
+from netem.topology import constant
 from orchestrator.packing.segment_loop import PACKERS, packing_capacity
 from orchestrator.sim.packing_sim import PackingSimConfig, PackingSimResult, SessionSpec, simulate
 from swarm.local_swarm import SwarmProcesses, threads_per_server
@@ -69,11 +69,6 @@ WINDOW_S = 10.0
 TARGET = 0.15  # simulated within 15% of live
 MAX_TOKENS = 2048
 BUSY_WAIT_S = 600.0  # a session that finds every replica full waits for room (at open and when it fails over)
-
-
-def topology() -> Topology:
-    rtt = [[0.0 if i == j else RTT_MS for j in range(len(HOSTS))] for i in range(len(HOSTS))]
-    return Topology(HOSTS, rtt, {host: MBIT for host in HOSTS}, source=f"every pair {RTT_MS:g} ms, {MBIT:g} Mbit/s")
 
 
 def replica_memory(token_pages: int, page_bytes: int = PAGE_BYTES) -> int:
@@ -156,7 +151,7 @@ class LiveRun:
 def run_live(policy: str, args: argparse.Namespace, workdir: Path, memory: int) -> tuple[LiveRun, list[dict]]:
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with EmulatedNetwork(topology(), run_id=f"ml{os.getpid()}{policy[:2]}") as network, \
+    with EmulatedNetwork(constant(HOSTS, RTT_MS, mbit=MBIT), run_id=f"ml{os.getpid()}{policy[:2]}") as network, \
             SwarmProcesses(workdir, announce_period_s=5.0, record_ttl_s=30.0,
                            torch_threads=threads_per_server(len(REPLICAS))) as swarm:
         swarm.start_dht(host=network.address("dht"), launcher=network.command("dht", []))

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from netem import netns
 from netem.network import EmulatedNetwork
 from netem.processes import HostProcess
-from netem.topology import Topology
+from netem.topology import constant
 from swarm.local_swarm import SwarmProcesses, threads_per_server
 from swarm.model import DEFAULT_MODEL
 
@@ -53,11 +53,6 @@ TARGET_RIGHT_CHOICES = 0.9
 CLIENT_TIMEOUT_S = 600.0
 BG_PROMPT_TOKENS = 16
 BASELINE_S = 1.5  # the background session decodes this long before each move, for its usual gap
-
-
-def topology(rtt_ms: float, mbit: float) -> Topology:
-    rtt = [[0.0 if i == j else rtt_ms for j in range(len(HOSTS))] for i in range(len(HOSTS))]
-    return Topology(HOSTS, rtt, {host: mbit for host in HOSTS}, source=f"every pair {rtt_ms:g} ms, {mbit:g} Mbit/s")
 
 
 @dataclass
@@ -111,7 +106,7 @@ def spawn_client(network: EmulatedNetwork, host: str, swarm: SwarmProcesses, wor
 
 def measure(args: argparse.Namespace, workdir: Path) -> list[Setting]:
     settings: list[Setting] = []
-    with EmulatedNetwork(topology(args.rtts[0], args.mbit[0]), run_id=f"mig{os.getpid()}") as network, \
+    with EmulatedNetwork(constant(HOSTS, args.rtts[0], mbit=args.mbit[0]), run_id=f"mig{os.getpid()}") as network, \
             SwarmProcesses(workdir, announce_period_s=5.0, record_ttl_s=30.0,
                            torch_threads=threads_per_server(len(SERVERS))) as swarm:
         swarm.start_dht(host=network.address("dht"), launcher=network.command("dht", []))
@@ -128,7 +123,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> list[Setting]:
                 raise RuntimeError(warm["error"])
             direction = 0
             for repeat, mbit, rtt_ms in itertools.product(range(args.repeats), args.mbit, args.rtts):
-                network.set_topology(topology(rtt_ms, mbit))
+                network.set_topology(constant(HOSTS, rtt_ms, mbit=mbit))
                 for tokens in args.sizes:
                     setting = Setting(mbit, rtt_ms, tokens, repeat)
                     for mode in MODES:

@@ -227,7 +227,11 @@ def random_geometric(
     return Topology(names, rtt, source=f"random-geometric RTTs in [{min_ms:g}, {max_ms:g}] ms, seed {seed}")
 
 
-def constant(hosts: Sequence[str], rtt_ms: float) -> Topology:
-    """Gives `hosts` with the same RTT between every pair (0 for an undelayed baseline)."""
+def constant(hosts: Sequence[str], rtt_ms: float, *, mbit: float | None = None) -> Topology:
+    """Gives `hosts` with the same RTT between every pair (0 for an undelayed baseline), and with `mbit`, every
+    host's access link limited to that rate."""
     rtt = [[0.0 if i == j else float(rtt_ms) for j in range(len(hosts))] for i in range(len(hosts))]
-    return Topology(tuple(hosts), rtt, source=f"every pair {rtt_ms:g} ms")
+    if mbit is None:
+        return Topology(tuple(hosts), rtt, source=f"every pair {rtt_ms:g} ms")
+    return Topology(tuple(hosts), rtt, {host: mbit for host in hosts},
+                    source=f"every pair {rtt_ms:g} ms, {mbit:g} Mbit/s")

@@ -86,6 +86,8 @@ def test_random_geometric_generator_obeys_the_triangle_inequality() -> None:
         assert rtt[i][k] <= rtt[i][j] + rtt[j][k] + 1e-6
     assert random_geometric(8, min_ms=2, max_ms=90, seed=7).rtt_ms == rtt
     assert constant(("a", "b"), 20).rtt_ms == ((0.0, 20.0), (20.0, 0.0))
+    assert constant(("a", "b"), 20).bandwidth_mbit == {}
+    assert constant(("a", "b"), 20, mbit=100).bandwidth_mbit == {"a": 100, "b": 100}
 
 
 @pytest.mark.skipif(not RIPE_DATA.is_file(), reason=f"RIPE Atlas data missing at {RIPE_DATA}")
