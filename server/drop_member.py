@@ -1,6 +1,7 @@
 """A server's part in KunServe's dropping: without an orchestrator, the servers of a segment run
 `orchestrator.buddy.segment_loop.DropLoop` (it acts only while this server leads the segment), and each takes
-`drop` and `restore` from its segment's leader, checking the claim against its own view of the DHT.
+`drop` and `restore` from its segment's leader, checking the claim against its own view of the DHT. The same view
+tells which servers may lend this one a victim's KV (`may_lend`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ def refused_twice(members: list[Mapping[str, Any]], opened: Iterable[Any] = ()) 
     return total - sum(pages for digest, pages in once.items() if digest not in done)
 
 
+def announces(record: ServerRecord, start: int, end: int) -> bool:
+    """Gives whether `record` holds blocks [start, end) in its served range or in the range it can restore."""
+    ranges = [(record.block_start, record.block_end), (record.restorable_start, record.restorable_end)]
+    return start < end and any(first is not None and last is not None and first <= start and end <= last
+                               for first, last in ranges)
+
+
 class DropHost(Protocol):
     """What a drop member needs of its server (`server.server.SwarmServer`)."""
 
@@ -113,6 +121,17 @@ class DropMember:
         if peer_id not in {record.peer_id for record in group}:
             group = await self._group(max_age_s=0.0)
         return leader_of(group) == peer_id
+
+    async def may_lend(self, peer_id: str, start: int, end: int) -> bool:
+        """Gives whether `peer_id` announces blocks [start, end) as its own, served or dropped and restorable (by
+        this server's view of the DHT, looked up again if the view does not show it): only such a server's victims
+        may open here with their KV still on it (`attend_open`), which takes no page at once."""
+        for max_age_s in (GROUP_MAX_AGE_S, 0.0):
+            await self._group(max_age_s=max_age_s)  # refreshes the view if it is older
+            record = self._view[1].get(peer_id)
+            if record is not None and announces(record, start, end):
+                return True
+        return False
 
     async def _group(self, *, max_age_s: float) -> list[ServerRecord]:
         server = self.server

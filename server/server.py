@@ -235,7 +235,7 @@ class SwarmServer:
                    "migrate": self._migrate,
                    "import_open": self._import_open, "import_kv": self._import_kv, "import_commit": self._import_commit,
                    "import_abort": self._import_abort, "kv_report": self.packing.kv_report,
-                   "export": self.exchange.export, "attend_open": self.remote.open, "attend": self.remote.attend,
+                   "export": self.exchange.export, "attend_open": self._attend_open, "attend": self.remote.attend,
                    "attend_read": self.remote.read, "attend_release": self.remote.release}
         for name, method in methods.items():
             self.rpc.add_method(name, method)
@@ -344,6 +344,15 @@ class SwarmServer:
             return
         raise AssignmentRefused(f"{what} from {ctx.peer_id}, which is neither an orchestrator of server "
                                 f"{self.peer_id} nor the leader of its segment; {what} ignored")
+
+    async def _attend_open(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        """RPC: keeps a lender's victim here, its KV still lent (`RemoteAttention.open`), for a lender that announces
+        the blocks as its own: such a session opens whatever the free pages, so a stranger may not open one."""
+        start, end = _block_pair(payload)
+        if not await self.dropping.may_lend(ctx.peer_id, start, end):
+            raise MigrationRefused(f"{ctx.peer_id} announces no blocks {start}:{end}, served or dropped, so it lends "
+                                   f"server {self.peer_id} no KV of them; attend_open ignored")
+        return await self.remote.open(payload, ctx)
 
     def _check_orchestrator(self, ctx: CallContext, what: str) -> None:
         """Raises AssignmentRefused unless the caller is one of the orchestrators this server follows."""

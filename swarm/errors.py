@@ -169,7 +169,8 @@ class PositionMismatch(SwarmError):
 
 
 class MigrationRefused(SwarmError):
-    """A server refused to move a session: the caller is neither the session's client nor its orchestrator."""
+    """A server refused to move a session: the caller is neither the session's client nor its orchestrator, or a
+    lender of a victim's KV that does not announce its blocks."""
 
 
 class AssignmentRefused(SwarmError):

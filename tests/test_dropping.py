@@ -19,7 +19,7 @@ from client import ClientConfig, DistributedModelForCausalLM
 from client.inference import RemoteInferenceSession
 from client.swarm_client import SwarmClient
 from orchestrator.buddy import SegmentReplica, groups_of, plan_merge
-from swarm.errors import AssignmentRefused
+from swarm.errors import AssignmentRefused, MigrationRefused
 from swarm.local_swarm import Proc, SwarmProcesses
 from swarm.signing import load_identity, peer_id_of
 from tests.test_failover import ActAfterTokens
@@ -205,7 +205,9 @@ def test_live_exchange_victims_go_on_at_once_through_the_keeper_which_attends_ov
         remote.shutdown()
 
 
-def test_only_the_servers_orchestrator_may_make_it_drop(swarm_factory: SwarmProcesses, tiny_llama: Path) -> None:
+def test_only_the_servers_orchestrator_may_make_it_drop_and_only_a_server_of_the_blocks_lend_it_kv(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
     swarm_factory.start_dht()
     server = swarm_factory.start_server(tiny_llama, "0:8")
     remote = DistributedModelForCausalLM.from_pretrained(
@@ -219,9 +221,14 @@ def test_only_the_servers_orchestrator_may_make_it_drop(swarm_factory: SwarmProc
             call(client, server.peer_id, "drop", {"blocks": [0, 4]})
         with pytest.raises(AssignmentRefused, match="restore ignored"):
             call(client, server.peer_id, "restore", {})
+        # a lent victim opens whatever the free pages: only a server announcing its blocks may lend one
+        lend = {"session_id": "stranger", "blocks": [0, 4], "batch": 1, "max_length": 64, "position": 8}
+        with pytest.raises(MigrationRefused, match="attend_open ignored"):
+            call(client, server.peer_id, "attend_open", lend)
         (info,) = infos(client).values()
         assert (info["record"]["block_start"], info["record"]["block_end"]) == (0, 8)
         assert info["dropping"]["drops"] == 0
+        assert info["dropping"]["live"]["kept_sessions"] == 0
     finally:
         remote.shutdown()
 
