@@ -14,8 +14,30 @@ from swarm.model import BlockRange, ClientHead, get_family, parse_block_range, r
 from swarm.model import checkpoint as checkpoint_module
 from swarm.model.decoder import chunk_mask
 from swarm.model.paged_kv import PagedBatch, SequenceChunk
+from swarm.model.rotary import RotaryTable
 from tests.reference import PagedRunner, ReferenceBlocks
 from tests.tiny_models import tiny_config, write_tiny_checkpoint
+
+ROPES = {  # RoPE parameters beside rope_theta; "dynamic" is the case the family's transformers class computes
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_the_servers_rotary_table_equals_the_familys_transformers_embedding(family: str, rope: str) -> None:
+    extra = ROPES[rope]
+    config = tiny_config(family, **({"rope_parameters": {"rope_theta": 500.0, **extra}} if extra else {}))
+    table = RotaryTable(config, get_family(config), dtype=torch.float32, device=torch.device("cpu"))
+    positions = torch.tensor([0, 1, 5, 63, 64, 300])
+    cos, sin = table.lookup(positions)
+    reference_cos, reference_sin = get_family(config).rotary_embedding(config)(torch.empty(0), torch.arange(512)[None])
+    assert torch.equal(cos[:, 0], reference_cos[0][positions]) and torch.equal(sin[:, 0], reference_sin[0][positions])
 
 
 def run_split(path: Path, splits: list[tuple[int, int]], input_ids: torch.Tensor, steps: int, **block_kwargs):

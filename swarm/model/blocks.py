@@ -16,6 +16,7 @@ from swarm.model.device import dtype_name
 from swarm.model.family import get_family
 from swarm.model.paged_kv import PagedBatch, PagedKV
 from swarm.model.quant import quantize_linears, realias_moved_weights
+from swarm.model.rotary import RotaryTable
 from swarm.model.source import ModelSource
 
 
@@ -33,25 +34,6 @@ def parse_block_range(text: str, num_blocks: int | None = None) -> tuple[int, in
     if num_blocks is not None and end > num_blocks:
         raise InvalidBlockRange(f"block range {text!r} exceeds the model's {num_blocks} blocks")
     return start, end
-
-
-class RotaryTable:
-    """cos/sin of every position up to a length, computed once by the family's rotary embedding and grown on demand."""
-
-    def __init__(self, rotary: nn.Module, *, dtype: torch.dtype, device: torch.device) -> None:
-        self.rotary, self.dtype, self.device = rotary, dtype, device
-        self.cos = self.sin = torch.empty(0, device=device)
-
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gives cos and sin ([rows, 1, head_dim]) of `positions`."""
-        needed = int(positions.max()) + 1
-        if needed > self.cos.shape[0]:
-            length = max(256, 1 << (needed - 1).bit_length())
-            probe = torch.empty(0, dtype=self.dtype, device=self.device)
-            cos, sin = self.rotary(probe, torch.arange(length, device=self.device)[None])
-            self.cos, self.sin = cos[0], sin[0]
-        positions = positions.to(self.device)
-        return self.cos[positions][:, None], self.sin[positions][:, None]
 
 
 class BlockRange(nn.Module):
@@ -91,8 +73,7 @@ class BlockRange(nn.Module):
         for index, prefix in zip(range(start, end), prefixes, strict=True):
             self._build(index, {name: tensor for name, tensor in tensors.items() if name.startswith(prefix)})
         self.kv_heads, self.head_dim = self.family.kv_shape(self.config)
-        self.rotary = RotaryTable(self.family.rotary_embedding(self.config).to(self.device), dtype=dtype,
-                                  device=self.device)
+        self.rotary = RotaryTable(self.config, self.family, dtype=dtype, device=self.device)
 
     def _build(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
         prefix = self.family.block_prefix(index)

@@ -19,10 +19,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.activations import ACT2FN
 
 from swarm.errors import UnsupportedArchitecture
 from swarm.model.paged_kv import DecodeGroup, PagedBatch, PagedKV, SequenceChunk
+
+
+def activation_of(name: str) -> nn.Module:
+    """Gives the MLP's activation named by a config's `hidden_act`: SiLU (every supported family's) without importing
+    transformers' activations, which a server's start-up need not pay for; any other from them."""
+    if name in ("silu", "swish"):
+        return nn.SiLU()
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
 
 
 class RMSNorm(nn.Module):
@@ -139,7 +148,7 @@ class DecoderBlock(nn.Module):
         gate_up_bias = torch.cat([gate_bias, up_bias]) if gate_bias is not None and up_bias is not None else None
         self.gate_up = _linear(torch.cat([take(f"{mlp}gate_proj.weight"), take(f"{mlp}up_proj.weight")]), gate_up_bias)
         self.down = _linear(take(f"{mlp}down_proj.weight"), take_bias(f"{mlp}down_proj.bias"))
-        self.act = ACT2FN[activation]
+        self.act = activation_of(activation)
         if state:
             raise UnsupportedArchitecture(f"checkpoint block has tensors this block does not use: {sorted(state)}")
         if qkv_weight.shape[0] != (heads + 2 * kv_heads) * head_dim:

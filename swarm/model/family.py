@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,20 +18,35 @@ class DecoderFamily:
 
     Llama, Mistral and Qwen2 share this layout, and the server runs all of them with one block implementation
     (`swarm.model.decoder`); what differs is data: the rotary embedding (its scaling), whether a block attends over
-    a sliding window, and the biases a checkpoint carries. `decoder_layer` names transformers' block class, the
-    reference the server's block is tested against.
+    a sliding window, and the biases a checkpoint carries. `reference` names transformers' modelling module and
+    `classes` its prefix there: its decoder layer is the reference the server's block is tested against, imported
+    only when asked for (a server's start-up need not pay for transformers' modelling code).
     """
 
     name: str
     model_types: tuple[str, ...]
-    decoder_layer: type[nn.Module]
-    rotary_embedding: type[nn.Module]
-    rms_norm: type[nn.Module]
+    reference: str  # e.g. "transformers.models.llama.modeling_llama"
+    classes: str  # e.g. "Llama": LlamaDecoderLayer, LlamaRotaryEmbedding, LlamaRMSNorm
     sliding_window: Callable[[PretrainedConfig, int], int | None] = lambda config, index: None
     layer_prefix: str = "model.layers.{index}."
     embed_key: str = "model.embed_tokens.weight"
     norm_key: str = "model.norm.weight"
     lm_head_key: str = "lm_head.weight"
+
+    @property
+    def decoder_layer(self) -> type[nn.Module]:
+        return self._reference_class("DecoderLayer")
+
+    @property
+    def rotary_embedding(self) -> type[nn.Module]:
+        return self._reference_class("RotaryEmbedding")
+
+    @property
+    def rms_norm(self) -> type[nn.Module]:
+        return self._reference_class("RMSNorm")
+
+    def _reference_class(self, suffix: str) -> type[nn.Module]:
+        return getattr(importlib.import_module(self.reference), self.classes + suffix)
 
     def block_prefix(self, index: int) -> str:
         """Gives the checkpoint key prefix of block `index`."""

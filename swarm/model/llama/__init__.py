@@ -1,8 +1,6 @@
-"""Llama family (Llama 2/3, SmolLM2, TinyLlama): transformers' own Llama block classes."""
+"""Llama family (Llama 2/3, SmolLM2, TinyLlama): transformers' own Llama block classes are its reference."""
 
 from __future__ import annotations
-
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from swarm.model.family import DecoderFamily, register_family
 
@@ -10,8 +8,7 @@ LLAMA = register_family(
     DecoderFamily(
         name="llama",
         model_types=("llama",),
-        decoder_layer=LlamaDecoderLayer,
-        rotary_embedding=LlamaRotaryEmbedding,
-        rms_norm=LlamaRMSNorm,
+        reference="transformers.models.llama.modeling_llama",
+        classes="Llama",
     )
 )

@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 from transformers import PretrainedConfig
-from transformers.models.mistral.modeling_mistral import (
-    MistralDecoderLayer,
-    MistralRMSNorm,
-    MistralRotaryEmbedding,
-)
 
 from swarm.model.family import DecoderFamily, register_family
 
@@ -20,9 +15,8 @@ MISTRAL = register_family(
     DecoderFamily(
         name="mistral",
         model_types=("mistral",),
-        decoder_layer=MistralDecoderLayer,
-        rotary_embedding=MistralRotaryEmbedding,
-        rms_norm=MistralRMSNorm,
+        reference="transformers.models.mistral.modeling_mistral",
+        classes="Mistral",
         sliding_window=_sliding_window,
     )
 )

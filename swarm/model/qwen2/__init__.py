@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from transformers import PretrainedConfig
-from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
 
 from swarm.model.family import DecoderFamily, register_family
 
@@ -19,9 +18,8 @@ QWEN2 = register_family(
     DecoderFamily(
         name="qwen2",
         model_types=("qwen2",),
-        decoder_layer=Qwen2DecoderLayer,
-        rotary_embedding=Qwen2RotaryEmbedding,
-        rms_norm=Qwen2RMSNorm,
+        reference="transformers.models.qwen2.modeling_qwen2",
+        classes="Qwen2",
         sliding_window=_sliding_window,
     )
 )
