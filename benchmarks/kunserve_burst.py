@@ -48,6 +48,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import math
 import os
@@ -120,6 +121,16 @@ def burst_requests(args: argparse.Namespace, rate: float) -> list[dict]:
             for n, i in enumerate(chosen)]
 
 
+@dataclass(frozen=True)
+class StateCompute:
+    """What the servers computed while they hosted a given number of blocks (`ArmRun.compute_by_blocks`)."""
+
+    prompt_us_per_token_block: float  # the batches holding prompt tokens, per token and block
+    other_ms_per_batch_block: float  # the other batches (decode steps), per batch and block
+    sessions: float  # open sessions per server, mean over the polls that saw a batch
+    prompt_tokens: int
+
+
 @dataclass
 class ArmRun:
     arm: str
@@ -170,6 +181,33 @@ class ArmRun:
         names = ("lent_sessions", "attends_sent", "switched_blocks", "copied_bytes", "lost")
         summed = {name: int(total.get(name, 0)) for name in names}
         return {**summed, "attend_ms_mean": total.get("attend_ms_mean", 0.0) / max(1, summed["attends_sent"])}
+
+    def compute_by_blocks(self) -> dict[int, StateCompute]:
+        """Gives what the servers computed between two polls that found the same hosted range, by the blocks they
+        hosted (30: whole, fewer: a member of a pipeline or of a dropped group), summed over the servers: the
+        batches' compute per block, over their prompt tokens and their other batches, and the open sessions."""
+        grown: dict[int, list[float]] = {}
+        by_peer: dict[str, list[dict]] = {}
+        for row in self.polls:
+            if "batches" in row:
+                by_peer.setdefault(row["peer_id"], []).append(row)
+        for rows in by_peer.values():
+            rows.sort(key=lambda row: row["t"])
+            for before, after in itertools.pairwise(rows):
+                blocks = after["block_end"] - after["block_start"]
+                if blocks != before["block_end"] - before["block_start"] or blocks == 0:
+                    continue
+                delta = {name: after["batches"][name] - before["batches"].get(name, 0) for name in after["batches"]}
+                sums = grown.setdefault(blocks, [0.0] * 6)
+                sums[0] += delta["prefill_batch_ms"] / blocks
+                sums[1] += delta["prefill_tokens"]
+                sums[2] += (delta["compute_ms"] - delta["prefill_batch_ms"]) / blocks
+                sums[3] += delta["batches"] - delta["prefill_batches"]
+                sums[4] += after["sessions"] if delta["batches"] else 0
+                sums[5] += 1 if delta["batches"] else 0
+        return {blocks: StateCompute(1000 * ms / tokens if tokens else math.nan, other_ms / batches if batches else
+                                     math.nan, sessions / busy if busy else math.nan, int(tokens))
+                for blocks, (ms, tokens, other_ms, batches, sessions, busy) in sorted(grown.items(), reverse=True)}
 
     def pages_series(self) -> list[tuple[float, int, int]]:
         """Gives (t, KV pages held, pages that can hold KV) over both servers at every poll."""
@@ -618,6 +656,14 @@ def report(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
               f"lent their KV, {stats['attends_sent']} attends (mean {stats['attend_ms_mean']:.1f} ms a round trip), "
               f"{stats['switched_blocks']} blocks switched to their keeper, {stats['copied_bytes'] / 1e6:.1f} MB "
               f"copied, {stats['lost']} sessions lost their lender")
+    print("servers' compute by the blocks they hosted, turn 1 (prompt tokens: us per token and block | other batches: "
+          "ms per batch and block | open sessions per busy server):")
+    for arm in ARMS:
+        if runs.get(arm):
+            print(f"  {arm:<26} " + "; ".join(
+                f"{blocks} blocks: {state.prompt_us_per_token_block:.0f} us | {state.other_ms_per_batch_block:.2f} ms"
+                f" | {state.sessions:.1f} ({state.prompt_tokens} prompt tokens)"
+                for blocks, state in runs[arm][0].compute_by_blocks().items()))
     kunserve = runs.get("KunServe blocking", [None])[0]
     if kunserve is not None and kunserve.served:
         print("KV pages held / pages that can hold KV, both servers, 5-s windows (KunServe | no drop):")
