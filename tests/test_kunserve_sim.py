@@ -60,6 +60,19 @@ def test_a_static_pipeline_pays_its_hops_when_unloaded(members: bool) -> None:
     assert extra_ms == pytest.approx(2 * CONFIG.hop_ms if members else CONFIG.hop_ms)
 
 
+@pytest.mark.parametrize("members", [False, True], ids=["micro-batches", "member-batching"])
+def test_a_groups_prompt_tokens_cost_what_members_measured_and_a_whole_replicas_do_not(members: bool) -> None:
+    calm = [SimRequest(1.0 * i, 16, 48) for i in range(10)]
+    member_ms = 3 * CONFIG.prefill_token_ms
+    measured = dataclasses.replace(CONFIG, member_prefill_token_ms=member_ms)
+    replicas = [simulate(dataclasses.replace(config, dropping=False), calm) for config in (CONFIG, measured)]
+    assert np.array_equal(replicas[0].ttft_s, replicas[1].ttft_s)
+    pipelines = [simulate(dataclasses.replace(config, static_groups=2, member_batching=members), calm)
+                 for config in (CONFIG, measured)]
+    extra_ms = (np.nanmedian(pipelines[1].ttft_s) - np.nanmedian(pipelines[0].ttft_s)) * 1000
+    assert extra_ms == pytest.approx(16 * (member_ms - CONFIG.prefill_token_ms))  # its 16 prompt tokens, all blocks
+
+
 def test_the_simulation_is_a_pure_function_of_its_inputs() -> None:
     first, second = simulate(CONFIG, burst()), simulate(CONFIG, burst())
     assert np.array_equal(first.ttft_s, second.ttft_s) and first.samples == second.samples
@@ -68,6 +81,8 @@ def test_the_simulation_is_a_pure_function_of_its_inputs() -> None:
 def test_bad_configurations_are_refused() -> None:
     with pytest.raises(ValueError, match="multiple of blocks"):
         dataclasses.replace(CONFIG, params_pages=41)
+    with pytest.raises(ValueError, match="member_prefill_token_ms"):
+        dataclasses.replace(CONFIG, member_prefill_token_ms=-1.0)
     with pytest.raises(ValueError, match="divide"):
         dataclasses.replace(CONFIG, static_groups=3)
     with pytest.raises(ValueError, match="cores"):

@@ -6,7 +6,8 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
 - A *unit* serves requests with continuous batching: a group of k replicas (k = 1 undropped) holding one copy of the
   model's blocks, so its KV capacity is k x `pages_total` - `params_pages` (the dropped copies' pages hold KV).
   An iteration computes one token of every decoding request and up to `prefill_chunk_tokens` of prefill, and
-  occupies a whole replica for `step_ms + prefill_token_ms x prompt tokens + decode_token_ms x decoding requests`.
+  occupies a whole replica for `step_ms + prefill_token_ms x prompt tokens + decode_token_ms x decoding requests`
+  (a group's prompt tokens cost `member_prefill_token_ms` when given: what live members measured, see below).
   A group is a pipeline of its members in slice order, in one of two ways:
   - as the paper's engine pipelines (the default): up to k micro-batches in flight, each with about 1/k of its
     requests, each crossing the k members and paying (k - 1) x `hop_ms` [chosen: no bubbles; the hops count in the
@@ -161,6 +162,11 @@ class KunServeSimConfig:
     # few kilobytes queue behind no prompt, as the links' flows share them]
     client_link_bytes_per_s: float = 0.0
     hidden_bytes_per_token: int = 0
+    # A prompt token's cost through all blocks in a group of more than one member, None: `prefill_token_ms`. Live,
+    # members of a pipeline computed a prompt token 1.0-1.55x as long per block as a whole replica did (r20, r21:
+    # more open sessions per server, the dropped arms more than the static pipeline), which the whole replicas' costs
+    # do not show [chosen: measured per arm, not modelled]
+    member_prefill_token_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.params_pages % self.blocks or self.params_pages >= self.pages_total:
@@ -171,6 +177,8 @@ class KunServeSimConfig:
                self.hidden_bytes_per_token) < 0:
             raise ValueError("attempt_s, refused_try_cpu_ms, client_gang_wait_s, client_link_bytes_per_s and "
                              "hidden_bytes_per_token must be >= 0")
+        if self.member_prefill_token_ms is not None and self.member_prefill_token_ms < 0:
+            raise ValueError("member_prefill_token_ms must be >= 0 (or None)")
         if self.cores is not None and self.cores < 1:
             raise ValueError("cores must be >= 1 (or None)")
         if self.placement not in PLACEMENTS:
@@ -452,7 +460,7 @@ class _Sim:
             items = self._batch(ready)
             if not items:
                 continue
-            work_ms, remote = self._work(items)
+            work_ms, remote = self._work(items, len(unit.members))
             batch = _Batch(unit.uid, member, stage == last, items, self.now,
                            prefill=any(r.prefilled < r.request.prompt for r, _ in items))
             self.computing[member] = batch  # it counts among the processes computing
@@ -494,7 +502,7 @@ class _Sim:
             items = self._batch(ready[:share])
             if not items:
                 return
-            work_ms, remote = self._work(items)
+            work_ms, remote = self._work(items, slots)
             unit.batches += 1
             compute_ms = work_ms * self._sharing(client=self.client_free_s > self.now)
             step_s = (compute_ms + (slots - 1 + 2 * remote) * c.hop_ms) / 1000
@@ -518,14 +526,16 @@ class _Sim:
             running.in_flight = True
         return items
 
-    def _work(self, items: Sequence[tuple[_Running, int]]) -> tuple[float, int]:
-        """Gives what a batch of `items` costs through all blocks on a whole replica (ms, before any sharing), and
+    def _work(self, items: Sequence[tuple[_Running, int]], members: int) -> tuple[float, int]:
+        """Gives what a batch of `items` on a unit of `members` costs through all blocks (ms, before any sharing), and
         the most blocks one of them attends remotely."""
         c = self.config
+        prefill_token_ms = c.prefill_token_ms if members == 1 or c.member_prefill_token_ms is None \
+            else c.member_prefill_token_ms
         prefill = sum(count for running, count in items if running.prefilled < running.request.prompt)
         decode = sum(1 for running, _ in items if running.prefilled >= running.request.prompt)
         remote = max((r.remote_blocks for r, _ in items if r.remote_until_s > self.now), default=0)
-        return c.step_ms + c.prefill_token_ms * prefill + c.decode_token_ms * decode, remote
+        return c.step_ms + prefill_token_ms * prefill + c.decode_token_ms * decode, remote
 
     def _wake(self, unit: _Unit, ready_s: list[float]) -> None:
         """Has `unit` start again when the first of steps not ready yet (`ready_s`) is, unless a wake-up is due
