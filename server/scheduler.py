@@ -39,6 +39,8 @@ DEFAULT_MAX_BATCH_TOKENS = {"cpu": 128, "cuda": 2048}
 COMPUTE_BOUND_PACE = 2.0  # a pass this many times slower per block than a lone row is bound by compute
 MAX_ADMIT_PASSES = 8  # event loop passes that may hand over already-received steps before a batch forms
 RECENT_WINDOW_S = 1.0  # open sessions that stepped this recently count as active
+SLOW_BATCH_FACTOR = 10.0  # a batch this many times slower per token and block than the server's usual is logged
+SLOW_BATCH_MIN_MS = 1000.0  # if it took at least this long
 
 
 @dataclass
@@ -95,6 +97,7 @@ class StepScheduler:
         # called with (tokens, admitted_s) for every step answered (the server's Prometheus histogram)
         self.step_observers: list[Callable[[int, float], None]] = []
         self.computing = False
+        self._usual_ms: float | None = None  # compute per token and block, a running mean over the batches
         self._queue: list[Step] = []
         self._ready = asyncio.Event()
         self._idle = asyncio.Event()
@@ -291,13 +294,15 @@ class StepScheduler:
             self.computing = False
             for step, _ in computed:  # the steps that joined it too
                 self.sessions.leave_batch(step.session)
-        self.stats.joined += len(computed) - len(batch)
+        joined = len(computed) - len(batch)
+        self.stats.joined += joined
         batch = computed
         decode = any(step.tokens == 1 for step, _ in batch)
         prefill_tokens = sum(take * step.rows for step, take in batch if step.tokens > 1)
         prefill = prefill_tokens > 0
         self.stats.note(len(batch), sum(take * step.rows for step, take in batch), compute_ms=compute_ms,
                         mixed=decode and prefill, place="loop" if inline else "pool", prefill_tokens=prefill_tokens)
+        self._note_speed(batch, compute_ms, joined=joined)
         if len(batch) == 1 and batch[0][0].rows * batch[0][1] == 1 and compute_ms > 0:
             sample_ms = compute_ms / batch[0][0].session.blocks  # a lone decode step refines the start-up figure
             self.block_compute_ms = 0.9 * self.block_compute_ms + 0.1 * sample_ms
@@ -323,6 +328,21 @@ class StepScheduler:
                     else:
                         self.stats.decode_alone.note(latency_ms)
         self._finish(finished)
+
+    def _note_speed(self, batch: list[tuple[Step, int]], compute_ms: float, *, joined: int) -> None:
+        """Logs a batch that took `SLOW_BATCH_FACTOR` times the usual compute per token and block (at least
+        `SLOW_BATCH_MIN_MS`), with what it held, then counts it in the usual."""
+        token_blocks = sum(take * step.rows * step.session.blocks for step, take in batch)
+        if token_blocks == 0 or compute_ms <= 0:
+            return
+        per_token_block = compute_ms / token_blocks
+        usual = self._usual_ms
+        if usual is not None and compute_ms >= SLOW_BATCH_MIN_MS and per_token_block > SLOW_BATCH_FACTOR * usual:
+            log.warning("a batch took %.0f ms of compute, %.0fx the usual per token and block: %d step(s) (%d joined), "
+                        "%d token(s) over %d block(s) in all, %d open session(s)", compute_ms, per_token_block / usual,
+                        len(batch), joined, sum(take * step.rows for step, take in batch), token_blocks,
+                        len(self.sessions))
+        self._usual_ms = per_token_block if usual is None else 0.95 * usual + 0.05 * per_token_block
 
     async def _forward_isolated(
         self, batch: list[tuple[Step, int]], *, inline: bool, joinable: bool

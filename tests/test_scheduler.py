@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from server import scheduler as scheduler_module
 from server.scheduler import StepScheduler
 from server.sessions import Session, SessionTable, Step, StepResult
 from swarm.errors import InternalServerError, ServerBusy
@@ -368,3 +369,30 @@ def test_a_decode_step_that_cannot_join_a_chunks_batch_counts_its_wait_before_th
         await engine.scheduler.stop()
 
     scenario(body)
+
+
+def test_a_batch_far_slower_than_the_servers_usual_is_logged_with_what_it_held(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(scheduler_module, "SLOW_BATCH_MIN_MS", 100.0)
+    slow = threading.Event()
+
+    async def body() -> None:
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=64)
+        engine.scheduler.hold_ms = lambda batch, block: 40.0 if slow.is_set() else 0.0  # 320 ms over the 8 blocks
+        engine.scheduler.start()
+        session = engine.open("a")
+        for tokens in (4, 1, 1, 1):
+            result, expected = engine.submit(session, tokens)
+            await result
+            check(result, expected)
+        assert "a batch took" not in caplog.text
+        slow.set()
+        result, expected = engine.submit(session, 1)
+        await result
+        check(result, expected)  # slow, and still exact
+        await engine.scheduler.stop()
+
+    with caplog.at_level("WARNING", logger="server.scheduler"):
+        scenario(body)
+    assert "a batch took" in caplog.text and "1 step(s) (0 joined), 1 token(s) over 8 block(s)" in caplog.text
