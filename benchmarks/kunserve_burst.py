@@ -182,17 +182,20 @@ class ArmRun:
         summed = {name: int(total.get(name, 0)) for name in names}
         return {**summed, "attend_ms_mean": total.get("attend_ms_mean", 0.0) / max(1, summed["attends_sent"])}
 
+    def polls_by_peer(self, *, counted: bool = False) -> list[list[dict]]:
+        """Gives each server's polls in time order; with `counted`, only those that carry batch counters."""
+        by_peer: dict[str, list[dict]] = {}
+        for row in sorted(self.polls, key=lambda row: row["t"]):
+            if not counted or "batches" in row:
+                by_peer.setdefault(row["peer_id"], []).append(row)
+        return list(by_peer.values())
+
     def compute_by_blocks(self) -> dict[int, StateCompute]:
         """Gives what the servers computed between two polls that found the same hosted range, by the blocks they
         hosted (30: whole, fewer: a member of a pipeline or of a dropped group), summed over the servers: the
         batches' compute per block, over their prompt tokens and their other batches, and the open sessions."""
         grown: dict[int, list[float]] = {}
-        by_peer: dict[str, list[dict]] = {}
-        for row in self.polls:
-            if "batches" in row:
-                by_peer.setdefault(row["peer_id"], []).append(row)
-        for rows in by_peer.values():
-            rows.sort(key=lambda row: row["t"])
+        for rows in self.polls_by_peer(counted=True):
             for before, after in itertools.pairwise(rows):
                 blocks = after["block_end"] - after["block_start"]
                 if blocks != before["block_end"] - before["block_start"] or blocks == 0:
@@ -343,10 +346,7 @@ def loaded_block_ms(run: ArmRun) -> float:
     decode steps' compute per block, from its start-up timing on). It came to 2-3x the start-up timing of bare blocks
     (r14, r15): a real step also reads the session's KV pages and runs beside the other processes of one machine;
     a loopback server with one session took 2x. A run whose servers computed no lone step: the start-up timing."""
-    by_peer: dict[str, list[dict]] = {}
-    for row in sorted(run.polls, key=lambda row: row["t"]):
-        by_peer.setdefault(row["peer_id"], []).append(row)
-    refined = [row["block_compute_ms"] for rows in by_peer.values() for row in rows
+    refined = [row["block_compute_ms"] for rows in run.polls_by_peer() for row in rows
                if row["block_compute_ms"] != rows[0]["block_compute_ms"]]
     first = min(run.polls, key=lambda row: row["t"])
     return statistics.median(refined) if refined else first["block_compute_ms"]
@@ -435,13 +435,8 @@ def attempt_s_of(run: ArmRun) -> float:
 def batch_counters(run: ArmRun) -> dict[str, float]:
     """Gives what the servers' batch counters (`info` batches) grew by over the run, summed over the servers: prompt
     tokens, the batches that held them and their compute, and all compute (ms)."""
-    by_peer: dict[str, list[dict]] = {}
-    for row in run.polls:
-        if "batches" in row:
-            by_peer.setdefault(row["peer_id"], []).append(row)
     grown = {"prefill_tokens": 0.0, "prefill_batches": 0.0, "prefill_batch_ms": 0.0, "compute_ms": 0.0}
-    for rows in by_peer.values():
-        rows.sort(key=lambda row: row["t"])
+    for rows in run.polls_by_peer(counted=True):
         first, last = rows[0]["batches"], rows[-1]["batches"]
         for name in grown:
             grown[name] += last.get(name, 0) - first.get(name, 0)  # prefill_batches: 0 in runs before it was counted

@@ -63,10 +63,9 @@ def refused_twice(members: list[Mapping[str, Any]], opened: Iterable[Any] = ()) 
 
 
 def announces(record: ServerRecord, start: int, end: int) -> bool:
-    """Gives whether `record` holds blocks [start, end) in its served range or in the range it can restore."""
-    ranges = [(record.block_start, record.block_end), (record.restorable_start, record.restorable_end)]
-    return start < end and any(first is not None and last is not None and first <= start and end <= last
-                               for first, last in ranges)
+    """Gives whether blocks [start, end) lie in `record`'s segment: the range it can restore, else the one it serves."""
+    first, last = segment_of(record)
+    return first <= start < end <= last
 
 
 class DropHost(Protocol):
@@ -127,13 +126,13 @@ class DropMember:
         this server's view of the DHT, looked up again if the view does not show it): only such a server's victims
         may open here with their KV still on it (`attend_open`), which takes no page at once."""
         for max_age_s in (GROUP_MAX_AGE_S, 0.0):
-            await self._group(max_age_s=max_age_s)  # refreshes the view if it is older
-            record = self._view[1].get(peer_id)
+            record = (await self._records(max_age_s=max_age_s)).get(peer_id)
             if record is not None and announces(record, start, end):
                 return True
         return False
 
-    async def _group(self, *, max_age_s: float) -> list[ServerRecord]:
+    async def _records(self, *, max_age_s: float) -> dict[str, ServerRecord]:
+        """Gives the model's servers' records in the DHT, as looked up at most `max_age_s` ago."""
         server = self.server
         when, records = self._view
         if time.monotonic() - when > max_age_s:
@@ -141,8 +140,11 @@ class DropMember:
             records = await lookup_servers_async(server.dht, server.source.model_id,
                                                  timeout_s=server.config.push_timeout_s)
             self._view = (time.monotonic(), records)
-        own = server.record()
-        return drop_group({**records, own.peer_id: own}, segment_of(own))
+        return records
+
+    async def _group(self, *, max_age_s: float) -> list[ServerRecord]:
+        own = self.server.record()
+        return drop_group({**await self._records(max_age_s=max_age_s), own.peer_id: own}, segment_of(own))
 
     async def _fresh_group(self) -> list[ServerRecord]:
         """Gives the segment's records as its servers see themselves now (`info`), this server's own included;

@@ -163,9 +163,8 @@ class KunServeSimConfig:
     client_link_bytes_per_s: float = 0.0
     hidden_bytes_per_token: int = 0
     # A prompt token's cost through all blocks in a group of more than one member, None: `prefill_token_ms`. Live,
-    # members of a pipeline computed a prompt token 1.0-1.55x as long per block as a whole replica did (r20, r21:
-    # more open sessions per server, the dropped arms more than the static pipeline), which the whole replicas' costs
-    # do not show [chosen: measured per arm, not modelled]
+    # members of a pipeline computed a prompt token 0.72-1.55x as long per block as the no-drop arm's whole replicas
+    # did (r20-r22), which the whole replicas' costs do not show [chosen: measured per arm, not modelled]
     member_prefill_token_ms: float | None = None
 
     def __post_init__(self) -> None:
