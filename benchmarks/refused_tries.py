@@ -18,6 +18,7 @@ median of the three windows.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import tempfile
 import threading
@@ -76,6 +77,16 @@ def _cores(seconds: float) -> float:
 def measure(server_flags: Sequence[str], *, max_length: int, waiters: int = 24, window_s: float = 20.0
             ) -> RefusedTries:
     """Runs the rig (module docstring) with servers started with `server_flags` and sessions of `max_length`."""
+    client_log = logging.getLogger("client.inference")
+    level = client_log.level
+    client_log.setLevel(logging.ERROR)  # the waiters' refusals (a warning each) are what the rig makes, not news
+    try:
+        return _measure(server_flags, max_length=max_length, waiters=waiters, window_s=window_s)
+    finally:
+        client_log.setLevel(level)
+
+
+def _measure(server_flags: Sequence[str], *, max_length: int, waiters: int, window_s: float) -> RefusedTries:
     with tempfile.TemporaryDirectory(prefix="refused-tries-") as scratch, \
             SwarmProcesses(Path(scratch), announce_period_s=5.0, record_ttl_s=30.0,
                            torch_threads=1) as swarm:

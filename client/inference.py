@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 PUSH_WAIT_MARGIN_MS = 500.0
 MAX_MOVES_PER_STEP = 8  # a session that keeps moving while one step waits is failed over instead
 BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S = 0.5, 4.0  # waiting for room while every server answers busy
+MIN_RETRY_S = 0.05  # the soonest a client asks again when a busy server named a time (`ServerBusy.retry_after_s`)
 
 # Errors after which another server may succeed; anything else (bad input, max length) goes to the caller.
 RECOVERABLE = (
@@ -60,6 +61,15 @@ RECOVERABLE = (
 NOT_THE_SERVERS_FAULT = (ServerBusy, SessionMoved, BlocksDropped, ChainChanged)
 # When opening a session, a stale record (blocks no longer hosted) or a lower --max-length also means: try another.
 RECOVERABLE_AT_OPEN = (*RECOVERABLE, BlocksNotHosted, MaxLengthExceeded)
+
+
+def busy_retry_wait(backoff_s: float, soon_s: float | None) -> tuple[float, float]:
+    """Gives how long a client that every server refused waits before it asks again, and its backoff after that:
+    its backoff, doubling up to `BUSY_BACKOFF_MAX_S`; or, if a server said when it expects room (`soon_s`: pages a
+    drop frees as its blocks unload), that time if sooner (at least `MIN_RETRY_S`), with the backoff kept as it is."""
+    if soon_s is None:
+        return backoff_s, min(BUSY_BACKOFF_MAX_S, 2 * backoff_s)
+    return min(backoff_s, max(MIN_RETRY_S, soon_s)), backoff_s
 
 
 @dataclass
@@ -204,6 +214,7 @@ class RemoteInferenceSession:
         busy = set(busy or ())
         refusals = 0
         answered_busy = False  # a server refused this call for room (not only avoided from an earlier refusal)
+        soon_s: float | None = None  # the earliest time a server of this round that refused it asked to be tried again
         attempts = self.open_attempts
         wait_id = uuid.uuid4().hex  # this wait, across its tries and rounds: servers count its refusals once
         servers: dict[str, ServerRecord] | None = None  # this round's records
@@ -232,15 +243,16 @@ class RemoteInferenceSession:
                 if not missing and time.monotonic() + backoff_s > deadline:
                     raise ServerBusy(f"every server of blocks {start}:{end} that could take this session was busy "
                                      f"for {config.busy_wait_s:g} s") from None
-                log.info("%s blocks %d:%d; asking again in %.1f s",
-                         "No online server covers" if missing else "Every server is busy for", start, end, backoff_s)
+                wait_s, next_backoff_s = busy_retry_wait(backoff_s, soon_s)
+                log.info("%s blocks %d:%d; asking again in %.2f s",
+                         "No online server covers" if missing else "Every server is busy for", start, end, wait_s)
                 if self._on_wait is not None:
                     on_wait, self._on_wait = self._on_wait, None
                     on_wait()
                 started = time.perf_counter()
-                await asyncio.sleep(backoff_s)
-                attempts.append(OpenAttempt("backoff", started, time.perf_counter(), outcome=f"{backoff_s:g}"))
-                backoff_s, busy, servers = min(BUSY_BACKOFF_MAX_S, 2 * backoff_s), set(), None
+                await asyncio.sleep(wait_s)
+                attempts.append(OpenAttempt("backoff", started, time.perf_counter(), outcome=f"{wait_s:g}"))
+                backoff_s, busy, servers, soon_s = next_backoff_s, set(), None, None
                 continue
             opened: list[_SpanSession] = []
             try:
@@ -256,6 +268,9 @@ class RemoteInferenceSession:
                 if isinstance(error, ServerBusy | BlocksNotHosted):  # full, or the record it routed on is stale
                     busy.add(span.peer_id)
                     answered_busy |= isinstance(error, ServerBusy)
+                    hint_s = error.retry_after_s if isinstance(error, ServerBusy) else None
+                    if hint_s is not None:
+                        soon_s = hint_s if soon_s is None else min(soon_s, hint_s)
                 else:
                     self.client.ban(span.peer_id)
                     refusals += 1

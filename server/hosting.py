@@ -230,6 +230,12 @@ class Hosting:
             if self._retiring:
                 await asyncio.sleep(RETIRE_POLL_S)
 
+    def retiring_pages(self) -> int:
+        """Gives the pages of dropped blocks that are still loaded: they return to the pool once no session computes
+        over them (the victims of a blocking exchange, until their KV has moved)."""
+        return sum(len(self.pool.pages_of(ParamsOwner(index))) for index in self._retiring
+                   if index in self.blocks.loaded)
+
     def unload_unused(self) -> list[int]:
         """Unloads every leaving block no session uses any more and returns its pages; gives their indices."""
         unloaded = []

@@ -126,6 +126,7 @@ class SwarmServer:
                                      chunk_bytes=config.migration_chunk_bytes,
                                      import_idle_s=config.import_idle_timeout_s)
         self.hosting = Hosting(self.blocks, self.pool, self.sessions, load_timeout_s=config.block_change_timeout_s)
+        self.sessions.pages_coming = self.hosting.retiring_pages
         self.hosting.add_listener(self._on_range_change)
         # A server that starts with no blocks measures one built outside its pool (and forgets it): the orchestrator
         # and a self-choosing server need its speed and block size before it hosts anything.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,9 @@ MAX_REMEMBERED = 4096  # evicted and refused sessions kept in mind at most
 # How long a session refused for room counts in the demand (KunServe's trigger): a client that every server
 # refused asks again after its backoff, at most 4 s (`client.inference`), so it is still waiting until then.
 REFUSED_WINDOW_S = 5.0
+# When to ask again, told to a client refused for room while a drop is freeing pages that would admit it (the
+# dropped blocks unload as their victims' KV leaves, within a second or two): sooner than its doubling backoff
+SOON_RETRY_MS = 250
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,9 @@ class SessionTable:
         # Pages a drop holds back from new sessions for the KV its group-mates' victims bring (`hold_for_exchange`):
         # how many are left, how long the hold lasts without an import, and when one last ran.
         self._held_for_exchange, self._hold_idle_s, self._hold_active_s = 0, 0.0, 0.0
+        # Pages about to return to the pool: the parameters of dropped blocks that unload once no session computes
+        # over them (`server.hosting.Hosting.retiring_pages`, wired by the server)
+        self.pages_coming: Callable[[], int] = lambda: 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -301,11 +308,17 @@ class SessionTable:
         if not kv_elsewhere and not self.policy.admits(pages_free=pages_free, reserve=reserve,
                                                        new_session_pages=expected):
             self._note_refused(wait_id or session_id, expected)
+            coming = self.pages_coming()
+            soon = coming > 0 and self.policy.admits(pages_free=pages_free + coming, reserve=reserve,
+                                                     new_session_pages=expected)
             raise ServerBusy(
                 f"no room for a session of {end - start} blocks x {batch} row(s): it is expected to take {expected} "
                 f"pages, {pages_free} are free and the {len(self)} open session(s) are expected to take "
                 f"{reserve - (0 if moved_in else held)} more as they grow"
                 + (f"; {held} are held for the KV a drop's exchange brings" if held and not moved_in else "")
+                + (f"; {coming} more return as dropped blocks unload: ask again in {SOON_RETRY_MS} ms" if soon
+                   else ""),
+                {"retry_after_ms": SOON_RETRY_MS} if soon else None,
             )
         if moved_in and held:
             self._held_for_exchange = max(0, held - expected)

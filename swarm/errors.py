@@ -102,7 +102,14 @@ class MaxLengthExceeded(SwarmError):
 
 
 class ServerBusy(SwarmError):
-    """The server has no free pages for the requested session right now."""
+    """The server has no free pages for the requested session right now. A server that expects room soon (pages a
+    drop is freeing) says when to ask again: `details["retry_after_ms"]`, read by `retry_after_s`."""
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """Gives when the server asked to be tried again (s), or None if it named no time."""
+        ms = self.details.get("retry_after_ms")
+        return ms / 1000 if isinstance(ms, int) and ms > 0 else None
 
 
 class QuotaExceeded(ServerBusy):

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from client.inference import BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S, MIN_RETRY_S, busy_retry_wait
 from server.hosting import Hosting
 from server.scheduler import StepScheduler
-from server.sessions import Session, SessionTable, Step, StepResult
-from swarm.errors import BlocksDropped, BlocksNotHosted, InvalidBlockRange, OutOfPages
-from swarm.memory import PagePool, ParamsOwner
+from server.sessions import SOON_RETRY_MS, Session, SessionTable, Step, StepResult
+from swarm.errors import BlocksDropped, BlocksNotHosted, InvalidBlockRange, OutOfPages, ServerBusy
+from swarm.memory import KVOwner, PagePool, ParamsOwner
 from swarm.model import BlockRange, resolve_model
 from tests.reference import ReferenceBlocks
 
@@ -41,6 +42,7 @@ class Core:
         self.scheduler = StepScheduler(self.blocks, kv, self.sessions, max_batch_tokens=64, inline_step_ms=0,
                                        block_compute_ms=1.0, on_steps_done=lambda steps: None)
         self.hosting = Hosting(self.blocks, self.pool, self.sessions, load_timeout_s=30)
+        self.sessions.pages_coming = self.hosting.retiring_pages  # as the server wires them
         self.changes: list[tuple[tuple[int, int], tuple[int, int]]] = []
         self.hosting.add_listener(lambda old, new: self.changes.append((old, new)))
         self.references: dict[str, ReferenceBlocks] = {}
@@ -223,6 +225,46 @@ def test_a_victim_computing_while_its_blocks_drop_returns_its_pages_after_its_ba
         core.pool.check_invariants()
 
     run(body)
+
+
+def test_a_full_server_whose_drop_is_freeing_pages_asks_a_refused_client_to_come_back_soon(tiny_llama: Path) -> None:
+    async def body() -> None:
+        core = Core(tiny_llama, 0, 8, pool_blocks=8, kv_pages=64)
+        core.scheduler.start()
+        victim = core.open("victim", 0, 8)
+        await core.step_exactly(victim, 3)
+        result = await core.computing(victim, 60)
+        core.pool.allocate(KVOwner("filler", 4), core.pool.stats().pages_free)  # the rest of the pool is taken
+        with pytest.raises(ServerBusy) as full:
+            core.open("early", 4, 8)
+        assert full.value.retry_after_s is None  # nothing is coming back: the client's own backoff
+        assert await core.hosting.drop(4, 8) == ["victim"]
+        coming = 4 * core.params_pages()[0]
+        assert core.hosting.retiring_pages() == coming  # its batch still computes with blocks 0-3
+        with pytest.raises(ServerBusy) as soon:
+            core.open("late", 4, 8)
+        assert soon.value.retry_after_s == SOON_RETRY_MS / 1000
+        assert f"{coming} more return as dropped blocks unload" in soon.value.message
+        wired = ServerBusy.from_wire(soon.value.to_wire())  # the hint crosses the wire
+        assert isinstance(wired, ServerBusy) and wired.retry_after_s == SOON_RETRY_MS / 1000
+        await asyncio.gather(result, return_exceptions=True)
+        await until(lambda: core.hosting.retiring_pages() == 0)
+        core.open("late", 4, 8)  # the pages came back, as the refusal said
+        core.pool.free(KVOwner("filler", 4))
+        core.sessions.close_all()
+        core.pool.check_invariants()
+
+    run(body)
+
+
+def test_a_refused_client_asks_again_when_the_server_expects_room_and_keeps_its_backoff() -> None:
+    backoff_s, waits = BUSY_BACKOFF_FIRST_S, []
+    for soon_s in (None, None, SOON_RETRY_MS / 1000, SOON_RETRY_MS / 1000, None, None, None, 0.0, 60.0):
+        wait_s, backoff_s = busy_retry_wait(backoff_s, soon_s)
+        waits.append(wait_s)
+    # doubling from 0.5 s to at most 4 s; a named time is kept to (never below MIN_RETRY_S, never past the backoff)
+    # and does not double the backoff
+    assert waits == [0.5, 1.0, 0.25, 0.25, 2.0, 4.0, 4.0, MIN_RETRY_S, BUSY_BACKOFF_MAX_S]
 
 
 def test_a_restore_into_scattered_free_pages_moves_kv_pages_aside_and_the_sessions_compute_on_exactly(
