@@ -293,8 +293,9 @@ class Generation:
 
 
 def generate_watching(remote: DistributedModelForCausalLM, prompts: list[torch.Tensor], *, new_tokens: int,
-                      look: Callable[[], None]) -> Generation:
-    """Runs the greedy generations of `prompts` at once, calling `look()` every 0.1 s until they all ended."""
+                      look: Callable[[], None], after_first_token: Callable[[], object] | None = None) -> Generation:
+    """Runs the greedy generations of `prompts` at once, calling `look()` every 0.1 s until they all ended (and each
+    `after_first_token()` once its first token arrived)."""
     running = threading.Event()
     running.set()
 
@@ -305,7 +306,7 @@ def generate_watching(remote: DistributedModelForCausalLM, prompts: list[torch.T
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    generation = Generation(remote, prompts, new_tokens=new_tokens)
+    generation = Generation(remote, prompts, new_tokens=new_tokens, after_first_token=after_first_token)
     generation.join()
     running.clear()
     watcher.join(10)
@@ -427,7 +428,11 @@ def test_a_burst_that_arrives_as_the_group_restores_ends_exact_with_every_block_
             if hosted != set(range(8)):
                 uncovered.append(time.monotonic())
 
-        burst = generate_watching(remote, first, new_tokens=24, look=look)
+        # the first burst's sessions wait after their first token until all eight have one: the undropped pools hold
+        # four, so it ends only through a drop [in a loaded suite run, eight that did not wait could end by backing
+        # off before the leader's samples showed their demand, and no drop left no restore to wait for]
+        all_open = threading.Barrier(len(first), timeout=TIMEOUT_S * 2)
+        burst = generate_watching(remote, first, new_tokens=24, look=look, after_first_token=all_open.wait)
         deadline = time.monotonic() + TIMEOUT_S
         while time.monotonic() < deadline and not any(info["dropping"]["restores"] for info in infos(client).values()):
             time.sleep(0.05)
