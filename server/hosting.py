@@ -51,6 +51,9 @@ class Hosting:
             raise InvalidBlockRange(f"a server starts with a contiguous range of blocks, got {loaded}")
         self.sessions.set_range(self.start, self.end)
         self._retiring: set[int] = set()
+        # the retiring blocks a drop left: they return their pages once no batch computes over them and the victims
+        # left, within seconds (a range change's leaving blocks wait for their sessions to end)
+        self._dropped: set[int] = set()
         self._freed = asyncio.Event()  # set whenever a leaving block returns its pages
         self._lock = asyncio.Lock()  # one change at a time
         self._listeners: list[RangeListener] = []
@@ -92,6 +95,7 @@ class Hosting:
             leaving = set(range(self.start, self.end)) - set(range(start, end))
             self._retiring |= leaving
             self._retiring -= set(range(start, end))  # a block that left and comes back serves again at once
+            self._dropped -= set(range(start, end))
             self._set_range(*((kept_start, kept_end) if kept_start < kept_end else (0, 0)))
             self._ensure_retire_task()
             # nearest to the kept range first: below it downwards, then above it upwards
@@ -137,6 +141,7 @@ class Hosting:
                 self._restorable = (self.start, self.end)
             old = (self.start, self.end)
             self._retiring |= dropped
+            self._dropped |= dropped
             self._set_range(start, end)
             self.drops += 1
             self.unload_unused()  # what no batch computes with goes now, the rest once its batch ends
@@ -231,9 +236,10 @@ class Hosting:
                 await asyncio.sleep(RETIRE_POLL_S)
 
     def retiring_pages(self) -> int:
-        """Gives the pages of dropped blocks that are still loaded: they return to the pool once no session computes
-        over them (the victims of a blocking exchange, until their KV has moved)."""
-        return sum(len(self.pool.pages_of(ParamsOwner(index))) for index in self._retiring
+        """Gives the pages of dropped blocks that are still loaded: they return to the pool within seconds, once no
+        batch computes over them and the victims left (a range change's leaving blocks, which wait for their
+        sessions to end, do not count)."""
+        return sum(len(self.pool.pages_of(ParamsOwner(index))) for index in self._retiring & self._dropped
                    if index in self.blocks.loaded)
 
     def unload_unused(self) -> list[int]:
@@ -243,6 +249,7 @@ class Hosting:
             if self.sessions.uses_block(index):
                 continue
             self._retiring.discard(index)
+            self._dropped.discard(index)
             if index in self.blocks.loaded:
                 self.blocks.unload_block(index)
                 self.pool.free(ParamsOwner(index))

@@ -267,14 +267,17 @@ def test_the_restore_trigger_waits_for_the_drop_to_age_and_for_room_with_a_margi
     falling = [(0.0, 400), (1.0, 300)]
     assert not restore_trigger(falling, capacity_undropped_pages=1000, dropped_for_s=5.0, calm_s=0.0)  # too recent
     assert restore_trigger(falling, capacity_undropped_pages=1000, dropped_for_s=12.0, calm_s=0.0)
-    assert not restore_trigger([(0.0, 810), (1.0, 810)], capacity_undropped_pages=1000, dropped_for_s=60.0,
-                               calm_s=0.0)  # > 80%
+    assert not restore_trigger([(0.0, 510), (1.0, 510)], capacity_undropped_pages=1000, dropped_for_s=60.0,
+                               calm_s=0.0)  # > 50%
+    # a group that dropped at 3 of 4 sessions' demand (the drop trigger forecasts a horizon ahead) stays dropped at it
+    assert not restore_trigger([(0.0, 90), (20.0, 90)], capacity_undropped_pages=120, dropped_for_s=20.0)
+    assert restore_trigger([(0.0, 60), (20.0, 60)], capacity_undropped_pages=120, dropped_for_s=20.0)
     assert not restore_trigger([(0.0, 500), (1.0, 600)], capacity_undropped_pages=1000, dropped_for_s=60.0,
                                calm_s=0.0)  # rising
 
 
 def test_the_restore_trigger_waits_out_a_lull_between_two_waves():
-    # a wave above 80% of 1000 pages until t = 10, then a lull of a few sessions
+    # a wave above 50% of 1000 pages until t = 10, then a lull of a few sessions
     wave_then_lull = [(t * 0.5, 900 if t * 0.5 <= 10 else 60) for t in range(0, 51)]  # 0 .. 25 s
     at = {round(time_s, 1): index for index, (time_s, _) in enumerate(wave_then_lull)}
     assert not restore_trigger(wave_then_lull[:at[20.0] + 1], 1000, dropped_for_s=20.0)  # the wave is 10 s old

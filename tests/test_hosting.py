@@ -257,6 +257,24 @@ def test_a_full_server_whose_drop_is_freeing_pages_asks_a_refused_client_to_come
     run(body)
 
 
+def test_the_leaving_blocks_of_a_range_change_promise_no_room_soon_since_they_wait_for_whole_sessions(
+    tiny_llama: Path
+) -> None:
+    async def body() -> None:
+        core = Core(tiny_llama, 0, 8, pool_blocks=8, kv_pages=64)
+        core.scheduler.start()
+        session = core.open("open", 0, 8)
+        await core.step_exactly(session, 3)
+        await core.hosting.change(4, 8)
+        assert core.hosting.retiring == [0, 1, 2, 3]  # until the session ends, however long it runs
+        assert core.hosting.retiring_pages() == 0
+        core.sessions.close_all()
+        await until(lambda: core.hosting.retiring == [])
+        core.pool.check_invariants()
+
+    run(body)
+
+
 def test_a_refused_client_asks_again_when_the_server_expects_room_and_keeps_its_backoff() -> None:
     backoff_s, waits = BUSY_BACKOFF_FIRST_S, []
     for soon_s in (None, None, SOON_RETRY_MS / 1000, SOON_RETRY_MS / 1000, None, None, None, 0.0, 60.0):

@@ -9,9 +9,12 @@ D is the pages the running sessions hold plus those asked by sessions that had t
 demand), A the pages that can hold KV (held by KV plus free). The spec reads R as D + Delta * D' - A; R here is the
 shortfall against the forecast A instead, so that a drop is asked exactly when the trigger fires [chainswarm].
 
-Restore, with hysteresis [chainswarm, spec 5.6]: when the demand forecast over 5 s fits in 80% of the KV capacity the
-servers would have with every block back, and the drop is at least 10 s old. Beyond the spec, the demand must also
-have stayed within those 80% for the last 15 s (a calm window, as autoscalers keep before they scale down). Without
+Restore, with hysteresis [chainswarm, spec 5.6]: when the demand forecast over 5 s fits in 50% of the KV capacity the
+servers would have with every block back (the spec's 80% is above the demand a drop may fire at: the drop trigger
+forecasts one horizon ahead, so a group of two servers holding four sessions dropped at 3 sessions' demand, restored
+at the same demand in the lull and dropped again; 50% is KunServe's code's `restore_memory_threshold`), and the drop
+is at least 10 s old. Beyond the spec, the demand must also
+have stayed within those 50% for the last 15 s (a calm window, as autoscalers keep before they scale down). Without
 it, most kept live runs of the code trace's burst restored in the lull between its two waves (the spec's rule holds
 there: the demand fell to a few sessions) and dropped again 1.5-10 s later, an exchange of victims each time; their
 demand replayed through a 15-s window restores after the burst in all 27 arm-runs (docs/architecture.md).
@@ -26,7 +29,9 @@ Samples = Sequence[tuple[float, int]]  # (time_s, pages), oldest first
 
 DROP_HORIZON_S = 1.0
 RESTORE_HORIZON_S = 5.0
-RESTORE_FILL = 0.8  # of the undropped KV capacity the forecast demand may use for a restore
+RESTORE_FILL = 0.5  # of the undropped KV capacity the forecast demand may use for a restore (KunServe's code:
+# restore_memory_threshold 0.5; the spec's 0.8 left one session of hysteresis on r23's and r24's pools of four,
+# whose group restored in the burst's lull at the demand it had dropped at, and dropped again 1-4 s later)
 RESTORE_MIN_DROPPED_S = 10.0
 RESTORE_CALM_S = 15.0  # the demand stayed within RESTORE_FILL of the undropped capacity this long
 
