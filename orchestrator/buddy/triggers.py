@@ -13,11 +13,11 @@ Restore, with hysteresis [chainswarm, spec 5.6]: when the demand forecast over 5
 servers would have with every block back (the spec's 80% is above the demand a drop may fire at: the drop trigger
 forecasts one horizon ahead, so a group of two servers holding four sessions dropped at 3 sessions' demand, restored
 at the same demand in the lull and dropped again; 50% is KunServe's code's `restore_memory_threshold`), and the drop
-is at least 10 s old. Beyond the spec, the demand must also
-have stayed within those 50% for the last 15 s (a calm window, as autoscalers keep before they scale down). Without
-it, most kept live runs of the code trace's burst restored in the lull between its two waves (the spec's rule holds
-there: the demand fell to a few sessions) and dropped again 1.5-10 s later, an exchange of victims each time; their
-demand replayed through a 15-s window restores after the burst in all 27 arm-runs (docs/architecture.md).
+is at least 10 s old. Beyond the spec, the demand must also have stayed within those 50% for the last 15 s (a calm
+window, as autoscalers keep before they scale down). Without it, most kept live runs of the code trace's burst
+restored in the lull between its two waves (the spec's rule holds there: the demand fell to a few sessions) and
+dropped again 1.5-10 s later, an exchange of victims each time; their demand replayed through a 15-s window restores
+after the burst in all 27 arm-runs (docs/architecture.md).
 """
 
 from __future__ import annotations
