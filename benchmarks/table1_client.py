@@ -21,6 +21,7 @@ Prints `ready` once connected and `done` at the end.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
@@ -95,6 +96,8 @@ def serve_request(model: DistributedModelForCausalLM, request: dict, started_at:
             record["route"] = [span.peer_id for span in session.route]
             record["spans"] = [{"peer_id": span.peer_id, "steps": span.steps, "round_trip_ms": span.round_trip_ms,
                                 "compute_ms": span.compute_ms} for span in session.timings()]
+            record["client_steps"] = {name: value for name, value in dataclasses.asdict(session.step_times).items()
+                                      if name != "head_returned_s"}
         record["closed_s"] = time.perf_counter() - started_at  # the session closed (and its lease released)
     except Exception as error:  # recorded, the replay goes on
         record["error"] = f"{type(error).__name__}: {error}"

@@ -73,6 +73,26 @@ def busy_retry_wait(backoff_s: float, soon_s: float | None) -> tuple[float, floa
 
 
 @dataclass
+class ClientStepTimes:
+    """Where a session's decode steps spent their time on the client's side, summed over its steps (ms,
+    `time.perf_counter()`): the thread hands a step to the client's event loop (`to_loop_ms`), the step waits at its
+    head pass's send gate for the other sessions of that pass (`gate_ms`), crosses the swarm (`swarm_ms`: from its
+    send to its output's arrival on the loop, every span and failover included), and its output waits for the thread
+    to wake up (`to_thread_ms`); the thread's LM head call waits for its chain's other steps and computes the pass
+    (`head_ms`); what is left until the thread sends the next step is `generate()`'s own work (`between_ms`: sampling,
+    stopping, the next token's embedding). A token's time is about the sum of these over one step."""
+
+    steps: int = 0
+    to_loop_ms: float = 0.0
+    gate_ms: float = 0.0
+    swarm_ms: float = 0.0
+    to_thread_ms: float = 0.0
+    head_ms: float = 0.0
+    between_ms: float = 0.0
+    head_returned_s: float | None = None  # when the last head call returned (the start of the next `between_ms`)
+
+
+@dataclass
 class SpanTimings:
     """Per-server timings of one session: round trips, the server's own compute time, and when its output came.
 
@@ -842,6 +862,7 @@ class InferenceSession:
         self.remote = RemoteInferenceSession(client, max_length=max_length, batch=batch, prompt_tokens=prompt_tokens)
         self.generate_offset = 0  # position where the current generate() call's input_ids begin
         self.unsent_ids: torch.Tensor | None = None  # tokens a generate() call produced but never fed back
+        self.step_times = ClientStepTimes()  # its decode steps' time on the client's side (`model` adds the head's)
         client.run(self.remote.open())
 
     @property
@@ -903,16 +924,29 @@ class InferenceSession:
         backs off (a failover found every server busy, or no server for some blocks)."""
         if on_output is None and before_send is None and on_wait is None:
             return self.client.run(self.remote.step(hidden, last_only=last_only))
+        called = time.perf_counter()
+        stamps: list[float] = []  # on the loop: when it ran the step, when it sent it, when the output arrived
 
         async def step_on_loop() -> torch.Tensor:
+            stamps.append(time.perf_counter())
             if before_send is not None:
                 await before_send()
+            stamps.append(time.perf_counter())
             output = await self.remote.step(hidden, last_only=last_only, on_wait=on_wait)
+            stamps.append(time.perf_counter())
             if on_output is not None:
                 on_output()
             return output
 
-        return self.client.run(step_on_loop())
+        output = self.client.run(step_on_loop())
+        woke = time.perf_counter()
+        times, (on_loop, sent, arrived) = self.step_times, stamps
+        times.steps += 1
+        times.to_loop_ms += (on_loop - called) * 1000
+        times.gate_ms += (sent - on_loop) * 1000
+        times.swarm_ms += (arrived - sent) * 1000
+        times.to_thread_ms += (woke - arrived) * 1000
+        return output
 
     def close(self) -> None:
         self.client.run(self.remote.close())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -119,7 +120,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             return CausalLMOutputWithPast(logits=self.batched_head.logits(hidden))
         # a decode step's row joins the pass of the chain it was counted on (even if it failed over on the way)
         group = sent_on if sent_on is not None else chain_of(session)
-        return CausalLMOutputWithPast(logits=self.batched_head.logits(hidden, group, sent=sent_on is not None))
+        asked = time.perf_counter()
+        logits = self.batched_head.logits(hidden, group, sent=sent_on is not None)
+        times = session.step_times
+        times.head_returned_s = time.perf_counter()
+        if sent_on is not None:
+            times.head_ms += (times.head_returned_s - asked) * 1000
+        return CausalLMOutputWithPast(logits=logits)
 
     def _step(self, session: InferenceSession, new_ids: torch.Tensor, *, last_only: bool = False
               ) -> tuple[torch.Tensor, Chain | None]:
@@ -142,6 +149,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             withdrawn = True
             self.batched_head.step_failed(group, returned=False)
 
+        times = session.step_times
+        if times.head_returned_s is not None:
+            times.between_ms += (time.perf_counter() - times.head_returned_s) * 1000
         gate = self.batched_head.step_sent(group)
         try:
             hidden = session.step(self.head.embed(new_ids), on_output=on_output, on_wait=on_wait,

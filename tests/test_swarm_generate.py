@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from client import ClientConfig, DistributedModelForCausalLM
+from client.timing import StepClock
 from swarm.local_swarm import SwarmProcesses
 
 pytestmark = pytest.mark.slow
@@ -144,6 +146,22 @@ def test_session_timings_cover_every_server_and_the_chains_compute(llama_remote)
         assert 0 < span.compute_ms <= span.round_trip_ms
     # A step's last output cannot reach the client before every server of the chain computed its part.
     assert timings[-1].output_at_ms >= sum(span.compute_ms for span in timings)
+
+
+def test_a_sessions_decode_steps_split_their_time_on_the_clients_side(llama_remote) -> None:
+    clock = StepClock()
+    with llama_remote.inference_session(max_length=32) as session:
+        started = time.perf_counter()
+        llama_remote.generate(prompt(6), session=session, max_new_tokens=6, do_sample=False, streamer=clock)
+        took_ms = (time.perf_counter() - started) * 1000
+        times = session.step_times
+    assert times.steps == 5  # the prompt's step gives the first token, a decode step each of the next five
+    parts = [times.to_loop_ms, times.gate_ms, times.swarm_ms, times.to_thread_ms, times.head_ms, times.between_ms]
+    assert min(parts) >= 0 and times.swarm_ms > 0 and times.head_ms > 0 and times.between_ms > 0
+    assert sum(parts) <= took_ms  # the decode steps, one after another, inside the whole generate() call
+    # and they account for the time from the first token to the last
+    decode_ms = (clock.stamps_s[-1] - clock.stamps_s[1]) * 1000
+    assert sum(parts) >= 0.9 * decode_ms
 
 
 def test_concurrent_sessions_each_match_local_model(llama_remote, llama_local) -> None:
