@@ -68,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from benchmarks.client_work import ClientWork, Round
 from benchmarks.client_work import measure as measure_client_work
+from benchmarks.machine_cpu import CpuSampler, UntrackedCpu, fit_untracked, read_samples
 from benchmarks.mell_live import replica_memory
 from benchmarks.mell_live_monitor import spawn_monitor
 from benchmarks.refused_tries import RefusedTries
@@ -94,6 +95,7 @@ PAGE_BYTES = 1 << 20
 MAX_PROMPT, MAX_OUTPUT = 256, 32
 HEADROOM_TOKENS = MAX_OUTPUT  # admission reserves a session's output: KV throttles on what sessions will take
 POLL_S = 0.5
+CPU_FILE = "cpu.jsonl"  # in an arm's workdir: its processes' CPU, sampled (`benchmarks.machine_cpu`)
 WINDOW_S = 5.0
 BUSY_WAIT_S = 600.0
 ARMS = ("no drop", "static pipeline", "KunServe blocking", "KunServe remote attention")
@@ -150,6 +152,16 @@ class ArmRun:
     def tbt(self) -> np.ndarray:
         return np.array([(r["ended_s"] - r["first_token_s"]) / (self.requests[r["id"]]["output_tokens"] - 1)
                          for r in self.served])
+
+    def untracked_cpu(self) -> UntrackedCpu | None:
+        """Gives what its processes outside the simulator's spent per token and per refused round (the sampler's
+        `CPU_FILE`, `benchmarks.machine_cpu`); None for runs recorded without it."""
+        samples = read_samples(self.workdir / CPU_FILE) if self.workdir is not None else []
+        tokens = [self.t0_wall + at for r in self.served
+                  for at in np.linspace(r["first_token_s"], r["ended_s"], max(1, len(r.get("tokens", ()))))]
+        rounds = [self.t0_wall + started for r in self.results for kind, started, *_ in r.get("open_attempts", ())
+                  if kind == "backoff"]
+        return fit_untracked(samples, tokens, rounds)
 
     def last_polls(self) -> dict[str, dict]:
         last: dict[str, dict] = {}
@@ -256,8 +268,9 @@ def run_arm(arm: str, rtt_ms: float, requests: list[dict], kv_pages_per_block: i
             requests_path = workdir / "requests.json"
             requests_path.write_text(json.dumps(requests))
             print(f"  {label or arm} at {rtt_ms:g} ms: swarm up in {time.monotonic() - started:.0f} s", flush=True)
-            run_replay(network, swarm.initial_peers, DEFAULT_MODEL, requests_path, workdir / "results.jsonl",
-                       workdir, args.timeout, "--orchestrator", "none", "--busy-wait", str(BUSY_WAIT_S))
+            with CpuSampler(workdir / CPU_FILE):
+                run_replay(network, swarm.initial_peers, DEFAULT_MODEL, requests_path, workdir / "results.jsonl",
+                           workdir, args.timeout, "--orchestrator", "none", "--busy-wait", str(BUSY_WAIT_S))
             time.sleep(2 * POLL_S)
         finally:
             monitor.send_line("quit")
@@ -296,15 +309,18 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     loaded) beyond the compute and a lone token's client work, at least the network's round trip (the emulated links,
     the p2pd daemons and the RPC layers on either side). A group's extra member adds a half round trip (the pushed hop),
     which the simulator counts in a micro-batch's time. A client's try before it is admitted or backs off: the median
-    round of the no-drop arm's clients (`attempt_s_of`); what a round that ends in a back-off costs the shared cores:
-    measured on this machine (`refused_try_cpu_ms`). Where a session goes: as the live clients route without an
-    orchestrator, by latency over records that do not show load, to the same whole replica until it refuses them
-    (`placement` "fewest_hops"). The servers and the client share this machine's cores (`cores`: the report runs where
-    the arms ran), so work that starts while more of them compute than there are cores runs slower. A group's members
-    batch on their own, as the live servers do (`member_batching`). A prompt's hidden states (float32, as the client
-    sends them) cross the client's emulated link, up to the first member and, through a group, down and up again between
-    members, one prompt after another. How fast victims' KV crosses between members: what the servers of the runs that
-    dropped (`exchanged`) measured of their KV moves (`exchange_bytes_per_s`), else the link's rate."""
+    round of the no-drop arm's clients (`attempt_s_of`). What the machine's other processes spend (the p2pd daemons, the
+    delay fabric, the DHT nodes: `benchmarks.machine_cpu`), per token and per refused round, fitted on the CPU sampled
+    in the no-drop arm (`ArmRun.untracked_cpu`), counts against the shared cores; runs recorded without the sampler: a
+    refused round's cost measured on loopback (`refused_try_cpu_ms`), and nothing per token. Where a session goes: as
+    the live clients route without an orchestrator, by latency over records that do not show load, to the same whole
+    replica until it refuses them (`placement` "fewest_hops"). The servers and the client share this machine's cores
+    (`cores`: the report runs where the arms ran), so work that starts while more of them compute than there are cores
+    runs slower. A group's members batch on their own, as the live servers do (`member_batching`). A prompt's hidden
+    states (float32, as the client sends them) cross the client's emulated link, up to the first member and, through a
+    group, down and up again between members, one prompt after another. How fast victims' KV crosses between members:
+    what the servers of the runs that dropped (`exchanged`) measured of their KV moves (`exchange_bytes_per_s`), else
+    the link's rate."""
     first = min(base.polls, key=lambda row: row["t"])
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
     widest = max(decode, default=1)
@@ -316,6 +332,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     beyond_compute = max(0.0, float(np.percentile(base.tbt(), 10)) * 1000 - lone - per_row)
     work = client_work(base.workdir and base.workdir.parent)
     delay_ms = max(min(beyond_compute, rtt_ms), beyond_compute - work.pass_ms - work.token_ms)
+    untracked = base.untracked_cpu()
     return KunServeSimConfig(
         replicas=len(SERVERS), blocks=blocks, pages_total=first["pages_total"],
         params_pages=first["pages_params"] // blocks * blocks, tokens_per_page=first["kv_tokens_per_page"],
@@ -327,7 +344,10 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
         kv_bytes_per_token_block=first["kv_bytes_per_token"],
         prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping,
         retry_backoff_s=(BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S), refused_window_s=REFUSED_WINDOW_S,
-        attempt_s=attempt_s_of(base), refused_try_cpu_ms=refused_try_cpu_ms(base.workdir and base.workdir.parent),
+        attempt_s=attempt_s_of(base),
+        refused_try_cpu_ms=(untracked.refused_round_ms if untracked is not None
+                            else refused_try_cpu_ms(base.workdir and base.workdir.parent)),
+        token_cpu_ms=untracked.token_ms if untracked is not None else 0.0,
         placement="fewest_hops", cores=os.cpu_count() or 1, member_batching=True,
         client_gang_wait_s=MAX_GANG_WAIT_S, join_prefill=True,
         client_link_bytes_per_s=MBIT * 1e6 / 8, hidden_bytes_per_token=hidden_size() * WIRE_BYTES,

@@ -183,6 +183,21 @@ def test_on_shared_cores_work_runs_slower_while_more_processes_compute_than_ther
     assert _Sim(CONFIG, [], horizon_s=1.0)._sharing(client=True) == 1.0  # without cores: a processor each
 
 
+def test_with_fluid_sharing_a_batch_shares_the_cores_with_what_computes_beside_it_at_each_moment() -> None:
+    two = dataclasses.replace(CONFIG, replicas=2, dropping=False, cores=1)
+    requests = [SimRequest(0.0, 240, 1), SimRequest(0.0, 16, 1)]  # one on each replica, both prompts at once
+    # 22 ms and 10.8 ms of their own on one core. Taken at its start, the long prompt's batch (started first, alone)
+    # keeps its full speed although the short one's started beside it at once
+    assert simulate(two, requests).ttft_s.tolist() == pytest.approx([0.022, 0.0216])
+    # fluid: both at half speed until the short one ends (at 21.6 ms, with 10.8 ms of the long one done), then alone
+    fluid = simulate(dataclasses.replace(two, fluid_sharing=True), requests)
+    assert fluid.ttft_s.tolist() == pytest.approx([0.0216 + 0.0112, 0.0216])
+    # without shared cores there is nothing to share
+    apart = dataclasses.replace(two, cores=None)
+    assert np.array_equal(simulate(dataclasses.replace(apart, fluid_sharing=True), requests).ttft_s,
+                          simulate(apart, requests).ttft_s)
+
+
 def test_on_shared_cores_the_tries_refused_in_the_last_second_take_cpu_from_the_work_that_runs() -> None:
     config = dataclasses.replace(CONFIG, cores=2, retry_backoff_s=(0.5, 4.0), refused_try_cpu_ms=250.0)
     sim = _Sim(config, [], horizon_s=10.0)
@@ -206,6 +221,28 @@ def test_on_shared_cores_the_tries_refused_in_the_last_second_take_cpu_from_the_
                           simulate(apart, requests).tbt_s)
     with pytest.raises(ValueError, match="refused_try_cpu_ms"):
         dataclasses.replace(lone, refused_try_cpu_ms=-1.0)
+
+
+def test_on_shared_cores_the_tokens_of_the_last_second_take_the_cpu_of_their_transport_from_the_work_that_runs() -> None:
+    config = dataclasses.replace(CONFIG, cores=2, token_cpu_ms=100.0)
+    sim = _Sim(config, [], horizon_s=10.0)
+    sim.computing = {0, 1, 2}
+    sim.tokens_seen.extend([0.0, 0.1, 0.2, 0.3])
+    sim.now = 0.5  # four tokens of 100 ms of CPU each within the last second: 0.4 of a core
+    assert sim._sharing(client=False) == pytest.approx((3 + 0.4) / 2)
+    sim.now = 1.25  # the first three are older than a second
+    assert sim._sharing(client=False) == pytest.approx((3 + 0.1) / 2)
+    # end to end: the tokens of two requests decoding side by side slow both down
+    two = dataclasses.replace(CONFIG, replicas=2, dropping=False, cores=2, client_token_ms=1.0)
+    requests = [SimRequest(0.0, 16, 48), SimRequest(0.0, 16, 48)]
+    free = simulate(two, requests)
+    loaded = simulate(dataclasses.replace(two, token_cpu_ms=30.0), requests)
+    assert np.all(loaded.tbt_s > free.tbt_s * 1.05)
+    apart = dataclasses.replace(two, cores=None)  # a processor each: nothing to share
+    assert np.array_equal(simulate(dataclasses.replace(apart, token_cpu_ms=30.0), requests).tbt_s,
+                          simulate(apart, requests).tbt_s)
+    with pytest.raises(ValueError, match="token_cpu_ms"):
+        dataclasses.replace(CONFIG, token_cpu_ms=-1.0)
 
 
 def test_the_clients_own_work_queues_its_tokens_and_the_tokens_of_one_iteration_share_a_head_pass() -> None:

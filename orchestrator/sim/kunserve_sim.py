@@ -97,6 +97,8 @@ class SimRequest:
 PLACEMENTS = ("least_loaded", "fewest_hops")
 MICRO_BATCH = -1  # a `_Batch`'s member when a group's micro-batch crosses all of its members
 REFUSED_LOAD_WINDOW_S = 1.0  # a refused try's CPU counts against the cores over this long
+TOKEN_LOAD_WINDOW_S = 1.0  # and a token's (`token_cpu_ms`)
+RESCHEDULE_TOLERANCE_S = 1e-9  # a batch's end that moved less than this (rounding) keeps its event
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,14 @@ class KunServeSimConfig:
     # probes and `open` calls, and the DHT's and servers' side of them), counted against the cores for
     # `REFUSED_LOAD_WINDOW_S` after the try
     refused_try_cpu_ms: float = 0.0
+    # With `cores`: the CPU each token costs that machine outside the members' batches and the client's passes (the
+    # RPC daemons and the delay fabric it crosses), counted against the cores for `TOKEN_LOAD_WINDOW_S` after the
+    # client has it
+    token_cpu_ms: float = 0.0
+    # With `cores`: a member's batch runs at the speed the processes computing at each moment share (taken again at
+    # every event, as a fluid processor-sharing queue); False: at the speed shared when it started, for its whole time.
+    # The client's passes keep the speed shared when they start either way
+    fluid_sharing: bool = False
     # How a group pipelines: False, as the paper's engine, up to k micro-batches in flight, each with about 1/k of
     # its requests and holding them for its whole traversal; True, as swarm servers, each member batching the steps
     # that reached it on its own
@@ -172,10 +182,10 @@ class KunServeSimConfig:
             raise ValueError("params_pages must be a multiple of blocks and below pages_total")
         if self.static_groups < 1 or self.replicas % self.static_groups:
             raise ValueError("static_groups must divide the replicas")
-        if min(self.attempt_s, self.refused_try_cpu_ms, self.client_gang_wait_s, self.client_link_bytes_per_s,
-               self.hidden_bytes_per_token) < 0:
-            raise ValueError("attempt_s, refused_try_cpu_ms, client_gang_wait_s, client_link_bytes_per_s and "
-                             "hidden_bytes_per_token must be >= 0")
+        if min(self.attempt_s, self.refused_try_cpu_ms, self.token_cpu_ms, self.client_gang_wait_s,
+               self.client_link_bytes_per_s, self.hidden_bytes_per_token) < 0:
+            raise ValueError("attempt_s, refused_try_cpu_ms, token_cpu_ms, client_gang_wait_s, client_link_bytes_per_s "
+                             "and hidden_bytes_per_token must be >= 0")
         if self.member_prefill_token_ms is not None and self.member_prefill_token_ms < 0:
             raise ValueError("member_prefill_token_ms must be >= 0 (or None)")
         if self.cores is not None and self.cores < 1:
@@ -239,6 +249,12 @@ class _Batch:
     started_s: float = 0.0
     end_s: float = 0.0
     prefill: bool = False  # it computes a prompt chunk
+    # With `fluid_sharing`: its compute at full speed (ms, joined steps' included), what is left of it, and the hops'
+    # delay still to come after it
+    work_ms: float = 0.0
+    left_ms: float = 0.0
+    tail_ms: float = 0.0
+    done: bool = False
 
 
 @dataclass(frozen=True)
@@ -297,6 +313,10 @@ class _Sim:
         self.kept = {member: _even_slice(config.blocks, k, member % k) for member in range(config.replicas)}
         self.computing: dict[int, _Batch] = {}  # members computing a batch now, and the batch
         self.refused_tries: deque[float] = deque()  # when the tries of the last `REFUSED_LOAD_WINDOW_S` were refused
+        self.tokens_seen: deque[float] = deque()  # when the tokens of the last `TOKEN_LOAD_WINDOW_S` came out
+        # With `fluid_sharing`: how many times its own time the members' batches have taken since `advanced_s`
+        self.fluid = config.cores is not None and config.fluid_sharing
+        self.stretch, self.advanced_s = 1.0, 0.0
 
     def _add_unit(self, members: tuple[int, ...]) -> _Unit:
         c = self.config
@@ -317,6 +337,7 @@ class _Sim:
             self.now, _, kind, subject, batch = heapq.heappop(self.events)
             if self.now > self.horizon_s:
                 break
+            self._advance()
             if kind == "arrive" and self.config.retry_backoff_s is not None:
                 if self.config.attempt_s > 0:
                     self._push(self.now + self.config.attempt_s, "try", subject)
@@ -329,8 +350,11 @@ class _Sim:
                 self._dispatch()
             elif kind == "step":
                 assert batch is not None
-                if batch.end_s > self.now:  # steps joined it: it ends later
-                    self._push(batch.end_s, "step", subject, batch)
+                if batch.done:
+                    pass  # an end it no longer has (with `cores`: it was rescheduled, sooner)
+                elif batch.end_s > self.now:  # it ends later: steps joined it, or (fluid) more work shares the cores
+                    if not self.fluid:
+                        self._push(batch.end_s, "step", subject, batch)
                 else:
                     self._finish_step(batch)
             elif kind == "close":
@@ -350,6 +374,7 @@ class _Sim:
             elif kind == "monitor":
                 self._monitor()
                 self._push(self.now + self.config.monitor_s, "monitor", 0)
+            self._reschedule()
         return KunServeSimResult(self.ttft, self.tbt, tuple(self.stalls), self.drops, self.restores,
                                  self.largest_group, tuple(self.samples), self.now)
 
@@ -463,8 +488,10 @@ class _Sim:
             batch = _Batch(unit.uid, member, stage == last, items, self.now,
                            prefill=any(r.prefilled < r.request.prompt for r, _ in items))
             self.computing[member] = batch  # it counts among the processes computing
+            batch.work_ms = batch.left_ms = work_ms * share
+            batch.tail_ms = 2 * remote * share * c.hop_ms
             compute_ms = work_ms * share * self._sharing(client=self.client_free_s > self.now)
-            batch.end_s = self.now + (compute_ms + 2 * remote * share * c.hop_ms) / 1000
+            batch.end_s = self.now + (compute_ms + batch.tail_ms) / 1000
             self._push(batch.end_s, "step", member, batch)
         self._wake(unit, waiting)
 
@@ -475,11 +502,17 @@ class _Sim:
         if not decoding:
             return
         c = self.config
-        span_s = batch.end_s - batch.started_s
-        done = min(1.0, (self.now - batch.started_s) / span_s) if span_s > 0 else 1.0
-        sharing = self._sharing(client=self.client_free_s > self.now)
-        added_ms = (done * c.step_ms + (1 - done) * c.decode_token_ms * len(decoding)) * share * sharing
-        batch.end_s += added_ms / 1000
+        if self.fluid:  # its progress so far, at the speeds it had
+            done = 1 - batch.left_ms / batch.work_ms if batch.work_ms > 0 else 1.0
+        else:
+            span_s = batch.end_s - batch.started_s
+            done = min(1.0, (self.now - batch.started_s) / span_s) if span_s > 0 else 1.0
+        added_ms = (done * c.step_ms + (1 - done) * c.decode_token_ms * len(decoding)) * share
+        if self.fluid:  # `_reschedule` sets its new end
+            batch.work_ms += added_ms
+            batch.left_ms += added_ms
+        else:
+            batch.end_s += added_ms * self._sharing(client=self.client_free_s > self.now) / 1000
         for running in decoding:
             running.in_flight = True
             batch.items.append((running, 1))
@@ -559,7 +592,39 @@ class _Sim:
         if cores is None:
             return 1.0
         busy = len(self.computing) + sum(unit.batches for unit in self.units.values())
-        return max(1.0, (busy + client + self._refused_load()) / cores)
+        return max(1.0, (busy + client + self._refused_load() + self._token_load()) / cores)
+
+    def _advance(self) -> None:
+        """With `fluid_sharing`: the members' batches progress to now at the speed they shared since `advanced_s`, their
+        compute first, then their hops' delay."""
+        elapsed_ms = (self.now - self.advanced_s) * 1000
+        self.advanced_s = self.now
+        if not self.fluid or elapsed_ms <= 0:
+            return
+        for batch in self.computing.values():
+            computed_ms = min(batch.left_ms, elapsed_ms / self.stretch)
+            batch.left_ms -= computed_ms
+            batch.tail_ms = max(0.0, batch.tail_ms - (elapsed_ms - computed_ms * self.stretch))
+
+    def _reschedule(self) -> None:
+        """With `fluid_sharing`: the processes that compute now share the cores from now on (processor sharing, taken
+        again at every event): each member's batch ends when what is left of it has run at that speed, then its hops'
+        delay."""
+        if not self.fluid:
+            return
+        self.stretch = self._sharing(client=self.client_free_s > self.now)
+        for member, batch in self.computing.items():
+            end_s = self.now + (batch.left_ms * self.stretch + batch.tail_ms) / 1000
+            if abs(end_s - batch.end_s) > RESCHEDULE_TOLERANCE_S:
+                batch.end_s = end_s
+                self._push(end_s, "step", member, batch)
+
+    def _token_load(self) -> float:
+        """Gives the cores that the tokens of the last `TOKEN_LOAD_WINDOW_S` keep busy outside the modelled work."""
+        tokens = self.tokens_seen
+        while tokens and tokens[0] <= self.now - TOKEN_LOAD_WINDOW_S:
+            tokens.popleft()
+        return len(tokens) * self.config.token_cpu_ms / 1000 / TOKEN_LOAD_WINDOW_S
 
     def _refused_load(self) -> float:
         """Gives the cores that the tries refused in the last `REFUSED_LOAD_WINDOW_S` keep busy on average."""
@@ -579,6 +644,7 @@ class _Sim:
                 self.units[batch.uid].batches -= 1
         else:
             self.computing.pop(batch.member, None)
+        batch.done = True
         tokens = []
         for running, count in batch.items:
             running.in_flight = False
@@ -643,6 +709,10 @@ class _Sim:
         if tokens:
             client_ms = (c.client_pass_ms + c.client_token_ms * len(tokens)) * self._sharing(client=True)
             self.client_free_s = max(self.client_free_s, self.now) + client_ms / 1000
+            if c.token_cpu_ms > 0 and c.cores is not None:
+                self.tokens_seen.extend([self.now] * len(tokens))
+            if self.fluid:  # the members' batches speed up once the client is idle
+                self._push(self.client_free_s, "client idle", 0)
         seen_s = self.client_free_s + c.round_trip_ms / 1000
         for running in tokens:
             request = running.request

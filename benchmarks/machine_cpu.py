@@ -1,0 +1,148 @@
+"""What a live run's processes cost the machine's cores, by role: a sampler, and the costs fitted from its samples.
+
+`kunserve_burst.py`'s simulator shares the cores among what it models: the members' batches and the client's head
+passes (`KunServeSimConfig.cores`). The machine runs more: the p2pd daemons on both sides of every RPC, the delay
+fabric that forwards every packet at SCHED_FIFO, the DHT nodes, the client's own DHT process that a waiting client's
+lookups run in. The sampler reads every process the benchmark started (its process tree) once a second; the fit
+splits the CPU of all but the servers and the client's main process (the untracked) into a part per token the
+swarm generated and a part per refused round (a waiting client's round that ended in a back-off), by least squares
+over the sampler's intervals with a constant for what runs anyway. The client's main process adds its own part of a
+refused round; its part per token is the client's work, which the simulator counts already.
+
+On this VM (r27-r28, the no-drop arm, a scratch sampler of the same processes): 4.1-4.8 ms of untracked CPU a token
+and 62-83 ms a refused round, plus 8 ms of the client's main process a round; `benchmarks/refused_tries.py`, on
+loopback without the fabric, reads 43-44 ms a round for all processes together.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+SAMPLE_S = 1.0  # between two samples
+ROLES = (  # a process's role, by what its command line holds (the first that matches)
+    ("netem.fabric", "fabric"),
+    ("p2pd", "p2pd"),
+    ("table1_client", "client"),
+    ("server.launch", "server"),
+    ("swarm-server", "server"),
+    ("dht_cli", "dht"),
+    ("mell_live_monitor", "monitor"),
+)
+TRACKED = ("server", "client")  # the simulator's own processes (the client's main one: not its forked children)
+
+
+@dataclass(frozen=True)
+class UntrackedCpu:
+    """The fit: CPU outside the simulator's processes per generated token and per refused round (ms), and the client
+    main process's own part of a refused round (ms); from `intervals` sampler intervals."""
+
+    token_ms: float
+    round_ms: float
+    client_round_ms: float
+    intervals: int
+
+    @property
+    def refused_round_ms(self) -> float:
+        """Gives all the CPU a refused round costs the machine."""
+        return self.round_ms + self.client_round_ms
+
+
+def role_of(command: str) -> str:
+    return next((role for key, role in ROLES if key in command), "other")
+
+
+class CpuSampler:
+    """Appends, every `SAMPLE_S`, one JSON line to `path`: the wall time and, for every process in this process's
+    tree, `[pid, parent pid, role, CPU seconds so far]`. A context manager: sampling runs in a thread between enter
+    and exit."""
+
+    def __init__(self, path: Path, period_s: float = SAMPLE_S) -> None:
+        self.path, self.period_s = path, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        root = psutil.Process()
+        with self.path.open("a") as out:
+            while not self._stop.is_set():
+                rows = []
+                for process in root.children(recursive=True):
+                    try:
+                        with process.oneshot():
+                            times = process.cpu_times()
+                            rows.append([process.pid, process.ppid(), role_of(" ".join(process.cmdline())),
+                                         times.user + times.system])
+                    except psutil.Error:  # exited between listing and reading
+                        continue
+                out.write(json.dumps({"t": time.time(), "procs": rows}) + "\n")
+                out.flush()
+                self._stop.wait(self.period_s)
+
+
+def read_samples(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def fit_untracked(samples: list[dict], token_times_wall: list[float], round_ends_wall: list[float]
+                  ) -> UntrackedCpu | None:
+    """Fits `UntrackedCpu` on the sampler's `samples` and the wall times at which the swarm's tokens came out and
+    refused rounds ended (a back-off began); None with fewer than 10 intervals or no refused round."""
+    if len(samples) < 11 or not round_ends_wall:
+        return None
+    tokens, rounds = np.sort(np.asarray(token_times_wall)), np.sort(np.asarray(round_ends_wall))
+    rows, untracked, client = [], [], []
+    for before, after in itertools.pairwise(samples):
+        seconds = after["t"] - before["t"]
+        if seconds <= 0:
+            continue
+        earlier = {pid: cpu for pid, _parent, _role, cpu in before["procs"]}
+        main = _client_main(after["procs"])
+        spent = {"untracked": 0.0, "client": 0.0}
+        for pid, _parent, role, cpu in after["procs"]:
+            if pid not in earlier:
+                continue
+            used = cpu - earlier[pid]
+            if pid == main:
+                spent["client"] += used
+            elif role not in TRACKED or role == "client":  # the client's forked children (its DHT node) too
+                spent["untracked"] += used
+        rows.append([1.0, _within(tokens, before["t"], after["t"]) / seconds,
+                     _within(rounds, before["t"], after["t"]) / seconds])
+        untracked.append(spent["untracked"] / seconds * 1000)
+        client.append(spent["client"] / seconds * 1000)
+    if len(rows) < 10:
+        return None
+    design = np.asarray(rows)
+    _, token_ms, round_ms = np.linalg.lstsq(design, np.asarray(untracked), rcond=None)[0]
+    _, _, client_round_ms = np.linalg.lstsq(design, np.asarray(client), rcond=None)[0]
+    return UntrackedCpu(max(0.0, float(token_ms)), max(0.0, float(round_ms)), max(0.0, float(client_round_ms)),
+                        len(rows))
+
+
+def _within(times: np.ndarray, start: float, end: float) -> int:
+    """Gives how many of the sorted `times` fall in [start, end)."""
+    return int(np.searchsorted(times, end) - np.searchsorted(times, start))
+
+
+def _client_main(procs: list[list]) -> int | None:
+    """Gives the client's main process: a `client` process whose parent is not one (its DHT node is forked)."""
+    clients = {pid: parent for pid, parent, role, _cpu in procs if role == "client"}
+    return next((pid for pid, parent in clients.items() if parent not in clients), None)

@@ -1,0 +1,57 @@
+"""The fit of what a live run's processes outside the simulator's cost per token and per refused round."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.machine_cpu import fit_untracked, role_of
+
+SERVER, CLIENT, CLIENT_DHT, P2PD, FABRIC = 10, 20, 21, 30, 40
+
+
+def samples_of(tokens_per_s: list[int], rounds_per_s: list[int]) -> tuple[list[dict], list[float], list[float]]:
+    """A run sampled once a second, whose untracked processes spend 20 ms/s anyway, 4 ms a token and 60 ms a refused
+    round (split between the client's DHT node, its p2pd and the fabric), its client 10 ms a token and 8 ms a round,
+    and its server much more than either (tracked: it must not count)."""
+    cpu = {SERVER: 0.0, CLIENT: 0.0, CLIENT_DHT: 0.0, P2PD: 0.0, FABRIC: 0.0}
+    parents = {SERVER: 1, CLIENT: 1, CLIENT_DHT: CLIENT, P2PD: CLIENT, FABRIC: 1}
+    roles = {SERVER: "server", CLIENT: "client", CLIENT_DHT: "client", P2PD: "p2pd", FABRIC: "fabric"}
+    samples, tokens, rounds = [], [], []
+    for second, (tokens_now, rounds_now) in enumerate(zip(tokens_per_s, rounds_per_s, strict=True)):
+        samples.append({"t": 1000.0 + second, "procs": [[pid, parents[pid], roles[pid], cpu[pid]] for pid in cpu]})
+        tokens += [1000.0 + second + (i + 0.5) / tokens_now for i in range(tokens_now)]
+        rounds += [1000.0 + second + (i + 0.5) / rounds_now for i in range(rounds_now)]
+        cpu[SERVER] += 0.3 + 0.05 * tokens_now
+        cpu[CLIENT] += 0.010 * tokens_now + 0.008 * rounds_now
+        cpu[CLIENT_DHT] += 0.030 * rounds_now
+        cpu[P2PD] += 0.010 + 0.003 * tokens_now + 0.020 * rounds_now
+        cpu[FABRIC] += 0.010 + 0.001 * tokens_now + 0.010 * rounds_now
+    samples.append({"t": 1000.0 + len(tokens_per_s), "procs": [[pid, parents[pid], roles[pid], cpu[pid]]
+                                                               for pid in cpu]})
+    return samples, tokens, rounds
+
+
+def test_the_untracked_cpu_splits_into_a_part_per_token_and_a_part_per_refused_round() -> None:
+    rng = np.random.default_rng(0)
+    tokens_per_s = [int(n) for n in rng.integers(0, 30, 40)]
+    rounds_per_s = [int(n) for n in rng.integers(0, 5, 40)]
+    fit = fit_untracked(*samples_of(tokens_per_s, rounds_per_s))
+    assert fit is not None and fit.intervals == 40
+    assert abs(fit.token_ms - 4.0) < 1e-6
+    assert abs(fit.round_ms - 60.0) < 1e-6  # the client's DHT node counts: its lookups are the rounds'
+    assert abs(fit.client_round_ms - 8.0) < 1e-6  # the client's main process, apart: its tokens are its known work
+    assert abs(fit.refused_round_ms - 68.0) < 1e-6
+
+
+def test_too_few_samples_or_no_refused_round_fit_nothing() -> None:
+    assert fit_untracked(*samples_of([10] * 5, [1] * 5)) is None
+    samples, tokens, _ = samples_of([10] * 20, [1] * 20)
+    assert fit_untracked(samples, tokens, []) is None
+
+
+def test_a_process_is_known_by_its_command_line() -> None:
+    assert role_of("/usr/bin/python -m netem.fabric --config f.json") == "fabric"
+    assert role_of(".venv/lib/python3.11/site-packages/hivemind/hivemind_cli/p2pd -listen ...") == "p2pd"
+    assert role_of("python benchmarks/table1_client.py --model m") == "client"
+    assert role_of("python -m server.launch --blocks 0:30") == "server"
+    assert role_of("python something_else.py") == "other"
