@@ -36,7 +36,7 @@ ROLES = (  # a process's role, by what its command line holds (the first that ma
     ("dht_cli", "dht"),
     ("mell_live_monitor", "monitor"),
 )
-TRACKED = ("server", "client")  # the simulator's own processes (the client's main one: not its forked children)
+TRACKED = ("server", "client")  # the simulator's own processes: their main ones, not their forked children (DHT nodes)
 
 
 @dataclass(frozen=True)
@@ -114,15 +114,15 @@ def fit_untracked(samples: list[dict], token_times_wall: list[float], round_ends
         if seconds <= 0:
             continue
         earlier = {pid: cpu for pid, _parent, _role, cpu in before["procs"]}
-        main = _client_main(after["procs"])
+        mains = _main_processes(after["procs"])
         spent = {"untracked": 0.0, "client": 0.0}
-        for pid, _parent, role, cpu in after["procs"]:
+        for pid, _parent, _role, cpu in after["procs"]:
             if pid not in earlier:
                 continue
             used = cpu - earlier[pid]
-            if pid == main:
+            if mains.get(pid) == "client":
                 spent["client"] += used
-            elif role not in TRACKED or role == "client":  # the client's forked children (its DHT node) too
+            elif pid not in mains:  # the servers' and the client's DHT nodes (forked) too
                 spent["untracked"] += used
         rows.append([1.0, _within(tokens, before["t"], after["t"]) / seconds,
                      _within(rounds, before["t"], after["t"]) / seconds])
@@ -142,7 +142,8 @@ def _within(times: np.ndarray, start: float, end: float) -> int:
     return int(np.searchsorted(times, end) - np.searchsorted(times, start))
 
 
-def _client_main(procs: list[list]) -> int | None:
-    """Gives the client's main process: a `client` process whose parent is not one (its DHT node is forked)."""
-    clients = {pid: parent for pid, parent, role, _cpu in procs if role == "client"}
-    return next((pid for pid, parent in clients.items() if parent not in clients), None)
+def _main_processes(procs: list[list]) -> dict[int, str]:
+    """Gives the main processes of the `TRACKED` roles, by pid: those whose parent has another role (their DHT
+    nodes are forked from them, with the same command line)."""
+    roles = {pid: role for pid, _parent, role, _cpu in procs}
+    return {pid: role for pid, parent, role, _cpu in procs if role in TRACKED and roles.get(parent) != role}

@@ -223,7 +223,7 @@ def test_on_shared_cores_the_tries_refused_in_the_last_second_take_cpu_from_the_
         dataclasses.replace(lone, refused_try_cpu_ms=-1.0)
 
 
-def test_on_shared_cores_the_tokens_of_the_last_second_take_the_cpu_of_their_transport_from_the_work_that_runs() -> None:
+def test_on_shared_cores_the_tokens_of_the_last_second_take_their_transports_cpu_from_the_work_that_runs() -> None:
     config = dataclasses.replace(CONFIG, cores=2, token_cpu_ms=100.0)
     sim = _Sim(config, [], horizon_s=10.0)
     sim.computing = {0, 1, 2}

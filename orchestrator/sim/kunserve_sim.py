@@ -49,7 +49,9 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   (processor sharing, taken at its start) [chosen: two 1-thread compute processes on this benchmark's 2-core VM
   run at full speed, three at 2/3 each]. With `refused_try_cpu_ms`, the tries refused in the last second add the
   cores they kept busy to n: a swarm's waiting clients look up the DHT, probe and call `open` on every server again
-  each round, on the same machine.
+  each round, on the same machine; with `token_cpu_ms`, so do the tokens of the last second (the RPC daemons and
+  the delay fabric they cross). With `fluid_sharing`, a member's batch runs at the speed shared at each moment
+  instead (taken again at every event), and ends when its work is done at those speeds.
 - Every `monitor_s` the monitor samples demand (pages held + pages of queued requests) and KV capacity; when
   `drop_trigger` asks for R pages, `plan_drop` merges the replicas still whole into groups (while dropped too, as the
   live segment loop: a burst that outgrows the first plan pairs more replicas), and once fewer than two are whole,
