@@ -10,8 +10,9 @@ over the sampler's intervals with a constant for what runs anyway. The client's 
 refused round; its part per token is the client's work, which the simulator counts already.
 
 On this VM (r27-r28, the no-drop arm, a scratch sampler of the same processes): 4.1-4.8 ms of untracked CPU a token
-and 62-83 ms a refused round, plus 8 ms of the client's main process a round; `benchmarks/refused_tries.py`, on
-loopback without the fabric, reads 43-44 ms a round for all processes together.
+and 62-83 ms a refused round, plus 8 ms of the client's main process a round; r29, this sampler: 4.1 ms a token, 63
+ms and 4.5 ms a round. `benchmarks/refused_tries.py`, on loopback without the fabric, reads 43-44 ms a round for all
+processes together.
 """
 
 from __future__ import annotations
