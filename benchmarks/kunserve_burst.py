@@ -45,6 +45,7 @@ Needs root (network namespaces). Never asserts.
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import datetime
 import functools
@@ -154,14 +155,32 @@ class ArmRun:
                          for r in self.served])
 
     def untracked_cpu(self) -> UntrackedCpu | None:
-        """Gives what its processes outside the simulator's spent per token and per refused round (the sampler's
-        `CPU_FILE`, `benchmarks.machine_cpu`); None for runs recorded without it."""
+        """Gives what its processes outside the simulator's spent per token (through one whole server, and through a
+        group's members: while a server hosted fewer blocks than the model's, `piped_since`) and per refused round
+        (the sampler's `CPU_FILE`, `benchmarks.machine_cpu`); None for runs recorded without it."""
         samples = read_samples(self.workdir / CPU_FILE) if self.workdir is not None else []
         tokens = [self.t0_wall + at for r in self.served
                   for at in np.linspace(r["first_token_s"], r["ended_s"], max(1, len(r.get("tokens", ()))))]
+        since = self.piped_since()
+        starts = [t for t, _ in since]
+        through_group = [(at := bisect.bisect_right(starts, t) - 1) >= 0 and since[at][1] for t in tokens]
         rounds = [self.t0_wall + started for r in self.results for kind, started, *_ in r.get("open_attempts", ())
                   if kind == "backoff"]
-        return fit_untracked(samples, tokens, rounds)
+        return fit_untracked(samples, [t for t, group in zip(tokens, through_group, strict=True) if not group], rounds,
+                             [t for t, group in zip(tokens, through_group, strict=True) if group])
+
+    def piped_since(self) -> list[tuple[float, bool]]:
+        """Gives, in wall-time order, from when on a token crossed a group's members (True: some server hosted fewer
+        blocks than the model's, by its last poll) or one whole server (False)."""
+        if not self.polls:
+            return []
+        model = max(row["block_end"] for row in self.polls) - min(row["block_start"] for row in self.polls)
+        latest: dict[str, bool] = {}
+        states = []
+        for row in sorted(self.polls, key=lambda row: row["t"]):
+            latest[row["peer_id"]] = row["block_end"] - row["block_start"] < model
+            states.append((row["t"], any(latest.values())))
+        return states
 
     def last_polls(self) -> dict[str, dict]:
         last: dict[str, dict] = {}
@@ -333,6 +352,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     work = client_work(base.workdir and base.workdir.parent)
     delay_ms = max(min(beyond_compute, rtt_ms), beyond_compute - work.pass_ms - work.token_ms)
     untracked = base.untracked_cpu()
+    refused_round_ms = untracked.refused_round_ms if untracked is not None else None
     return KunServeSimConfig(
         replicas=len(SERVERS), blocks=blocks, pages_total=first["pages_total"],
         params_pages=first["pages_params"] // blocks * blocks, tokens_per_page=first["kv_tokens_per_page"],
@@ -345,7 +365,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
         prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping,
         retry_backoff_s=(BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S), refused_window_s=REFUSED_WINDOW_S,
         attempt_s=attempt_s_of(base),
-        refused_try_cpu_ms=(untracked.refused_round_ms if untracked is not None
+        refused_try_cpu_ms=(refused_round_ms if refused_round_ms is not None
                             else refused_try_cpu_ms(base.workdir and base.workdir.parent)),
         token_cpu_ms=untracked.token_ms if untracked is not None else 0.0,
         placement="fewest_hops", cores=os.cpu_count() or 1, member_batching=True,
@@ -731,6 +751,7 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
               f"sessions to the first whole replica with room, {fitted.cores} cores shared) against live, P99 TTFT: "
               f"the median of {SIM_REPLAYS} replays (the arrivals as recorded, and moved by up to "
               f"{SIM_JITTER_S * 1000:.0f} ms) and their 10-90%:")
+    report_untracked(runs)
     for measured in (False, True):
         if measured:
             print("  the same, a group's prompt token at what the arm's own servers measured while they hosted a "
@@ -753,6 +774,30 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
             if len(lives) > 1:
                 sim_line(f"{arm}, median", statistics.median(lives), statistics.median(sims))
         print(f"  {within} of {compared} runs within {TARGET_SIM:.0%}")
+
+
+def report_untracked(runs: dict[str, list[ArmRun]]) -> None:
+    """Prints, per run that sampled its processes, what those outside the simulator spent (`ArmRun.untracked_cpu`):
+    a token through one whole server, one through a group's members, and a refused round. The simulator takes the
+    no-drop run's figures and weighs a group's token by the legs it crosses (`KunServeSimConfig.token_cpu_ms`); the
+    arms that pipelined show how far that holds."""
+    lines = []
+    for arm in ARMS:
+        for turn, run in enumerate(runs.get(arm, [])):
+            fit = run.untracked_cpu()
+            if fit is None:
+                continue
+            lines.append(f"    {arm + (f' #{turn + 1}' if turn else ''):<32} {shown(fit.token_ms):>9} "
+                         f"{shown(fit.piped_token_ms):>9} {shown(fit.refused_round_ms):>9}  ({fit.intervals} s)")
+    if lines:
+        print("  CPU outside the simulator's processes (p2pd, fabric, DHT nodes), fitted per run: a token through one "
+              "whole server, through a group, a refused round:")
+        print(f"    {'':<32} {'token':>9} {'via group':>9} {'refused':>9}")
+        print("\n".join(lines))
+
+
+def shown(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.1f} ms"
 
 
 def sim_line(name: str, live: float, sim: float, band: tuple[float, float] | None = None) -> bool:

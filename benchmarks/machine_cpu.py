@@ -21,6 +21,7 @@ import itertools
 import json
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,18 +43,21 @@ TRACKED = ("server", "client")  # the simulator's own processes: their main ones
 
 @dataclass(frozen=True)
 class UntrackedCpu:
-    """The fit: CPU outside the simulator's processes per generated token and per refused round (ms), and the client
-    main process's own part of a refused round (ms); from `intervals` sampler intervals."""
+    """The fit: CPU outside the simulator's processes per generated token (ms) that crossed one whole server
+    (`token_ms`) and that crossed a group's members (`piped_token_ms`, None where none did), per refused round (ms,
+    None where no round was refused), and the client main process's own part of a refused round (ms); from
+    `intervals` sampler intervals."""
 
     token_ms: float
-    round_ms: float
+    round_ms: float | None
     client_round_ms: float
     intervals: int
+    piped_token_ms: float | None = None
 
     @property
-    def refused_round_ms(self) -> float:
-        """Gives all the CPU a refused round costs the machine."""
-        return self.round_ms + self.client_round_ms
+    def refused_round_ms(self) -> float | None:
+        """Gives all the CPU a refused round costs the machine, None where no round was refused."""
+        return None if self.round_ms is None else self.round_ms + self.client_round_ms
 
 
 def role_of(command: str) -> str:
@@ -102,13 +106,16 @@ def read_samples(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def fit_untracked(samples: list[dict], token_times_wall: list[float], round_ends_wall: list[float]
-                  ) -> UntrackedCpu | None:
-    """Fits `UntrackedCpu` on the sampler's `samples` and the wall times at which the swarm's tokens came out and
-    refused rounds ended (a back-off began); None with fewer than 10 intervals or no refused round."""
-    if len(samples) < 11 or not round_ends_wall:
+def fit_untracked(samples: list[dict], token_times_wall: Sequence[float], round_ends_wall: Sequence[float],
+                  piped_times_wall: Sequence[float] = ()) -> UntrackedCpu | None:
+    """Fits `UntrackedCpu` on the sampler's `samples` and the wall times at which the swarm's tokens came out (those
+    through one whole server, `token_times_wall`, and those through a group's members, `piped_times_wall`) and
+    refused rounds ended (a back-off began); None with fewer than 10 intervals. A kind of event that never happened
+    gets no column in the fit (its figure None)."""
+    if len(samples) < 11:
         return None
-    tokens, rounds = np.sort(np.asarray(token_times_wall)), np.sort(np.asarray(round_ends_wall))
+    events = [np.sort(np.asarray(times, dtype=float))
+              for times in (token_times_wall, piped_times_wall, round_ends_wall)]
     rows, untracked, client = [], [], []
     for before, after in itertools.pairwise(samples):
         seconds = after["t"] - before["t"]
@@ -125,17 +132,18 @@ def fit_untracked(samples: list[dict], token_times_wall: list[float], round_ends
                 spent["client"] += used
             elif pid not in mains:  # the servers' and the client's DHT nodes (forked) too
                 spent["untracked"] += used
-        rows.append([1.0, _within(tokens, before["t"], after["t"]) / seconds,
-                     _within(rounds, before["t"], after["t"]) / seconds])
+        rows.append([1.0] + [_within(times, before["t"], after["t"]) / seconds for times in events])
         untracked.append(spent["untracked"] / seconds * 1000)
         client.append(spent["client"] / seconds * 1000)
     if len(rows) < 10:
         return None
-    design = np.asarray(rows)
-    _, token_ms, round_ms = np.linalg.lstsq(design, np.asarray(untracked), rcond=None)[0]
-    _, _, client_round_ms = np.linalg.lstsq(design, np.asarray(client), rcond=None)[0]
-    return UntrackedCpu(max(0.0, float(token_ms)), max(0.0, float(round_ms)), max(0.0, float(client_round_ms)),
-                        len(rows))
+    seen = [0] + [column + 1 for column, times in enumerate(events) if times.size]
+    design = np.asarray(rows)[:, seen]
+    per_event = dict(zip(seen, np.linalg.lstsq(design, np.asarray(untracked), rcond=None)[0], strict=True))
+    client_per_event = dict(zip(seen, np.linalg.lstsq(design, np.asarray(client), rcond=None)[0], strict=True))
+    fitted = {column: max(0.0, float(value)) for column, value in per_event.items()}
+    return UntrackedCpu(fitted.get(1, 0.0), fitted.get(3), max(0.0, float(client_per_event.get(3, 0.0))), len(rows),
+                        piped_token_ms=fitted.get(2))
 
 
 def _within(times: np.ndarray, start: float, end: float) -> int:
