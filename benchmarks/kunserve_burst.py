@@ -316,14 +316,15 @@ def _read_jsonl(path: Path) -> list[dict]:
 def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
                exchanged: Sequence[ArmRun] = ()) -> KunServeSimConfig:
     """Gives the simulator the live swarm's geometry (from the servers' records) and speeds measured in the no-drop arm
-    (`base`). What occupies a server: a decode iteration's fixed compute, the records' lone decode step through all
-    blocks and, for each more decoding request, their growth of a decode step with the batch, both scaled by what lone
-    steps took the loaded servers against their start-up timing (`loaded_block_ms`); a prompt token, what the servers'
-    counters measured beyond that fixed step (`prefill_token_ms_under_load`); prompts in chunks of the servers'
-    `--max-batch-tokens`. What occupies the client: its CPU per head pass and per token, measured on this machine
-    (`client_work`): the tokens of one iteration share a pass, as the client's sessions on one chain share a head pass,
-    a pass waits for the chain's steps on their way (`MAX_GANG_WAIT_S`), and passes follow each other, as one Python
-    process serves every request. Decode steps join a prompt chunk's batch (`join_prefill`), as the CPU servers'
+    (`base`). What occupies a server: a decode iteration's fixed compute and, for each decoding request, the records'
+    growth of a decode step with the batch, so that a batch of one costs the records' lone decode step through all
+    blocks (before r31's report the fixed part was the whole lone step, which priced a lone step a row too high), both
+    scaled by what lone steps took the loaded servers against their start-up timing (`loaded_block_ms`); a prompt token,
+    what the servers' counters measured beyond that fixed step (`prefill_token_ms_under_load`); prompts in chunks of the
+    servers' `--max-batch-tokens`. What occupies the client: its CPU per head pass and per token, measured on this
+    machine (`client_work`): the tokens of one iteration share a pass, as the client's sessions on one chain share a
+    head pass, a pass waits for the chain's steps on their way (`MAX_GANG_WAIT_S`), and passes follow each other, as one
+    Python process serves every request. Decode steps join a prompt chunk's batch (`join_prefill`), as the CPU servers'
     schedulers have them. What only delays a token: the rest of the 10th percentile of the requests' TBT (the least
     loaded) beyond the compute and a lone token's client work, at least the network's round trip (the emulated links,
     the p2pd daemons and the RPC layers on either side). A group's extra member adds a half round trip (the pushed hop),
@@ -348,7 +349,8 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     loaded = loaded_block_ms(base) / batch_one if batch_one > 0 else 1.0
     lone = blocks * batch_one * loaded
     per_row = blocks * (decode[widest] - batch_one) / (widest - 1) * loaded if widest > 1 else 0
-    beyond_compute = max(0.0, float(np.percentile(base.tbt(), 10)) * 1000 - lone - per_row)
+    fixed = max(0.0, lone - per_row)  # the simulator adds a row per decoding request: a batch of one costs `lone`
+    beyond_compute = max(0.0, float(np.percentile(base.tbt(), 10)) * 1000 - lone)
     work = client_work(base.workdir and base.workdir.parent)
     delay_ms = max(min(beyond_compute, rtt_ms), beyond_compute - work.pass_ms - work.token_ms)
     untracked = base.untracked_cpu()
@@ -356,7 +358,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     return KunServeSimConfig(
         replicas=len(SERVERS), blocks=blocks, pages_total=first["pages_total"],
         params_pages=first["pages_params"] // blocks * blocks, tokens_per_page=first["kv_tokens_per_page"],
-        step_ms=lone, prefill_token_ms=prefill_token_ms_under_load(base, lone),
+        step_ms=fixed, prefill_token_ms=prefill_token_ms_under_load(base, fixed),
         decode_token_ms=max(0.0, per_row),
         hop_ms=rtt_ms / 2, round_trip_ms=delay_ms,
         client_token_ms=work.token_ms, client_pass_ms=work.pass_ms,
