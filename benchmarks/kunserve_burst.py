@@ -340,7 +340,8 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     states (float32, as the client sends them) cross the client's emulated link, up to the first member and, through a
     group, down and up again between members, one prompt after another. How fast victims' KV crosses between members:
     what the servers of the runs that dropped (`exchanged`) measured of their KV moves (`exchange_bytes_per_s`), else
-    the link's rate."""
+    the link's rate; until a victim's KV has crossed, it takes pages on both members, as the live servers hold them
+    back from new sessions (`exchange_transient`)."""
     first = min(base.polls, key=lambda row: row["t"])
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
     widest = max(decode, default=1)
@@ -371,7 +372,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
                             else refused_try_cpu_ms(base.workdir and base.workdir.parent)),
         token_cpu_ms=untracked.token_ms if untracked is not None else 0.0,
         placement="fewest_hops", cores=os.cpu_count() or 1, member_batching=True,
-        client_gang_wait_s=MAX_GANG_WAIT_S, join_prefill=True,
+        client_gang_wait_s=MAX_GANG_WAIT_S, join_prefill=True, exchange_transient=True,
         client_link_bytes_per_s=MBIT * 1e6 / 8, hidden_bytes_per_token=hidden_size() * WIRE_BYTES,
     )
 

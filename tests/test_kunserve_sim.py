@@ -369,6 +369,29 @@ def test_live_exchange_keeps_a_victim_computing_while_its_kv_follows() -> None:
             assert sim.stalls == [pytest.approx(exchange_s)] and events == [("wake", pytest.approx(exchange_s))]
 
 
+def test_with_the_exchange_transient_a_victims_moved_kv_holds_pages_twice_until_it_has_crossed() -> None:
+    pair = dataclasses.replace(CONFIG, replicas=2, link_bytes_per_s=1e6)
+    exchange_s = 26 * 4 * 1536 / 1e6  # 26 tokens of KV for the 4 blocks its member dropped, over 1 MB/s
+    for transient, live in itertools.product((False, True), (False, True)):
+        sim = _Sim(dataclasses.replace(pair, exchange_transient=transient, live_exchange=live),
+                   [SimRequest(0.0, 16, 48), SimRequest(0.0, 16, 48)], horizon_s=10.0)
+        victim = _Running(0, sim.requests[0], 8, prefilled=16, produced=10)
+        next(iter(sim.units.values())).running.append(victim)
+        sim._drop(required=1)
+        (group,) = sim.units.values()
+        assert group.capacity == 2 * 100 - 40
+        if not transient:  # the drop's pages are free at once
+            assert group.held == 8 and group.copies == []
+            continue
+        # its KV for the 4 dropped blocks (half of its 8 pages) is on both members until it has crossed, blocking or
+        # live alike; then those pages come free, and the requests waiting are served
+        assert group.held == 8 + 4 and group.copies == [(pytest.approx(exchange_s), 4)]
+        assert ("copied", pytest.approx(exchange_s)) in [(kind, when) for when, _, kind, _, _ in sim.events]
+        sim.now = exchange_s
+        sim._copied(group.uid)
+        assert group.held == 8 and group.copies == []
+
+
 def test_merging_two_pairs_moves_each_victims_kv_for_the_blocks_its_members_no_longer_keep_in_parallel() -> None:
     sim = _Sim(CONFIG, [], horizon_s=1.0)
     sim.units = {}

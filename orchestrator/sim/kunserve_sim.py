@@ -59,9 +59,10 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   (requests running on a member when it drops) stall while their KV for the dropped blocks crosses
   `link_bytes_per_s` (blocking exchange, smallest first, each member's link in parallel); with `live_exchange`
   (remote attention, the paper's Sec. 4.2) they compute on meanwhile, and an iteration holding one pays a round
-  trip between members (2 x `hop_ms`) per block it attends remotely. The group's extra capacity is usable at once
-  [chosen: the exchange's transient (spec 5.2) is not modelled]. While dropped, `restore_trigger`
-  splits every group back once their requests fit on the members (live restore: no stall).
+  trip between members (2 x `hop_ms`) per block it attends remotely. The group's extra capacity is usable at once,
+  or, with `exchange_transient` (spec 5.2), a victim's KV for its member's dropped blocks counts twice until it has
+  crossed. While dropped, `restore_trigger` splits every group back once their requests fit on the members (live
+  restore: no stall).
 - `static_groups` k > 1 runs the static pipeline baseline (Llumnix (pipeline)): groups of k from the start, never
   restored; `dropping` False the no-drop baseline (Llumnix (replication)).
 """
@@ -180,6 +181,10 @@ class KunServeSimConfig:
     # members of a pipeline computed a prompt token 0.72-1.55x as long per block as the no-drop arm's whole replicas
     # did (r20-r22), which the whole replicas' costs do not show [chosen: measured per arm, not modelled]
     member_prefill_token_ms: float | None = None
+    # The exchange's transient (spec 5.2, which the paper does not discuss): a victim's KV for the blocks its member
+    # dropped takes pages on the keeper before the sender frees its own, so a drop's pages come free for new requests
+    # only as the victims' KV crosses, as live servers hold them back (`SessionTable.hold_for_exchange`); False: at once
+    exchange_transient: bool = False
 
     def __post_init__(self) -> None:
         if self.params_pages % self.blocks or self.params_pages >= self.pages_total:
@@ -229,12 +234,15 @@ class _Unit:
     members: tuple[int, ...]
     capacity: int
     running: list[_Running] = field(default_factory=list)
+    # With `exchange_transient`: (until s, pages) that a drop's exchange holds twice: a victim's KV for the blocks its
+    # member dropped, on the keeper and not yet freed on the sender, until it has crossed
+    copies: list[tuple[float, int]] = field(default_factory=list)
     batches: int = 0  # micro-batches in flight (a group without `member_batching`: up to k)
     wake_s: float | None = None  # a wake-up is due then: its first step not ready yet
 
     @property
     def held(self) -> int:
-        return sum(r.pages for r in self.running)
+        return sum(r.pages for r in self.running) + sum(pages for _, pages in self.copies)
 
     @property
     def free(self) -> int:
@@ -375,6 +383,8 @@ class _Sim:
                     if unit.wake_s is not None and unit.wake_s <= self.now:
                         unit.wake_s = None
                     self._start(unit)
+            elif kind == "copied":
+                self._copied(subject)
             elif kind == "monitor":
                 self._monitor()
                 self._push(self.now + self.config.monitor_s, "monitor", 0)
@@ -798,7 +808,11 @@ class _Sim:
                 moves = [(member, (self.kept[member][1] - self.kept[member][0])
                           - (plan.kept[_peer(member)][1] - plan.kept[_peer(member)][0])) for member in old.members]
                 for running in sorted(old.running, key=lambda r: (r.pages, r.index)):
-                    self._stall_victim(running, moves)
+                    done = self._stall_victim(running, moves)
+                    if c.exchange_transient and done > self.now:
+                        moved = sum(blocks for _, blocks in moves if blocks > 0)
+                        merged.copies.append((done, math.ceil(running.pages * moved / c.blocks)))
+                        self._push(done, "copied", merged.uid)
                     self._moved(running)  # its pass starts again on the group's first member
                     merged.running.append(running)
             self.largest_group = max(self.largest_group, len(members))
@@ -814,11 +828,11 @@ class _Sim:
         return SegmentReplica(_peer(member), 0, c.blocks, c.params_pages_per_block,
                               pages_free=unit.free // len(unit.members), pages_kv=unit.held // len(unit.members))
 
-    def _stall_victim(self, running: _Running, moves: list[tuple[int, int]]) -> None:
+    def _stall_victim(self, running: _Running, moves: list[tuple[int, int]]) -> float:
         """Blocking exchange: the victim's KV for the blocks each member (`moves`: member, blocks) no longer keeps
         crosses that member's link after the smaller victims' KV (the caller goes smallest first), the members'
         links in parallel; it computes nothing meanwhile. Live exchange: it computes on, attending remotely over
-        those blocks until its KV has crossed (no stall)."""
+        those blocks until its KV has crossed (no stall). Gives when its KV has crossed."""
         c = self.config
         tokens = running.prefilled + running.produced
         done = self.now
@@ -832,9 +846,18 @@ class _Sim:
             running.remote_until_s = done
             running.remote_blocks = sum(blocks for _, blocks in moves if blocks > 0)
             self.stalls.append(0.0)
-            return
+            return done
         running.ready_s = max(running.ready_s, done)
         self.stalls.append(done - self.now)
+        return done
+
+    def _copied(self, uid: int) -> None:
+        """A victim's KV has crossed (`exchange_transient`): the pages its copy held on unit `uid` come free, and the
+        requests waiting for room are served."""
+        unit = self.units.get(uid)
+        if unit is not None:
+            unit.copies = [(until_s, pages) for until_s, pages in unit.copies if until_s > self.now]
+            self._serve()
 
     def _restore(self) -> None:
         members = [member for unit in self.units.values() for member in unit.members]
