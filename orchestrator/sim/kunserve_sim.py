@@ -152,9 +152,9 @@ class KunServeSimConfig:
     refused_try_cpu_ms: float = 0.0
     # With `cores`: the CPU each token costs that machine outside the members' batches and the client's passes (the
     # RPC daemons and the delay fabric it crosses), counted against the cores for `TOKEN_LOAD_WINDOW_S` after the
-    # client has it, the same through a group's members as through a whole replica [r31 measured 8.0-8.1 ms a token
-    # through the static pipeline's pair against 7.1-7.5 ms through one whole server: the added push between members
-    # costs little beside the client's side of every token]
+    # client has it, the same through a group's members as through a whole replica [chosen: a token through the static
+    # pipeline's pair cost 8.0-8.1 ms against 7.1-7.5 through one whole server in r31, 8.4 against 4.2-5.1 in r32;
+    # the runs do not settle a weight, and one per RPC leg (a pair 1.5x) fitted r31 no better]
     token_cpu_ms: float = 0.0
     # With `cores`: a member's batch runs at the speed the processes computing at each moment share (taken again at
     # every event, as a fluid processor-sharing queue); False: at the speed shared when it started, for its whole time.
