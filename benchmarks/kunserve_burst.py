@@ -782,8 +782,8 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
 def report_untracked(runs: dict[str, list[ArmRun]]) -> None:
     """Prints, per run that sampled its processes, what those outside the simulator spent (`ArmRun.untracked_cpu`):
     a token through one whole server, one through a group's members, and a refused round. The simulator takes the
-    no-drop run's figures and weighs a group's token by the legs it crosses (`KunServeSimConfig.token_cpu_ms`); the
-    arms that pipelined show how far that holds."""
+    no-drop run's figures and prices a group's token as a whole server's (`KunServeSimConfig.token_cpu_ms`); the arms
+    that pipelined show how far that holds."""
     lines = []
     for arm in ARMS:
         for turn, run in enumerate(runs.get(arm, [])):

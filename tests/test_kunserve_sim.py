@@ -390,6 +390,18 @@ def test_with_the_exchange_transient_a_victims_moved_kv_holds_pages_twice_until_
         sim.now = exchange_s
         sim._copied(group.uid)
         assert group.held == 8 and group.copies == []
+    # a merge while a pair's exchange still crosses carries its copies into the group of four, freed on time there
+    sim = _Sim(dataclasses.replace(CONFIG, exchange_transient=True), [], horizon_s=1.0)
+    sim.units = {}
+    sim._add_unit((0, 1)).copies.append((0.5, 4))
+    sim._add_unit((2, 3))
+    sim.kept.update({0: (0, 4), 1: (4, 8), 2: (0, 4), 3: (4, 8)})
+    sim._drop(1)
+    (merged,) = sim.units.values()
+    assert merged.copies == [(0.5, 4)] and ("copied", merged.uid) in [(e[2], e[3]) for e in sim.events]
+    sim.now = 0.5
+    sim._copied(merged.uid)
+    assert merged.copies == [] and merged.held == 0
 
 
 def test_merging_two_pairs_moves_each_victims_kv_for_the_blocks_its_members_no_longer_keep_in_parallel() -> None:

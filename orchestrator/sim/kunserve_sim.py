@@ -805,6 +805,9 @@ class _Sim:
             merged = self._add_unit(members)
             for old in sorted({by_member[member].uid: by_member[member] for member in members}.values(),
                               key=lambda unit: unit.uid):
+                for until_s, pages in old.copies:  # an earlier drop's exchange still crossing: its copies come along
+                    merged.copies.append((until_s, pages))
+                    self._push(until_s, "copied", merged.uid)
                 moves = [(member, (self.kept[member][1] - self.kept[member][0])
                           - (plan.kept[_peer(member)][1] - plan.kept[_peer(member)][0])) for member in old.members]
                 for running in sorted(old.running, key=lambda r: (r.pages, r.index)):
