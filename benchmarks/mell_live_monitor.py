@@ -7,9 +7,9 @@ Waits until the DHT shows `--servers` servers, prints `ready`, then writes one J
 `{t (wall clock), peer_id, pages_kv, sessions, accepting, capacity_pages (its pool less its parameters), blocks,
 kv_tokens_per_page, kv_bytes_per_token (one block's), prefill_ms_per_token (one block's), network_mbps, migrations
 (info's), packing (info's), block_start, block_end, pages_total, pages_params, pages_free, block_compute_ms,
-block_decode_ms, dropping (info's), batches (info's: batches, compute_ms, prefill_tokens, prefill_batches,
-prefill_batch_ms)}` until its standard input closes or says `quit`; prints `done`. A server that does not answer is
-skipped for that poll.
+block_decode_ms, dropping (info's), batches (info's: batches, compute_ms, cpu_ms, prefill_tokens, prefill_batches,
+prefill_batch_ms, prefill_batch_cpu_ms)}` until its standard input closes or says `quit`; prints `done`. A server
+that does not answer is skipped for that poll.
 """
 
 from __future__ import annotations
@@ -78,8 +78,9 @@ async def poll_once(swarm: SwarmClient, connections: dict[str, RpcConnection], r
                 "pages_total": record["pages_total"], "pages_params": record["pages_params"],
                 "pages_free": record["pages_free"], "block_compute_ms": record["block_compute_ms"],
                 "block_decode_ms": record["block_decode_ms"], "dropping": reply.get("dropping"),
-                "batches": {key: reply["batches"][key] for key in ("batches", "compute_ms", "prefill_tokens",
-                                                                    "prefill_batches", "prefill_batch_ms")}}
+                "batches": {key: reply["batches"][key] for key in ("batches", "compute_ms", "cpu_ms", "prefill_tokens",
+                                                                    "prefill_batches", "prefill_batch_ms",
+                                                                    "prefill_batch_cpu_ms")}}
 
     results = await asyncio.gather(*(one(peer_id) for peer_id in sorted(records)))
     return [result for result in results if result is not None]

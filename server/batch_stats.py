@@ -31,10 +31,15 @@ class BatchStats:
 
     batches: int = 0
     compute_ms: float = 0.0  # summed over batches
+    # the computing thread's CPU time of those batches: their compute less what the machine's other processes took
+    # of its core meanwhile; all of their CPU on one torch thread, that thread's part on more (a remote-attention
+    # step's is not counted: it waits on a peer)
+    cpu_ms: float = 0.0
     mixed: int = 0  # batches where a prefill chunk and decode steps computed together
     prefill_tokens: int = 0  # prompt tokens computed (rows x tokens of prefill chunks)
     prefill_batches: int = 0  # batches that held a prefill chunk
     prefill_batch_ms: float = 0.0  # their compute, summed
+    prefill_batch_cpu_ms: float = 0.0  # and their CPU time
     joined: int = 0  # steps that joined a batch already computing
     steps_by_place: Counter[str] = field(default_factory=Counter)  # "loop" or "pool": steps computed there
     sizes: Counter[int] = field(default_factory=Counter)  # power-of-two bucket of steps per batch -> batches
@@ -48,16 +53,18 @@ class BatchStats:
     observers: list[Callable[[int, int, float], None]] = field(default_factory=list, repr=False)
 
     def note(self, steps: int, tokens: int, *, compute_ms: float, mixed: bool, place: str,
-             prefill_tokens: int = 0) -> None:
+             prefill_tokens: int = 0, cpu_ms: float = 0.0) -> None:
         for observer in self.observers:
             observer(steps, tokens, compute_ms)
         self.batches += 1
         self.compute_ms += compute_ms
+        self.cpu_ms += cpu_ms
         self.mixed += mixed
         if prefill_tokens:
             self.prefill_tokens += prefill_tokens
             self.prefill_batches += 1
             self.prefill_batch_ms += compute_ms
+            self.prefill_batch_cpu_ms += cpu_ms
         self.steps_by_place[place] += steps
         self.sizes[_bucket(steps)] += 1
         self.tokens[_bucket(tokens)] += 1
@@ -67,10 +74,12 @@ class BatchStats:
         return {
             "batches": self.batches,
             "compute_ms": round(self.compute_ms, 3),
+            "cpu_ms": round(self.cpu_ms, 3),
             "mixed": self.mixed,
             "prefill_tokens": self.prefill_tokens,
             "prefill_batches": self.prefill_batches,
             "prefill_batch_ms": round(self.prefill_batch_ms, 3),
+            "prefill_batch_cpu_ms": round(self.prefill_batch_cpu_ms, 3),
             "joined": self.joined,
             "steps_per_batch": {f"<={bound}": count for bound, count in sorted(self.sizes.items())},
             "tokens_per_batch": {f"<={bound}": count for bound, count in sorted(self.tokens.items())},

@@ -56,6 +56,7 @@ class _Pass:
     blocks: int = 0
     blocks_done: int = 0  # written by the compute thread, read by the loop
     started_s: float = 0.0  # when the compute thread started it (perf_counter), set before any block is done
+    cpu_ms: float = 0.0  # the CPU time the computing thread spent on it (its own, whatever else runs on the machine)
     closed: bool = False
     joining: list[tuple[Step, int, torch.Tensor, PagedBatch]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -289,7 +290,8 @@ class StepScheduler:
         inline = self._computes_inline(batch)
         computed = batch
         try:
-            outputs, compute_ms, computed = await self._forward_isolated(batch, inline=inline, joinable=not inline)
+            outputs, compute_ms, cpu_ms, computed = await self._forward_isolated(batch, inline=inline,
+                                                                                 joinable=not inline)
         finally:
             self.computing = False
             for step, _ in computed:  # the steps that joined it too
@@ -301,7 +303,8 @@ class StepScheduler:
         prefill_tokens = sum(take * step.rows for step, take in batch if step.tokens > 1)
         prefill = prefill_tokens > 0
         self.stats.note(len(batch), sum(take * step.rows for step, take in batch), compute_ms=compute_ms,
-                        mixed=decode and prefill, place="loop" if inline else "pool", prefill_tokens=prefill_tokens)
+                        mixed=decode and prefill, place="loop" if inline else "pool", prefill_tokens=prefill_tokens,
+                        cpu_ms=cpu_ms)
         self._note_speed(batch, compute_ms, joined=joined)
         if len(batch) == 1 and batch[0][0].rows * batch[0][1] == 1 and compute_ms > 0:
             sample_ms = compute_ms / batch[0][0].session.blocks  # a lone decode step refines the start-up figure
@@ -346,10 +349,10 @@ class StepScheduler:
 
     async def _forward_isolated(
         self, batch: list[tuple[Step, int]], *, inline: bool, joinable: bool
-    ) -> tuple[list[torch.Tensor | SwarmError], float, list[tuple[Step, int]]]:
-        """Gives each step's output rows for its chunk (or its error), the batch's compute time in ms, and the
-        steps computed (`batch`, then those that joined it). A batch that fails is computed again one step at a
-        time, so that only the steps that fail alone fail."""
+    ) -> tuple[list[torch.Tensor | SwarmError], float, float, list[tuple[Step, int]]]:
+        """Gives each step's output rows for its chunk (or its error), the batch's compute time and its computing
+        thread's CPU time in ms, and the steps computed (`batch`, then those that joined it). A batch that fails is
+        computed again one step at a time, so that only the steps that fail alone fail."""
         running = _Pass(items=list(batch), tokens=sum(take * step.rows for step, take in batch),
                         prefill=any(step.tokens > 1 for step, _ in batch))
         try:
@@ -359,18 +362,19 @@ class StepScheduler:
         except Exception as error:
             computed = running.items  # the batch, and whatever joined it before it failed
             if len(computed) == 1:
-                return [_typed(error, computed[0][0])], 0.0, computed
+                return [_typed(error, computed[0][0])], 0.0, running.cpu_ms, computed
             log.warning("a batch of %d steps failed (%s: %s); computing them one by one", len(computed),
                         type(error).__name__, error)
             results: list[torch.Tensor | SwarmError] = []
-            total_ms = 0.0
+            total_ms, cpu_ms = 0.0, running.cpu_ms
             for item in computed:
-                alone, alone_ms, _ = await self._forward_isolated([item], inline=False, joinable=False)
+                alone, alone_ms, alone_cpu_ms, _ = await self._forward_isolated([item], inline=False, joinable=False)
                 results.extend(alone)
                 total_ms += alone_ms
-            return results, total_ms, computed
+                cpu_ms += alone_cpu_ms
+            return results, total_ms, cpu_ms, computed
         sizes = [take * step.rows for step, take in running.items]
-        return list(output.split(sizes)), compute_ms, running.items
+        return list(output.split(sizes)), compute_ms, running.cpu_ms, running.items
 
     def _assemble(self, batch: list[tuple[Step, int]]) -> tuple[torch.Tensor, PagedBatch]:
         """Gives the rows and the chunks of `batch`'s tokens, in order."""
@@ -387,8 +391,8 @@ class StepScheduler:
         """Gives the output rows of `running`'s steps (and of those that join it) and the compute time in ms."""
         hidden, paged = self._assemble(running.items)
         running.blocks = max(c.block_end for c in paged.chunks) - min(c.block_start for c in paged.chunks)
-        if inline:
-            return self._timed_forward(hidden, paged, None)
+        if inline:  # nothing joins it (it is not `self._pass`); it takes its CPU time
+            return self._timed_forward(hidden, paged, running)
         if joinable:
             self._pass = running
         future: Future[tuple[torch.Tensor, float]] = self._executor.submit(self._timed_forward, hidden, paged, running)
@@ -408,9 +412,10 @@ class StepScheduler:
     def _timed_forward(
         self, hidden: torch.Tensor, batch: PagedBatch, running: _Pass | None
     ) -> tuple[torch.Tensor, float]:
-        """Gives the pass's output rows (the batch's, then each joined step's) and its compute time in ms. Between
-        two blocks it takes in the steps that `running` collected meanwhile."""
-        started = time.perf_counter()
+        """Gives the pass's output rows (the batch's, then each joined step's) and its compute time in ms, and adds
+        this thread's CPU time to `running`'s. Between two blocks it takes in the steps that `running` collected
+        meanwhile."""
+        started, cpu_started = time.perf_counter(), time.thread_time()
         if running is not None:
             running.started_s = started
         forward_pass = ForwardPass(self.blocks, self.kv, hidden, batch)
@@ -444,6 +449,8 @@ class StepScheduler:
         output = forward_pass.hidden
         if output.device.type == "cuda":
             torch.cuda.synchronize(output.device)
+        if running is not None:
+            running.cpu_ms += (time.thread_time() - cpu_started) * 1000
         return output, (time.perf_counter() - started) * 1000
 
     def _computes_inline(self, batch: list[tuple[Step, int]]) -> bool:

@@ -130,6 +130,8 @@ def test_a_long_prefill_is_chunked_and_decode_steps_ride_in_every_batch(tiny_lla
         assert stats.prefill_tokens == 4 + 4 + 40  # every prompt token, counted once
         assert 40 // 10 <= stats.prefill_batches <= stats.batches  # the long prompt alone took 4 chunks
         assert 0 < stats.prefill_batch_ms <= stats.compute_ms
+        # the computing thread's CPU: some in the prompts' batches, never more than the batches' wall time
+        assert 0 < stats.prefill_batch_cpu_ms <= stats.cpu_ms <= stats.compute_ms + 1
         for _ in range(1000):  # the decode chains go on after the prefill; each step queues the next
             if not any(decoding.values()) and all(r.done() for r in (*results["a"], *results["b"])):
                 break
