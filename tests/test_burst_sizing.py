@@ -11,7 +11,9 @@ import pytest
 
 from benchmarks.client_work import Round, split_cost
 from benchmarks.kunserve_burst import (
+    CLIENT_WORK_FILE,
     COMPUTE_SHARE,
+    REFUSED_TRIES_FILE,
     TRACE,
     ArmRun,
     Calibration,
@@ -24,6 +26,7 @@ from benchmarks.kunserve_burst import (
     loaded_block_ms,
     peak_sessions,
     prefill_token_ms_under_load,
+    sim_config,
     sized_pool,
     sized_rate,
     turn_fit,
@@ -139,3 +142,35 @@ def test_an_arms_repeats_are_found_in_order_and_each_turns_simulator_is_fitted_o
     assert base is repeats[1]  # the machine's speed of that turn
     assert exchanged == [runs["KunServe blocking"][1]]  # the KV moves of that turn's runs that dropped
     assert turn_fit(runs, 0)[1] == [runs["KunServe blocking"][0], runs["KunServe remote attention"][0]]
+
+
+def test_the_fitted_simulator_prices_a_lone_decode_step_at_what_the_loaded_servers_took_and_adds_a_row_per_request(
+        tmp_path: Path) -> None:
+    # start-up timings per block: 0.5 ms a lone step, 1.2 ms a batch of 8 (0.1 ms a row more); under load the lone
+    # step refined to 1.0 ms (2x), so a block costs 2x its start-up timing: 30 ms a lone step through 30 blocks, of
+    # which a row is 30 x 0.1 x 2 = 6 ms
+    def poll(peer: str, t: float, block_ms: float) -> dict:
+        return {"peer_id": peer, "t": t, "block_start": 0, "block_end": 30, "pages_total": 480, "pages_params": 420,
+                "kv_tokens_per_page": 682, "kv_bytes_per_token": 1536, "block_compute_ms": block_ms,
+                "block_decode_ms": [{"batch": 1, "ms": 0.5}, {"batch": 8, "ms": 1.2}],
+                "batches": {"prefill_tokens": 100 * t, "prefill_batches": t, "prefill_batch_ms": 424.0 * t,
+                            "batches": 0, "compute_ms": 0.0}}
+
+    polls = [poll(peer, t, 0.5 if t == 0 else 1.0) for peer in "ab" for t in (0, 1, 2)]
+    # every request's tokens 100 ms apart: beyond the lone step (30 ms) and the client's work (10 + 5 ms), 55 ms
+    results = [{"id": n, "arrival_s": n, "first_token_s": n + 1.0, "ended_s": n + 1.0 + 0.1 * 10} for n in range(20)]
+    requests = {n: {"id": n, "at_s": float(n), "prompt_tokens": 100, "output_tokens": 11} for n in range(20)}
+    workdir = tmp_path / "20-no-drop"
+    workdir.mkdir()
+    (tmp_path / CLIENT_WORK_FILE).write_text(json.dumps({
+        "pass_ms": 10.0, "token_ms": 5.0, "lone": {"cpu_ms": 15.0, "tokens": 1, "passes": 1},
+        "shared": {"cpu_ms": 50.0, "tokens": 8, "passes": 1}, "sessions": 8}))
+    (tmp_path / REFUSED_TRIES_FILE).write_text(json.dumps({"cpu_ms": 40.0}))
+    config = sim_config(ArmRun("no drop", results, polls, 0.0, workdir, requests), 20.0, dropping=False)
+    assert config.decode_token_ms == pytest.approx(6.0)  # a row
+    assert config.step_ms + config.decode_token_ms == pytest.approx(30.0)  # a lone step: the fixed part and its row
+    # a prompt batch of 100 tokens took 424 ms: its fixed part (24 ms) and 4 ms a token
+    assert config.prefill_token_ms == pytest.approx(4.0)
+    assert config.round_trip_ms == pytest.approx(55.0)  # the 10th percentile of TBT less the compute and client work
+    assert (config.client_pass_ms, config.client_token_ms, config.refused_try_cpu_ms) == (10.0, 5.0, 40.0)
+    assert config.blocks == 30 and config.params_pages == 420 and config.pages_total == 480
