@@ -134,6 +134,14 @@ class StateCompute:
     prompt_tokens: int
 
 
+@dataclass(frozen=True)
+class BatchCpu:
+    """What the servers' computing threads spent on a run's batches (`ArmRun.batch_cpu`)."""
+
+    prompt_us_per_token_block: float  # the CPU of prompt tokens' batches per token and block: the machine's speed
+    wall_over_cpu: float  # the batches' wall time over their CPU time: how much the machine's other work slowed them
+
+
 @dataclass
 class ArmRun:
     arm: str
@@ -242,6 +250,26 @@ class ArmRun:
         return {blocks: StateCompute(1000 * ms / tokens if tokens else math.nan, other_ms / batches if batches else
                                      math.nan, sessions / busy if busy else math.nan, int(tokens))
                 for blocks, (ms, tokens, other_ms, batches, sessions, busy) in sorted(grown.items(), reverse=True)}
+
+    def batch_cpu(self) -> BatchCpu | None:
+        """Gives what the servers' computing threads spent on their batches (`info` batches `cpu_ms`), summed over the
+        servers between polls that found the same hosted range; None for runs recorded before the servers counted it,
+        or whose servers computed no prompt token."""
+        cpu = wall = prompt_cpu = prompt_tokens = 0.0
+        for rows in self.polls_by_peer(counted=True):
+            for before, after in itertools.pairwise(rows):
+                blocks = after["block_end"] - after["block_start"]
+                if blocks != before["block_end"] - before["block_start"] or blocks == 0 or \
+                        "cpu_ms" not in before["batches"]:
+                    continue
+                cpu += after["batches"]["cpu_ms"] - before["batches"]["cpu_ms"]
+                wall += after["batches"]["compute_ms"] - before["batches"]["compute_ms"]
+                prompt_cpu += (after["batches"]["prefill_batch_cpu_ms"]
+                               - before["batches"]["prefill_batch_cpu_ms"]) / blocks
+                prompt_tokens += after["batches"]["prefill_tokens"] - before["batches"]["prefill_tokens"]
+        if cpu <= 0 or prompt_tokens <= 0:
+            return None
+        return BatchCpu(1000 * prompt_cpu / prompt_tokens, wall / cpu)
 
     def pages_series(self) -> list[tuple[float, int, int]]:
         """Gives (t, KV pages held, pages that can hold KV) over both servers at every poll."""
@@ -597,6 +625,7 @@ SIMULATED_ARMS = {
 
 SIM_REPLAYS = 21  # the simulator's replays of one arm: the arrivals as recorded, and jittered with seeds 1..20
 SIM_JITTER_S = 0.05  # each jittered replay moves every arrival by up to this, either way
+SENSITIVITY = 0.05  # the report's sensitivity: every compute cost this much lower and higher
 
 
 def member_prompt_scale(base: ArmRun, run: ArmRun) -> float | None:
@@ -611,20 +640,25 @@ def member_prompt_scale(base: ArmRun, run: ArmRun) -> float | None:
 
 
 def sim_p99_ttft(base: ArmRun, rtt_ms: float, arm: str, exchanged: Sequence[ArmRun] = (),
-                 member_scale: float | None = None) -> list[float]:
+                 member_scale: float | None = None, cost_scale: float = 1.0,
+                 replays: int = SIM_REPLAYS) -> list[float]:
     """Gives the simulator's P99 TTFT of `arm` on the requests of `base`, with its geometry and speeds, in each of
-    `SIM_REPLAYS` replays: the arrivals as recorded, then moved by up to `SIM_JITTER_S` either way (seeded). Where
+    `replays` replays: the arrivals as recorded, then moved by up to `SIM_JITTER_S` either way (seeded). Where
     clients back off, which client gets a freed slot turns on milliseconds, and the P99 with it; the replays show
     how far. With `member_scale`, a group's prompt token costs that many times a whole replica's
-    (`member_prompt_scale` of the arm's own run)."""
+    (`member_prompt_scale` of the arm's own run); with `cost_scale`, every compute cost of the servers is that many
+    times the fitted one."""
     dropping, live_exchange, groups = SIMULATED_ARMS[arm]
     fitted = sim_config(base, rtt_ms, dropping, exchanged)
+    fitted = dataclasses.replace(fitted, step_ms=fitted.step_ms * cost_scale,
+                                 decode_token_ms=fitted.decode_token_ms * cost_scale,
+                                 prefill_token_ms=fitted.prefill_token_ms * cost_scale)
     config = dataclasses.replace(fitted, live_exchange=live_exchange, static_groups=groups,
                                  member_prefill_token_ms=(fitted.prefill_token_ms * member_scale
                                                           if member_scale is not None else None))
     requests = sorted(base.requests.values(), key=lambda request: request["id"])
     p99s = []
-    for seed in range(SIM_REPLAYS):
+    for seed in range(replays):
         shift = np.random.default_rng(seed).uniform(-SIM_JITTER_S, SIM_JITTER_S, len(requests)) if seed else None
         sim_requests = [SimRequest(max(0.0, r["at_s"] + (shift[i] if shift is not None else 0.0)), r["prompt_tokens"],
                                    r["output_tokens"]) for i, r in enumerate(requests)]
@@ -717,6 +751,13 @@ def report(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
                 f"{blocks} blocks: {state.prompt_us_per_token_block:.0f} us | {state.other_ms_per_batch_block:.2f} ms"
                 f" | {state.sessions:.1f} ({state.prompt_tokens} prompt tokens)"
                 for blocks, state in runs[arm][0].compute_by_blocks().items()))
+    counted = {arm: [run.batch_cpu() for run in runs.get(arm, [])] for arm in ARMS}
+    if any(cpu is not None for cpus in counted.values() for cpu in cpus):
+        print("servers' batches by turn, their computing threads' CPU (the machine's speed: us per prompt token and "
+              "block | the contention they computed under: wall time over CPU time):")
+        for arm, cpus in counted.items():
+            print(f"  {arm:<26} " + " ".join(f"{cpu.prompt_us_per_token_block:5.0f} us | {cpu.wall_over_cpu:.2f}x"
+                                             if cpu is not None else "     -" for cpu in cpus))
     kunserve = runs.get("KunServe blocking", [None])[0]
     if kunserve is not None and kunserve.served:
         print("KV pages held / pages that can hold KV, both servers, 5-s windows (KunServe | no drop):")
@@ -777,6 +818,24 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
             if len(lives) > 1:
                 sim_line(f"{arm}, median", statistics.median(lives), statistics.median(sims))
         print(f"  {within} of {compared} runs within {TARGET_SIM:.0%}")
+    report_sensitivity(rtt_ms, runs, fits)
+
+
+def report_sensitivity(rtt_ms: float, runs: dict[str, list[ArmRun]],
+                       fits: list[tuple[ArmRun, list[ArmRun]]]) -> None:
+    """Prints how far the simulated P99 TTFT moves when every compute cost of the servers is `SENSITIVITY` lower or
+    higher (the arrivals as recorded): how closely the simulator must know this machine's speed for its P99 to be
+    within the target, against how far that speed moves between arms (`ArmRun.batch_cpu`)."""
+    print(f"  the simulated P99 with every compute cost {SENSITIVITY:.0%} lower | as fitted | {SENSITIVITY:.0%} higher "
+          "(the arrivals as recorded), by turn:")
+    for arm in SIMULATED_ARMS:
+        cells = []
+        for base, exchanged in fits[:len(runs.get(arm, []))]:
+            low, fitted, high = (sim_p99_ttft(base, rtt_ms, arm, exchanged, cost_scale=scale, replays=1)[0]
+                                 for scale in (1 - SENSITIVITY, 1.0, 1 + SENSITIVITY))
+            moved = max(abs(low - fitted), abs(high - fitted)) / fitted
+            cells.append(f"{low:6.2f} | {fitted:6.2f} | {high:6.2f} s (moves {moved:.0%})")
+        print(f"    {arm:<26} " + "; ".join(cells))
 
 
 def report_untracked(runs: dict[str, list[ArmRun]]) -> None:

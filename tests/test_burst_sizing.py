@@ -174,3 +174,22 @@ def test_the_fitted_simulator_prices_a_lone_decode_step_at_what_the_loaded_serve
     assert config.round_trip_ms == pytest.approx(55.0)  # the 10th percentile of TBT less the compute and client work
     assert (config.client_pass_ms, config.client_token_ms, config.refused_try_cpu_ms) == (10.0, 5.0, 40.0)
     assert config.blocks == 30 and config.params_pages == 420 and config.pages_total == 480
+
+
+def test_the_servers_batch_cpu_is_their_prompt_cpu_per_token_and_block_and_their_wall_over_cpu() -> None:
+    def poll(peer: str, t: float, blocks: int, cpu: float, wall: float, prompt_cpu: float, tokens: int) -> dict:
+        return {"peer_id": peer, "t": t, "block_start": 0, "block_end": blocks,
+                "batches": {"cpu_ms": cpu, "compute_ms": wall, "prefill_batch_cpu_ms": prompt_cpu,
+                            "prefill_tokens": tokens}}
+
+    # `a` hosts 30 blocks: 600 ms CPU (300 of it for 100 prompt tokens) in 900 ms; then drops to 15 blocks, an
+    # interval that does not count, and computes 100 ms CPU (75 for 50 tokens) in 100 ms
+    polls = [poll("a", 0.0, 30, 0, 0, 0, 0), poll("a", 1.0, 30, 600, 900, 300, 100),
+             poll("a", 2.0, 15, 700, 1000, 350, 120), poll("a", 3.0, 15, 800, 1100, 425, 170)]
+    cpu = ArmRun("KunServe blocking", [], polls, 0.0).batch_cpu()
+    assert cpu is not None
+    assert cpu.prompt_us_per_token_block == pytest.approx(1000 * (300 / 30 + 75 / 15) / 150)  # 100 us
+    assert cpu.wall_over_cpu == pytest.approx(1000 / 700)
+    # servers that did not count their CPU
+    older = [{**row, "batches": {k: v for k, v in row["batches"].items() if "cpu" not in k}} for row in polls]
+    assert ArmRun("no drop", [], older, 0.0).batch_cpu() is None
