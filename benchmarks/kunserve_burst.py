@@ -132,6 +132,7 @@ class StateCompute:
     other_ms_per_batch_block: float  # the other batches (decode steps), per batch and block
     sessions: float  # open sessions per server, mean over the polls that saw a batch
     prompt_tokens: int
+    prompt_cpu_us_per_token_block: float = math.nan  # the same batches' CPU time (servers that counted it)
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class BatchCpu:
 
     prompt_us_per_token_block: float  # the CPU of prompt tokens' batches per token and block: the machine's speed
     wall_over_cpu: float  # the batches' wall time over their CPU time: how much the machine's other work slowed them
+    prompt_wall_over_cpu: float  # the same over the batches that held prompt tokens
 
 
 @dataclass
@@ -240,22 +242,26 @@ class ArmRun:
                 if blocks != before["block_end"] - before["block_start"] or blocks == 0:
                     continue
                 delta = {name: after["batches"][name] - before["batches"].get(name, 0) for name in after["batches"]}
-                sums = grown.setdefault(blocks, [0.0] * 6)
+                sums = grown.setdefault(blocks, [0.0] * 7)
                 sums[0] += delta["prefill_batch_ms"] / blocks
                 sums[1] += delta["prefill_tokens"]
                 sums[2] += (delta["compute_ms"] - delta["prefill_batch_ms"]) / blocks
                 sums[3] += delta["batches"] - delta["prefill_batches"]
                 sums[4] += after["sessions"] if delta["batches"] else 0
                 sums[5] += 1 if delta["batches"] else 0
+                counted = "prefill_batch_cpu_ms" in before["batches"]
+                sums[6] += delta["prefill_batch_cpu_ms"] / blocks if counted else math.nan
         return {blocks: StateCompute(1000 * ms / tokens if tokens else math.nan, other_ms / batches if batches else
-                                     math.nan, sessions / busy if busy else math.nan, int(tokens))
-                for blocks, (ms, tokens, other_ms, batches, sessions, busy) in sorted(grown.items(), reverse=True)}
+                                     math.nan, sessions / busy if busy else math.nan, int(tokens),
+                                     1000 * cpu_ms / tokens if tokens else math.nan)
+                for blocks, (ms, tokens, other_ms, batches, sessions, busy, cpu_ms) in sorted(grown.items(),
+                                                                                             reverse=True)}
 
     def batch_cpu(self) -> BatchCpu | None:
         """Gives what the servers' computing threads spent on their batches (`info` batches `cpu_ms`), summed over the
         servers between polls that found the same hosted range; None for runs recorded before the servers counted it,
         or whose servers computed no prompt token."""
-        cpu = wall = prompt_cpu = prompt_tokens = 0.0
+        cpu = wall = prompt_cpu = prompt_wall = prompt_tokens = 0.0
         for rows in self.polls_by_peer(counted=True):
             for before, after in itertools.pairwise(rows):
                 blocks = after["block_end"] - after["block_start"]
@@ -266,10 +272,11 @@ class ArmRun:
                 wall += after["batches"]["compute_ms"] - before["batches"]["compute_ms"]
                 prompt_cpu += (after["batches"]["prefill_batch_cpu_ms"]
                                - before["batches"]["prefill_batch_cpu_ms"]) / blocks
+                prompt_wall += (after["batches"]["prefill_batch_ms"] - before["batches"]["prefill_batch_ms"]) / blocks
                 prompt_tokens += after["batches"]["prefill_tokens"] - before["batches"]["prefill_tokens"]
-        if cpu <= 0 or prompt_tokens <= 0:
+        if cpu <= 0 or prompt_tokens <= 0 or prompt_cpu <= 0:
             return None
-        return BatchCpu(1000 * prompt_cpu / prompt_tokens, wall / cpu)
+        return BatchCpu(1000 * prompt_cpu / prompt_tokens, wall / cpu, prompt_wall / prompt_cpu)
 
     def pages_series(self) -> list[tuple[float, int, int]]:
         """Gives (t, KV pages held, pages that can hold KV) over both servers at every poll."""
@@ -369,7 +376,12 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     group, down and up again between members, one prompt after another. How fast victims' KV crosses between members:
     what the servers of the runs that dropped (`exchanged`) measured of their KV moves (`exchange_bytes_per_s`), else
     the link's rate; until a victim's KV has crossed, it takes pages on both members, as the live servers hold them
-    back from new sessions (`exchange_transient`)."""
+    back from new sessions (`exchange_transient`). Runs whose servers counted their batches' CPU time
+    (`ArmRun.batch_cpu`, from r33 on): a prompt token at its CPU time rather than its wall time under load (which
+    carries the no-drop crowd's contention, 1.2-1.3x, into every arm), the contention left to the simulator's
+    sharing, whose weight of the machine's other work (`other_work_weight`) is fitted so the simulated no-drop
+    servers' batches stretch as the live ones' did. The lone decode step stays at its wall time: lone steps run
+    mostly while the machine is quiet."""
     first = min(base.polls, key=lambda row: row["t"])
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
     widest = max(decode, default=1)
@@ -384,10 +396,14 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     delay_ms = max(min(beyond_compute, rtt_ms), beyond_compute - work.pass_ms - work.token_ms)
     untracked = base.untracked_cpu()
     refused_round_ms = untracked.refused_round_ms if untracked is not None else None
-    return KunServeSimConfig(
+    prefill_ms = prefill_token_ms_under_load(base, fixed)
+    cpu = base.batch_cpu()
+    if cpu is not None:  # the costs at the servers' CPU time: the simulator's sharing adds what contention took
+        prefill_ms /= cpu.prompt_wall_over_cpu
+    config = KunServeSimConfig(
         replicas=len(SERVERS), blocks=blocks, pages_total=first["pages_total"],
         params_pages=first["pages_params"] // blocks * blocks, tokens_per_page=first["kv_tokens_per_page"],
-        step_ms=fixed, prefill_token_ms=prefill_token_ms_under_load(base, fixed),
+        step_ms=fixed, prefill_token_ms=prefill_ms,
         decode_token_ms=max(0.0, per_row),
         hop_ms=rtt_ms / 2, round_trip_ms=delay_ms,
         client_token_ms=work.token_ms, client_pass_ms=work.pass_ms,
@@ -403,6 +419,44 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
         client_gang_wait_s=MAX_GANG_WAIT_S, join_prefill=True, exchange_transient=True,
         client_link_bytes_per_s=MBIT * 1e6 / 8, hidden_bytes_per_token=hidden_size() * WIRE_BYTES,
     )
+    if cpu is None:
+        return config
+    return dataclasses.replace(config, other_work_weight=other_work_weight(base, config, cpu.wall_over_cpu))
+
+
+WEIGHT_RANGE = (0.0, 8.0)  # where `other_work_weight` searches
+WEIGHT_STEPS = 12  # bisections
+_weights: dict[tuple[str, float], float] = {}  # fitted weights by (the no-drop run's workdir, rtt)
+
+
+def other_work_weight(base: ArmRun, config: KunServeSimConfig, wall_over_cpu: float) -> float:
+    """Gives the weight of the machine's other work in the simulator's sharing (`other_work_weight`) under which
+    the simulated no-drop arm (`config`, no drop, on `base`'s arrivals as recorded) stretches its servers' batches
+    beyond their work as much as `base`'s servers' batches took beyond their CPU time (`wall_over_cpu`), by
+    bisection over `WEIGHT_RANGE`; the end of the range nearest to it if none does. Kept per run: the report asks
+    for it once per arm and replay set."""
+    key = (str(base.workdir), config.round_trip_ms)
+    if key in _weights:
+        return _weights[key]
+    requests = [SimRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"])
+                for r in sorted(base.requests.values(), key=lambda request: request["at_s"])]
+
+    def stretch(weight: float) -> float:
+        fitted = dataclasses.replace(config, dropping=False, static_groups=1, other_work_weight=weight)
+        return simulate(fitted, requests).compute_stretch
+
+    low, high = WEIGHT_RANGE
+    if stretch(high) <= wall_over_cpu:
+        weight = high
+    elif stretch(low) >= wall_over_cpu:
+        weight = low
+    else:
+        for _ in range(WEIGHT_STEPS):
+            middle = (low + high) / 2
+            low, high = (middle, high) if stretch(middle) < wall_over_cpu else (low, middle)
+        weight = (low + high) / 2
+    _weights[key] = weight
+    return weight
 
 
 @functools.cache
@@ -630,12 +684,16 @@ SENSITIVITY = 0.05  # the report's sensitivity: every compute cost this much low
 
 def member_prompt_scale(base: ArmRun, run: ArmRun) -> float | None:
     """Gives how many times as long a prompt token took a block on `run`'s servers while they hosted a slice (the
-    fewest blocks they hosted) as on `base`'s whole servers (`ArmRun.compute_by_blocks`); None if `run` never
-    hosted fewer blocks than `base`, or either computed no prompt token."""
+    fewest blocks they hosted) as on `base`'s whole servers (`ArmRun.compute_by_blocks`): in CPU time where both
+    runs' servers counted it (the simulator is then fitted on CPU time, `sim_config`), else in wall time; None if
+    `run` never hosted fewer blocks than `base`, or either computed no prompt token."""
     whole, own = base.compute_by_blocks(), run.compute_by_blocks()
     if not whole or not own or min(own) >= max(whole):
         return None
-    scale = own[min(own)].prompt_us_per_token_block / whole[max(whole)].prompt_us_per_token_block
+    slice_, full = own[min(own)], whole[max(whole)]
+    scale = slice_.prompt_cpu_us_per_token_block / full.prompt_cpu_us_per_token_block
+    if not math.isfinite(scale) or base.batch_cpu() is None:
+        scale = slice_.prompt_us_per_token_block / full.prompt_us_per_token_block
     return scale if math.isfinite(scale) else None
 
 
@@ -781,7 +839,8 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
     for turn, (base, exchanged) in enumerate(fits):
         fitted = sim_config(base, rtt_ms, True, exchanged)
         speeds = (f"iteration {fitted.step_ms:.0f} ms + {fitted.decode_token_ms:.1f} ms per decoding request + "
-                  f"{fitted.prefill_token_ms:.2f} ms per prompt token")
+                  f"{fitted.prefill_token_ms:.2f} ms per prompt token, the machine's other work weighing "
+                  f"{fitted.other_work_weight:.2f}x its CPU")
         if turn:
             print(f"  turn {turn + 1}'s fit: {speeds}, a token's round trip {fitted.round_trip_ms:.0f} ms, victims' KV "
                   f"at {fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, a client's try {fitted.attempt_s * 1000:.0f} ms")

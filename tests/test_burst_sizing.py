@@ -24,6 +24,7 @@ from benchmarks.kunserve_burst import (
     exchange_bytes_per_s,
     kept_repeats,
     loaded_block_ms,
+    other_work_weight,
     peak_sessions,
     prefill_token_ms_under_load,
     sim_config,
@@ -31,6 +32,7 @@ from benchmarks.kunserve_burst import (
     sized_rate,
     turn_fit,
 )
+from orchestrator.sim.kunserve_sim import KunServeSimConfig, SimRequest, simulate
 
 WINDOW = argparse.Namespace(start=700.0, end=900.0, thin=8, prompt_scale=8.0)
 
@@ -180,7 +182,7 @@ def test_the_servers_batch_cpu_is_their_prompt_cpu_per_token_and_block_and_their
     def poll(peer: str, t: float, blocks: int, cpu: float, wall: float, prompt_cpu: float, tokens: int) -> dict:
         return {"peer_id": peer, "t": t, "block_start": 0, "block_end": blocks,
                 "batches": {"cpu_ms": cpu, "compute_ms": wall, "prefill_batch_cpu_ms": prompt_cpu,
-                            "prefill_tokens": tokens}}
+                            "prefill_batch_ms": 1.2 * prompt_cpu, "prefill_tokens": tokens}}
 
     # `a` hosts 30 blocks: 600 ms CPU (300 of it for 100 prompt tokens) in 900 ms; then drops to 15 blocks, an
     # interval that does not count, and computes 100 ms CPU (75 for 50 tokens) in 100 ms
@@ -190,6 +192,27 @@ def test_the_servers_batch_cpu_is_their_prompt_cpu_per_token_and_block_and_their
     assert cpu is not None
     assert cpu.prompt_us_per_token_block == pytest.approx(1000 * (300 / 30 + 75 / 15) / 150)  # 100 us
     assert cpu.wall_over_cpu == pytest.approx(1000 / 700)
+    assert cpu.prompt_wall_over_cpu == pytest.approx(1.2)
     # servers that did not count their CPU
     older = [{**row, "batches": {k: v for k, v in row["batches"].items() if "cpu" not in k}} for row in polls]
     assert ArmRun("no drop", [], older, 0.0).batch_cpu() is None
+
+
+def test_the_other_works_weight_is_fitted_so_the_simulated_no_drop_batches_stretch_as_the_live_ones_did() -> None:
+    # two replicas on two cores; a client keeps waiting (one request's room each) and its refused tries take CPU
+    config = KunServeSimConfig(replicas=2, blocks=8, pages_total=100, params_pages=40, tokens_per_page=64,
+                               step_ms=10.0, prefill_token_ms=0.5, decode_token_ms=2.0, dropping=False, cores=2,
+                               retry_backoff_s=(0.2, 1.0), refused_try_cpu_ms=300.0, attempt_s=0.05)
+    requests = {n: {"id": n, "at_s": 0.05 * n, "prompt_tokens": 200, "output_tokens": 100} for n in range(8)}
+    base = ArmRun("no drop", [], [], 0.0, Path("/nowhere/a"), requests)
+    as_recorded = [SimRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"]) for r in requests.values()]
+
+    def stretch(weight: float) -> float:
+        return simulate(dataclasses.replace(config, other_work_weight=weight), as_recorded).compute_stretch
+
+    assert stretch(0.0) < stretch(3.0) < stretch(8.0)
+    weight = other_work_weight(base, config, stretch(3.0))
+    assert stretch(weight) == pytest.approx(stretch(3.0), rel=0.02)
+    # beyond what the range reaches: its ends
+    assert other_work_weight(ArmRun("no drop", [], [], 0.0, Path("/nowhere/b"), requests), config, 100.0) == 8.0
+    assert other_work_weight(ArmRun("no drop", [], [], 0.0, Path("/nowhere/c"), requests), config, 0.5) == 0.0

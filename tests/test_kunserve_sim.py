@@ -183,6 +183,34 @@ def test_on_shared_cores_work_runs_slower_while_more_processes_compute_than_ther
     assert _Sim(CONFIG, [], horizon_s=1.0)._sharing(client=True) == 1.0  # without cores: a processor each
 
 
+def test_the_compute_stretch_is_how_much_longer_the_batches_took_than_their_work_on_shared_cores() -> None:
+    two = dataclasses.replace(CONFIG, replicas=2, dropping=False)
+    requests = [SimRequest(0.0, 16, 48), SimRequest(0.0, 16, 48)]  # one on each replica, computing side by side
+    assert simulate(two, requests).compute_stretch == pytest.approx(1.0)  # a processor each
+    # on one core about twice (a batch that starts while the other replica is between two takes the core alone)
+    assert simulate(dataclasses.replace(two, cores=1), requests).compute_stretch == pytest.approx(2.0, rel=0.02)
+    assert np.isnan(simulate(two, []).compute_stretch)  # nothing computed
+
+
+def test_the_other_works_weight_counts_its_cores_that_many_times_against_the_computing_processes() -> None:
+    config = dataclasses.replace(CONFIG, cores=2, retry_backoff_s=(0.5, 4.0), refused_try_cpu_ms=250.0,
+                                 token_cpu_ms=50.0)
+    sim = _Sim(dataclasses.replace(config, other_work_weight=3.0), [], horizon_s=10.0)
+    sim.computing = {0, 1}
+    sim.refused_tries.extend([0.0, 0.2])  # half a core within the last second
+    sim.tokens_seen.extend([0.1] * 4)  # and 0.2 of a core
+    sim.now = 0.5
+    assert sim._sharing(client=False) == pytest.approx((2 + 3 * 0.7) / 2)
+    with pytest.raises(ValueError, match="other_work_weight"):
+        dataclasses.replace(config, other_work_weight=-1.0)
+    # end to end: waiting clients' refused tries slow the running requests more, the heavier they weigh
+    lone = dataclasses.replace(config, replicas=1, dropping=False, cores=1)
+    requests = [SimRequest(0.0, 200, 200)] + [SimRequest(0.1 * i, 200, 4) for i in range(1, 9)]
+    light, heavy = (simulate(dataclasses.replace(lone, other_work_weight=w), requests) for w in (1.0, 4.0))
+    assert heavy.compute_stretch > light.compute_stretch > 1.0
+    assert heavy.tbt_s[0] > light.tbt_s[0]
+
+
 def test_with_fluid_sharing_a_batch_shares_the_cores_with_what_computes_beside_it_at_each_moment() -> None:
     two = dataclasses.replace(CONFIG, replicas=2, dropping=False, cores=1)
     requests = [SimRequest(0.0, 240, 1), SimRequest(0.0, 16, 1)]  # one on each replica, both prompts at once

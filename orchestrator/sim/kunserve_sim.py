@@ -50,8 +50,10 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   run at full speed, three at 2/3 each]. With `refused_try_cpu_ms`, the tries refused in the last second add the
   cores they kept busy to n: a swarm's waiting clients look up the DHT, probe and call `open` on every server again
   each round, on the same machine; with `token_cpu_ms`, so do the tokens of the last second (the RPC daemons and
-  the delay fabric they cross). With `fluid_sharing`, a member's batch runs at the speed shared at each moment
-  instead (taken again at every event), and ends when its work is done at those speeds.
+  the delay fabric they cross); each of those cores counts `other_work_weight` times (short bursts that preempt a
+  computing thread). The result's `compute_stretch` is how much longer the members' batches took than their work,
+  as a live server's batches take over their CPU time. With `fluid_sharing`, a member's batch runs at the speed
+  shared at each moment instead (taken again at every event), and ends when its work is done at those speeds.
 - Every `monitor_s` the monitor samples demand (pages held + pages of queued requests) and KV capacity; when
   `drop_trigger` asks for R pages, `plan_drop` merges the replicas still whole into groups (while dropped too, as the
   live segment loop: a burst that outgrows the first plan pairs more replicas), and once fewer than two are whole,
@@ -185,6 +187,12 @@ class KunServeSimConfig:
     # dropped takes pages on the keeper before the sender frees its own, so a drop's pages come free for new requests
     # only as the victims' KV crosses, as live servers hold them back (`SessionTable.hold_for_exchange`); False: at once
     exchange_transient: bool = False
+    # With `cores`: how many cores the machine's other work (`refused_try_cpu_ms`, `token_cpu_ms`) takes from the
+    # processes that compute, per core of CPU it spends [chosen: fitted so that the simulated no-drop servers' batches
+    # take as much longer than their work as the live ones' took over their CPU time (`kunserve_burst.sim_config`):
+    # that work runs in short bursts (an RPC, a packet at real-time priority) that preempt a computing thread and
+    # take its caches with it, more than its CPU share]
+    other_work_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.params_pages % self.blocks or self.params_pages >= self.pages_total:
@@ -199,6 +207,8 @@ class KunServeSimConfig:
             raise ValueError("member_prefill_token_ms must be >= 0 (or None)")
         if self.cores is not None and self.cores < 1:
             raise ValueError("cores must be >= 1 (or None)")
+        if self.other_work_weight < 0:
+            raise ValueError("other_work_weight must be >= 0")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
 
@@ -266,6 +276,7 @@ class _Batch:
     work_ms: float = 0.0
     left_ms: float = 0.0
     tail_ms: float = 0.0
+    hops_ms: float = 0.0  # the hops' delay it started with (`tail_ms` before any of it passed)
     done: bool = False
 
 
@@ -282,6 +293,9 @@ class KunServeSimResult:
     largest_group: int
     samples: tuple[tuple[float, int, int], ...]
     end_s: float
+    # the members' batches' time (less their hops) over their compute at full speed: how much sharing the cores
+    # slowed them (NaN if none computed)
+    compute_stretch: float = math.nan
 
     def percentile(self, values: np.ndarray, q: float) -> float:
         finite = values[np.isfinite(values)]
@@ -329,6 +343,7 @@ class _Sim:
         # With `fluid_sharing`: how many times its own time the members' batches have taken since `advanced_s`
         self.fluid = config.cores is not None and config.fluid_sharing
         self.stretch, self.advanced_s = 1.0, 0.0
+        self.batch_wall_ms = self.batch_work_ms = 0.0  # the members' batches' time less hops, and their work
 
     def _add_unit(self, members: tuple[int, ...]) -> _Unit:
         c = self.config
@@ -389,8 +404,9 @@ class _Sim:
                 self._monitor()
                 self._push(self.now + self.config.monitor_s, "monitor", 0)
             self._reschedule()
+        stretch = self.batch_wall_ms / self.batch_work_ms if self.batch_work_ms > 0 else math.nan
         return KunServeSimResult(self.ttft, self.tbt, tuple(self.stalls), self.drops, self.restores,
-                                 self.largest_group, tuple(self.samples), self.now)
+                                 self.largest_group, tuple(self.samples), self.now, stretch)
 
     # ---- serving
 
@@ -503,7 +519,7 @@ class _Sim:
                            prefill=any(r.prefilled < r.request.prompt for r, _ in items))
             self.computing[member] = batch  # it counts among the processes computing
             batch.work_ms = batch.left_ms = work_ms * share
-            batch.tail_ms = 2 * remote * share * c.hop_ms
+            batch.tail_ms = batch.hops_ms = 2 * remote * share * c.hop_ms
             compute_ms = work_ms * share * self._sharing(client=self.client_free_s > self.now)
             batch.end_s = self.now + (compute_ms + batch.tail_ms) / 1000
             self._push(batch.end_s, "step", member, batch)
@@ -522,8 +538,8 @@ class _Sim:
             span_s = batch.end_s - batch.started_s
             done = min(1.0, (self.now - batch.started_s) / span_s) if span_s > 0 else 1.0
         added_ms = (done * c.step_ms + (1 - done) * c.decode_token_ms * len(decoding)) * share
+        batch.work_ms += added_ms
         if self.fluid:  # `_reschedule` sets its new end
-            batch.work_ms += added_ms
             batch.left_ms += added_ms
         else:
             batch.end_s += added_ms * self._sharing(client=self.client_free_s > self.now) / 1000
@@ -600,13 +616,14 @@ class _Sim:
 
     def _sharing(self, *, client: bool) -> float:
         """Gives how many times its own time work that starts now takes: the processes computing (the members
-        computing a batch, the client if `client`) and the cores the refused tries of the last second keep busy,
-        over `cores`, at least 1; 1 without `cores`."""
+        computing a batch, the client if `client`) and the cores the refused tries and the tokens of the last second
+        keep busy (times `other_work_weight`), over `cores`, at least 1; 1 without `cores`."""
         cores = self.config.cores
         if cores is None:
             return 1.0
         busy = len(self.computing) + sum(unit.batches for unit in self.units.values())
-        return max(1.0, (busy + client + self._refused_load() + self._token_load()) / cores)
+        other = self.config.other_work_weight * (self._refused_load() + self._token_load())
+        return max(1.0, (busy + client + other) / cores)
 
     def _advance(self) -> None:
         """With `fluid_sharing`: the members' batches progress to now at the speed they shared since `advanced_s`, their
@@ -658,6 +675,8 @@ class _Sim:
                 self.units[batch.uid].batches -= 1
         else:
             self.computing.pop(batch.member, None)
+            self.batch_wall_ms += (self.now - batch.started_s) * 1000 - batch.hops_ms
+            self.batch_work_ms += batch.work_ms
         batch.done = True
         tokens = []
         for running, count in batch.items:
