@@ -378,7 +378,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     the link's rate; until a victim's KV has crossed, it takes pages on both members, as the live servers hold them
     back from new sessions (`exchange_transient`). Runs whose servers counted their batches' CPU time
     (`ArmRun.batch_cpu`, from r33 on): a prompt token at its CPU time rather than its wall time under load (which
-    carries the no-drop crowd's contention, 1.2-1.3x, into every arm), the contention left to the simulator's
+    carries the no-drop crowd's contention, 1.2-1.4x, into every arm), the contention left to the simulator's
     sharing, whose weight of the machine's other work (`other_work_weight`) is fitted so the simulated no-drop
     servers' batches stretch as the live ones' did. The lone decode step stays at its wall time: lone steps run
     mostly while the machine is quiet."""
@@ -426,7 +426,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
 
 WEIGHT_RANGE = (0.0, 8.0)  # where `other_work_weight` searches
 WEIGHT_STEPS = 12  # bisections
-_weights: dict[tuple[str, float], float] = {}  # fitted weights by (the no-drop run's workdir, rtt)
+_weights: dict[tuple[str, float], float] = {}  # fitted weights by (the no-drop run's workdir, its round trip)
 
 
 def other_work_weight(base: ArmRun, config: KunServeSimConfig, wall_over_cpu: float) -> float:
