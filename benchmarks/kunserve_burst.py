@@ -152,6 +152,8 @@ class ArmRun:
     t0_wall: float
     workdir: Path | None = None  # where its files are kept
     requests: dict[int, dict] = dataclasses.field(default_factory=dict)  # what it replayed, by id
+    # the simulator's `other_work_weight` fitted on this no-drop run, by the fit's round trip (`other_work_weight`)
+    weights: dict[float, float] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def served(self) -> list[dict]:
@@ -235,48 +237,52 @@ class ArmRun:
         """Gives what the servers computed between two polls that found the same hosted range, by the blocks they
         hosted (30: whole, fewer: a member of a pipeline or of a dropped group), summed over the servers: the
         batches' compute per block, over their prompt tokens and their other batches, and the open sessions."""
-        grown: dict[int, list[float]] = {}
+        return {blocks: StateCompute(
+                    1000 * grown["prompt_ms"] / grown["prompt_tokens"] if grown["prompt_tokens"] else math.nan,
+                    grown["other_ms"] / grown["other_batches"] if grown["other_batches"] else math.nan,
+                    grown["sessions"] / grown["busy"] if grown["busy"] else math.nan, int(grown["prompt_tokens"]),
+                    1000 * grown["prompt_cpu_ms"] / grown["prompt_tokens"] if grown["prompt_tokens"] else math.nan)
+                for blocks, grown in sorted(self._grown_by_blocks().items(), reverse=True)}
+
+    def batch_cpu(self) -> BatchCpu | None:
+        """Gives what the servers' computing threads spent on their batches (`info` batches `cpu_ms`), summed over the
+        servers and the ranges they hosted (`_grown_by_blocks`); None for runs recorded before the servers counted
+        it, or whose servers computed no prompt token."""
+        states = self._grown_by_blocks().values()
+        cpu, wall, prompt_cpu, prompt_wall, tokens = (
+            sum(grown[name] for grown in states)
+            for name in ("cpu_ms", "compute_ms", "prompt_cpu_ms", "prompt_ms", "prompt_tokens"))
+        if not math.isfinite(cpu) or cpu <= 0 or tokens <= 0 or not prompt_cpu > 0:
+            return None
+        return BatchCpu(1000 * prompt_cpu / tokens, wall / cpu, prompt_wall / prompt_cpu)
+
+    def _grown_by_blocks(self) -> dict[int, dict[str, float]]:
+        """Gives, by the blocks the servers hosted, their batch counters' growth between two polls that found the
+        same hosted range, summed over the servers: the compute and CPU time of all batches, those of the batches
+        that held prompt tokens per block (`prompt_ms`, `prompt_cpu_ms`), the prompt tokens, the other batches'
+        compute per block and their count, and the open sessions summed over the intervals that saw a batch
+        (`busy`). CPU time is NaN where the servers did not count it."""
+        grown: dict[int, dict[str, float]] = {}
         for rows in self.polls_by_peer(counted=True):
             for before, after in itertools.pairwise(rows):
                 blocks = after["block_end"] - after["block_start"]
                 if blocks != before["block_end"] - before["block_start"] or blocks == 0:
                     continue
                 delta = {name: after["batches"][name] - before["batches"].get(name, 0) for name in after["batches"]}
-                sums = grown.setdefault(blocks, [0.0] * 7)
-                sums[0] += delta["prefill_batch_ms"] / blocks
-                sums[1] += delta["prefill_tokens"]
-                sums[2] += (delta["compute_ms"] - delta["prefill_batch_ms"]) / blocks
-                sums[3] += delta["batches"] - delta["prefill_batches"]
-                sums[4] += after["sessions"] if delta["batches"] else 0
-                sums[5] += 1 if delta["batches"] else 0
-                counted = "prefill_batch_cpu_ms" in before["batches"]
-                sums[6] += delta["prefill_batch_cpu_ms"] / blocks if counted else math.nan
-        return {blocks: StateCompute(1000 * ms / tokens if tokens else math.nan, other_ms / batches if batches else
-                                     math.nan, sessions / busy if busy else math.nan, int(tokens),
-                                     1000 * cpu_ms / tokens if tokens else math.nan)
-                for blocks, (ms, tokens, other_ms, batches, sessions, busy, cpu_ms) in sorted(grown.items(),
-                                                                                             reverse=True)}
-
-    def batch_cpu(self) -> BatchCpu | None:
-        """Gives what the servers' computing threads spent on their batches (`info` batches `cpu_ms`), summed over the
-        servers between polls that found the same hosted range; None for runs recorded before the servers counted it,
-        or whose servers computed no prompt token."""
-        cpu = wall = prompt_cpu = prompt_wall = prompt_tokens = 0.0
-        for rows in self.polls_by_peer(counted=True):
-            for before, after in itertools.pairwise(rows):
-                blocks = after["block_end"] - after["block_start"]
-                if blocks != before["block_end"] - before["block_start"] or blocks == 0 or \
-                        "cpu_ms" not in before["batches"]:
-                    continue
-                cpu += after["batches"]["cpu_ms"] - before["batches"]["cpu_ms"]
-                wall += after["batches"]["compute_ms"] - before["batches"]["compute_ms"]
-                prompt_cpu += (after["batches"]["prefill_batch_cpu_ms"]
-                               - before["batches"]["prefill_batch_cpu_ms"]) / blocks
-                prompt_wall += (after["batches"]["prefill_batch_ms"] - before["batches"]["prefill_batch_ms"]) / blocks
-                prompt_tokens += after["batches"]["prefill_tokens"] - before["batches"]["prefill_tokens"]
-        if cpu <= 0 or prompt_tokens <= 0 or prompt_cpu <= 0:
-            return None
-        return BatchCpu(1000 * prompt_cpu / prompt_tokens, wall / cpu, prompt_wall / prompt_cpu)
+                counted = "cpu_ms" in before["batches"]
+                sums = grown.setdefault(blocks, dict.fromkeys(
+                    ("compute_ms", "cpu_ms", "prompt_ms", "prompt_cpu_ms", "prompt_tokens", "other_ms",
+                     "other_batches", "sessions", "busy"), 0.0))
+                sums["compute_ms"] += delta["compute_ms"]
+                sums["cpu_ms"] += delta["cpu_ms"] if counted else math.nan
+                sums["prompt_ms"] += delta["prefill_batch_ms"] / blocks
+                sums["prompt_cpu_ms"] += delta["prefill_batch_cpu_ms"] / blocks if counted else math.nan
+                sums["prompt_tokens"] += delta["prefill_tokens"]
+                sums["other_ms"] += (delta["compute_ms"] - delta["prefill_batch_ms"]) / blocks
+                sums["other_batches"] += delta["batches"] - delta["prefill_batches"]
+                sums["sessions"] += after["sessions"] if delta["batches"] else 0
+                sums["busy"] += 1 if delta["batches"] else 0
+        return grown
 
     def pages_series(self) -> list[tuple[float, int, int]]:
         """Gives (t, KV pages held, pages that can hold KV) over both servers at every poll."""
@@ -426,18 +432,16 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
 
 WEIGHT_RANGE = (0.0, 8.0)  # where `other_work_weight` searches
 WEIGHT_STEPS = 12  # bisections
-_weights: dict[tuple[str, float], float] = {}  # fitted weights by (the no-drop run's workdir, its round trip)
 
 
 def other_work_weight(base: ArmRun, config: KunServeSimConfig, wall_over_cpu: float) -> float:
     """Gives the weight of the machine's other work in the simulator's sharing (`other_work_weight`) under which
     the simulated no-drop arm (`config`, no drop, on `base`'s arrivals as recorded) stretches its servers' batches
     beyond their work as much as `base`'s servers' batches took beyond their CPU time (`wall_over_cpu`), by
-    bisection over `WEIGHT_RANGE`; the end of the range nearest to it if none does. Kept per run: the report asks
-    for it once per arm and replay set."""
-    key = (str(base.workdir), config.round_trip_ms)
-    if key in _weights:
-        return _weights[key]
+    bisection over `WEIGHT_RANGE`; the end of the range nearest to it if none does. Kept on `base` (`weights`): the
+    report asks for it once per arm and replay set."""
+    if config.round_trip_ms in base.weights:
+        return base.weights[config.round_trip_ms]
     requests = [SimRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"])
                 for r in sorted(base.requests.values(), key=lambda request: request["at_s"])]
 
@@ -455,7 +459,7 @@ def other_work_weight(base: ArmRun, config: KunServeSimConfig, wall_over_cpu: fl
             middle = (low + high) / 2
             low, high = (middle, high) if stretch(middle) < wall_over_cpu else (low, middle)
         weight = (low + high) / 2
-    _weights[key] = weight
+    base.weights[config.round_trip_ms] = weight
     return weight
 
 

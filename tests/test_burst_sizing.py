@@ -24,6 +24,7 @@ from benchmarks.kunserve_burst import (
     exchange_bytes_per_s,
     kept_repeats,
     loaded_block_ms,
+    member_prompt_scale,
     other_work_weight,
     peak_sessions,
     prefill_token_ms_under_load,
@@ -180,9 +181,10 @@ def test_the_fitted_simulator_prices_a_lone_decode_step_at_what_the_loaded_serve
 
 def test_the_servers_batch_cpu_is_their_prompt_cpu_per_token_and_block_and_their_wall_over_cpu() -> None:
     def poll(peer: str, t: float, blocks: int, cpu: float, wall: float, prompt_cpu: float, tokens: int) -> dict:
-        return {"peer_id": peer, "t": t, "block_start": 0, "block_end": blocks,
+        return {"peer_id": peer, "t": t, "block_start": 0, "block_end": blocks, "sessions": 1,
                 "batches": {"cpu_ms": cpu, "compute_ms": wall, "prefill_batch_cpu_ms": prompt_cpu,
-                            "prefill_batch_ms": 1.2 * prompt_cpu, "prefill_tokens": tokens}}
+                            "prefill_batch_ms": 1.2 * prompt_cpu, "prefill_tokens": tokens, "batches": 0,
+                            "prefill_batches": 0}}
 
     # `a` hosts 30 blocks: 600 ms CPU (300 of it for 100 prompt tokens) in 900 ms; then drops to 15 blocks, an
     # interval that does not count, and computes 100 ms CPU (75 for 50 tokens) in 100 ms
@@ -204,7 +206,7 @@ def test_the_other_works_weight_is_fitted_so_the_simulated_no_drop_batches_stret
                                step_ms=10.0, prefill_token_ms=0.5, decode_token_ms=2.0, dropping=False, cores=2,
                                retry_backoff_s=(0.2, 1.0), refused_try_cpu_ms=300.0, attempt_s=0.05)
     requests = {n: {"id": n, "at_s": 0.05 * n, "prompt_tokens": 200, "output_tokens": 100} for n in range(8)}
-    base = ArmRun("no drop", [], [], 0.0, Path("/nowhere/a"), requests)
+    base = ArmRun("no drop", [], [], 0.0, None, requests)
     as_recorded = [SimRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"]) for r in requests.values()]
 
     def stretch(weight: float) -> float:
@@ -213,6 +215,27 @@ def test_the_other_works_weight_is_fitted_so_the_simulated_no_drop_batches_stret
     assert stretch(0.0) < stretch(3.0) < stretch(8.0)
     weight = other_work_weight(base, config, stretch(3.0))
     assert stretch(weight) == pytest.approx(stretch(3.0), rel=0.02)
+    assert other_work_weight(base, config, 100.0) == weight  # kept on the run for the fit's round trip
     # beyond what the range reaches: its ends
-    assert other_work_weight(ArmRun("no drop", [], [], 0.0, Path("/nowhere/b"), requests), config, 100.0) == 8.0
-    assert other_work_weight(ArmRun("no drop", [], [], 0.0, Path("/nowhere/c"), requests), config, 0.5) == 0.0
+    assert other_work_weight(ArmRun("no drop", [], [], 0.0, None, requests), config, 100.0) == 8.0
+    assert other_work_weight(ArmRun("no drop", [], [], 0.0, None, requests), config, 0.5) == 0.0
+
+
+def test_a_members_prompt_scale_is_its_cpu_per_token_and_block_over_the_whole_servers_where_both_counted_it() -> None:
+    def poll(t: float, blocks: int, prompt_ms: float, prompt_cpu_ms: float | None, tokens: int) -> dict:
+        counters = {"compute_ms": prompt_ms, "prefill_batch_ms": prompt_ms, "prefill_tokens": tokens,
+                    "batches": tokens // 100, "prefill_batches": tokens // 100}
+        if prompt_cpu_ms is not None:
+            counters |= {"cpu_ms": prompt_cpu_ms, "prefill_batch_cpu_ms": prompt_cpu_ms}
+        return {"peer_id": "a", "t": t, "block_start": 0, "block_end": blocks, "sessions": 1, "batches": counters}
+
+    # whole servers: 100 tokens through 30 blocks in 600 ms wall, 400 ms CPU (200 and 133 us per token and block);
+    # a member of 15 blocks: 100 tokens in 450 ms wall (contended: 300 us), 150 ms CPU (100 us)
+    whole = ArmRun("no drop", [], [poll(0, 30, 0, 0, 0), poll(1, 30, 600, 400, 100)], 0.0)
+    member = ArmRun("static pipeline", [], [poll(0, 15, 0, 0, 0), poll(1, 15, 450, 150, 100)], 0.0)
+    assert member_prompt_scale(whole, member) == pytest.approx(100 / (400 / 30 * 10))  # 0.75: CPU against CPU
+    # runs recorded before the servers counted CPU: wall time against wall time
+    whole_wall = ArmRun("no drop", [], [poll(0, 30, 0, None, 0), poll(1, 30, 600, None, 100)], 0.0)
+    member_wall = ArmRun("static pipeline", [], [poll(0, 15, 0, None, 0), poll(1, 15, 450, None, 100)], 0.0)
+    assert member_prompt_scale(whole_wall, member_wall) == pytest.approx(1.5)
+    assert member_prompt_scale(whole, whole) is None  # never hosted a slice
