@@ -21,9 +21,11 @@ from benchmarks.kunserve_burst import (
     arm_dir,
     burst_requests,
     busiest_share,
+    decoded_s,
     exchange_bytes_per_s,
     kept_repeats,
     loaded_block_ms,
+    loaded_round_trip_ms,
     member_prompt_scale,
     other_work_weight,
     peak_sessions,
@@ -219,6 +221,33 @@ def test_the_other_works_weight_is_fitted_so_the_simulated_no_drop_batches_stret
     # beyond what the range reaches: its ends
     assert other_work_weight(ArmRun("no drop", [], [], 0.0, None, requests), config, 100.0) == 8.0
     assert other_work_weight(ArmRun("no drop", [], [], 0.0, None, requests), config, 0.5) == 0.0
+
+
+def test_the_round_trip_is_fitted_so_the_simulated_no_drop_requests_decode_as_long_as_the_live_ones_did() -> None:
+    # two replicas and their client on two cores, with waiting clients' refused tries
+    config = KunServeSimConfig(replicas=2, blocks=8, pages_total=100, params_pages=40, tokens_per_page=64,
+                               step_ms=10.0, prefill_token_ms=0.5, decode_token_ms=2.0, round_trip_ms=20.0,
+                               dropping=False, cores=2, retry_backoff_s=(0.2, 1.0), refused_try_cpu_ms=300.0,
+                               attempt_s=0.05)
+    requests = {n: {"id": n, "at_s": 0.05 * n, "prompt_tokens": 200, "output_tokens": 100} for n in range(8)}
+    as_recorded = [SimRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"]) for r in requests.values()]
+
+    def decoding(round_trip_ms: float) -> float:
+        return decoded_s(simulate(dataclasses.replace(config, round_trip_ms=round_trip_ms), as_recorded), as_recorded)
+
+    def live(decode_s: float) -> ArmRun:  # a no-drop run whose requests decoded that long in all
+        return ArmRun("no drop", [{"id": 0, "first_token_s": 0.0, "ended_s": decode_s}], [], 0.0, None, requests)
+
+    assert decoding(20.0) < decoding(45.0) < decoding(120.0)
+    base = live(decoding(45.0))
+    round_trip_ms = loaded_round_trip_ms(base, config)
+    assert round_trip_ms == pytest.approx(45.0, abs=0.5)
+    assert decoding(round_trip_ms) == pytest.approx(decoding(45.0), rel=0.01)
+    assert loaded_round_trip_ms(base, config) == round_trip_ms  # kept on the run
+    assert base.decode_s() == pytest.approx(decoding(45.0))
+    # never below the least loaded requests' figure, at most 100 ms above it
+    assert loaded_round_trip_ms(live(decoding(20.0) / 2), config) == 20.0
+    assert loaded_round_trip_ms(live(decoding(120.0) * 2), config) == 120.0
 
 
 def test_a_members_prompt_scale_is_its_cpu_per_token_and_block_over_the_whole_servers_where_both_counted_it() -> None:
