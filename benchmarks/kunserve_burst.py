@@ -454,8 +454,9 @@ def fitted(base: ArmRun, name: str, config: KunServeSimConfig,
            bounds: tuple[float, float]) -> float:
     """Gives the value of `config`'s field `name` under which the simulated no-drop arm (`config`, no drop, on
     `base`'s arrivals as recorded) measures `target` (`measure`, rising with the value), by bisection over `bounds`;
-    the end nearest to it if none does. Kept on `base` (`ArmRun.fits`): the report asks for it once per arm and
-    replay set."""
+    the end nearest to it if none does. A measure that rises only overall (the decode time jumps a few percent as
+    batches fall in and out of step) lands on one of its crossings. Kept on `base` (`ArmRun.fits`): the report asks
+    for it once per arm and replay set."""
     if (name, config.round_trip_ms) in base.fits:
         return base.fits[name, config.round_trip_ms]
     requests = [SimRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"])

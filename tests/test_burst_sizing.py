@@ -181,6 +181,38 @@ def test_the_fitted_simulator_prices_a_lone_decode_step_at_what_the_loaded_serve
     assert config.blocks == 30 and config.params_pages == 420 and config.pages_total == 480
 
 
+def test_where_the_servers_counted_cpu_the_fit_takes_a_tokens_delay_from_all_of_the_no_drop_requests(
+        tmp_path: Path) -> None:
+    # the lone-step test's servers, counting their batches' CPU time (wall 1.06x it); half the requests decoded at
+    # 100 ms a token (the least loaded: a 55 ms delay beyond the work), half at 250 ms
+    def poll(peer: str, t: float) -> dict:
+        return {"peer_id": peer, "t": t, "block_start": 0, "block_end": 30, "pages_total": 480, "pages_params": 420,
+                "kv_tokens_per_page": 682, "kv_bytes_per_token": 1536, "block_compute_ms": 0.5 if t == 0 else 1.0,
+                "block_decode_ms": [{"batch": 1, "ms": 0.5}, {"batch": 8, "ms": 1.2}], "sessions": 1,
+                "batches": {"prefill_tokens": 100 * t, "prefill_batches": t, "prefill_batch_ms": 424.0 * t,
+                            "prefill_batch_cpu_ms": 400.0 * t, "batches": 2 * t, "compute_ms": 530.0 * t,
+                            "cpu_ms": 500.0 * t}}
+
+    polls = [poll(peer, t) for peer in "ab" for t in (0, 1, 2)]
+    results = [{"id": n, "arrival_s": n, "first_token_s": n + 1.0, "ended_s": n + 1.0 + (0.1 if n % 2 else 0.25) * 10}
+               for n in range(20)]
+    requests = {n: {"id": n, "at_s": float(n), "prompt_tokens": 100, "output_tokens": 11} for n in range(20)}
+    workdir = tmp_path / "20-no-drop"
+    workdir.mkdir()
+    (tmp_path / CLIENT_WORK_FILE).write_text(json.dumps({
+        "pass_ms": 10.0, "token_ms": 5.0, "lone": {"cpu_ms": 15.0, "tokens": 1, "passes": 1},
+        "shared": {"cpu_ms": 50.0, "tokens": 8, "passes": 1}, "sessions": 8}))
+    (tmp_path / REFUSED_TRIES_FILE).write_text(json.dumps({"cpu_ms": 40.0}))
+    base = ArmRun("no drop", results, polls, 0.0, workdir, requests)
+    config = sim_config(base, 20.0, dropping=False)
+    assert config.prefill_token_ms == pytest.approx(4.0 / (424 / 400))  # a prompt token at its CPU time
+    assert config.round_trip_ms > 55.0 + 30  # above the least loaded requests' figure
+    as_recorded = [SimRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"]) for r in requests.values()]
+    # as long as the live requests decoded, to the steps of a simulation whose decode time jumps a few percent as its
+    # batches fall in and out of step (the least loaded figure: 28.4 s against 35)
+    assert decoded_s(simulate(config, as_recorded), as_recorded) == pytest.approx(base.decode_s(), rel=0.05)
+
+
 def test_the_servers_batch_cpu_is_their_prompt_cpu_per_token_and_block_and_their_wall_over_cpu() -> None:
     def poll(peer: str, t: float, blocks: int, cpu: float, wall: float, prompt_cpu: float, tokens: int) -> dict:
         return {"peer_id": peer, "t": t, "block_start": 0, "block_end": blocks, "sessions": 1,
