@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -149,21 +150,20 @@ def test_an_arms_repeats_are_found_in_order_and_each_turns_simulator_is_fitted_o
     assert turn_fit(runs, 0)[1] == [runs["KunServe blocking"][0], runs["KunServe remote attention"][0]]
 
 
-def test_the_fitted_simulator_prices_a_lone_decode_step_at_what_the_loaded_servers_took_and_adds_a_row_per_request(
-        tmp_path: Path) -> None:
-    # start-up timings per block: 0.5 ms a lone step, 1.2 ms a batch of 8 (0.1 ms a row more); under load the lone
-    # step refined to 1.0 ms (2x), so a block costs 2x its start-up timing: 30 ms a lone step through 30 blocks, of
-    # which a row is 30 x 0.1 x 2 = 6 ms
-    def poll(peer: str, t: float, block_ms: float) -> dict:
-        return {"peer_id": peer, "t": t, "block_start": 0, "block_end": 30, "pages_total": 480, "pages_params": 420,
-                "kv_tokens_per_page": 682, "kv_bytes_per_token": 1536, "block_compute_ms": block_ms,
-                "block_decode_ms": [{"batch": 1, "ms": 0.5}, {"batch": 8, "ms": 1.2}],
-                "batches": {"prefill_tokens": 100 * t, "prefill_batches": t, "prefill_batch_ms": 424.0 * t,
-                            "batches": 0, "compute_ms": 0.0}}
+def fit_poll(peer: str, t: float, batches: dict[str, float]) -> dict:
+    """A poll of a whole server of 30 blocks at `t` (s) with the counters `batches`: start-up timings per block of
+    0.5 ms a lone step and 1.2 ms a batch of 8 (0.1 ms a row more), under load (t > 0) a lone step refined to 1.0 ms."""
+    return {"peer_id": peer, "t": t, "block_start": 0, "block_end": 30, "pages_total": 480, "pages_params": 420,
+            "kv_tokens_per_page": 682, "kv_bytes_per_token": 1536, "block_compute_ms": 0.5 if t == 0 else 1.0,
+            "block_decode_ms": [{"batch": 1, "ms": 0.5}, {"batch": 8, "ms": 1.2}], "sessions": 1, "batches": batches}
 
-    polls = [poll(peer, t, 0.5 if t == 0 else 1.0) for peer in "ab" for t in (0, 1, 2)]
-    # every request's tokens 100 ms apart: beyond the lone step (30 ms) and the client's work (10 + 5 ms), 55 ms
-    results = [{"id": n, "arrival_s": n, "first_token_s": n + 1.0, "ended_s": n + 1.0 + 0.1 * 10} for n in range(20)]
+
+def fit_run(tmp_path: Path, polls: list[dict], tbt_s: Callable[[int], float]) -> ArmRun:
+    """A no-drop run of 20 requests of 100 prompt and 11 output tokens, one a second, request n's tokens `tbt_s(n)`
+    apart, its servers polled as `polls`; the client's work measured at 10 ms a pass and 5 ms a token, a refused
+    try at 40 ms of CPU."""
+    results = [{"id": n, "arrival_s": n, "first_token_s": n + 1.0, "ended_s": n + 1.0 + tbt_s(n) * 10}
+               for n in range(20)]
     requests = {n: {"id": n, "at_s": float(n), "prompt_tokens": 100, "output_tokens": 11} for n in range(20)}
     workdir = tmp_path / "20-no-drop"
     workdir.mkdir()
@@ -171,7 +171,17 @@ def test_the_fitted_simulator_prices_a_lone_decode_step_at_what_the_loaded_serve
         "pass_ms": 10.0, "token_ms": 5.0, "lone": {"cpu_ms": 15.0, "tokens": 1, "passes": 1},
         "shared": {"cpu_ms": 50.0, "tokens": 8, "passes": 1}, "sessions": 8}))
     (tmp_path / REFUSED_TRIES_FILE).write_text(json.dumps({"cpu_ms": 40.0}))
-    config = sim_config(ArmRun("no drop", results, polls, 0.0, workdir, requests), 20.0, dropping=False)
+    return ArmRun("no drop", results, polls, 0.0, workdir, requests)
+
+
+def test_the_fitted_simulator_prices_a_lone_decode_step_at_what_the_loaded_servers_took_and_adds_a_row_per_request(
+        tmp_path: Path) -> None:
+    # a block costs 2x its start-up timing under load (`fit_poll`): 30 ms a lone step through 30 blocks, of which a
+    # row is 30 x 0.1 x 2 = 6 ms
+    polls = [fit_poll(peer, t, {"prefill_tokens": 100 * t, "prefill_batches": t, "prefill_batch_ms": 424.0 * t,
+                                "batches": 0, "compute_ms": 0.0}) for peer in "ab" for t in (0, 1, 2)]
+    # every request's tokens 100 ms apart: beyond the lone step (30 ms) and the client's work (10 + 5 ms), 55 ms
+    config = sim_config(fit_run(tmp_path, polls, lambda n: 0.1), 20.0, dropping=False)
     assert config.decode_token_ms == pytest.approx(6.0)  # a row
     assert config.step_ms + config.decode_token_ms == pytest.approx(30.0)  # a lone step: the fixed part and its row
     # a prompt batch of 100 tokens took 424 ms: its fixed part (24 ms) and 4 ms a token
@@ -183,31 +193,16 @@ def test_the_fitted_simulator_prices_a_lone_decode_step_at_what_the_loaded_serve
 
 def test_where_the_servers_counted_cpu_the_fit_takes_a_tokens_delay_from_all_of_the_no_drop_requests(
         tmp_path: Path) -> None:
-    # the lone-step test's servers, counting their batches' CPU time (wall 1.06x it); half the requests decoded at
-    # 100 ms a token (the least loaded: a 55 ms delay beyond the work), half at 250 ms
-    def poll(peer: str, t: float) -> dict:
-        return {"peer_id": peer, "t": t, "block_start": 0, "block_end": 30, "pages_total": 480, "pages_params": 420,
-                "kv_tokens_per_page": 682, "kv_bytes_per_token": 1536, "block_compute_ms": 0.5 if t == 0 else 1.0,
-                "block_decode_ms": [{"batch": 1, "ms": 0.5}, {"batch": 8, "ms": 1.2}], "sessions": 1,
-                "batches": {"prefill_tokens": 100 * t, "prefill_batches": t, "prefill_batch_ms": 424.0 * t,
-                            "prefill_batch_cpu_ms": 400.0 * t, "batches": 2 * t, "compute_ms": 530.0 * t,
-                            "cpu_ms": 500.0 * t}}
-
-    polls = [poll(peer, t) for peer in "ab" for t in (0, 1, 2)]
-    results = [{"id": n, "arrival_s": n, "first_token_s": n + 1.0, "ended_s": n + 1.0 + (0.1 if n % 2 else 0.25) * 10}
-               for n in range(20)]
-    requests = {n: {"id": n, "at_s": float(n), "prompt_tokens": 100, "output_tokens": 11} for n in range(20)}
-    workdir = tmp_path / "20-no-drop"
-    workdir.mkdir()
-    (tmp_path / CLIENT_WORK_FILE).write_text(json.dumps({
-        "pass_ms": 10.0, "token_ms": 5.0, "lone": {"cpu_ms": 15.0, "tokens": 1, "passes": 1},
-        "shared": {"cpu_ms": 50.0, "tokens": 8, "passes": 1}, "sessions": 8}))
-    (tmp_path / REFUSED_TRIES_FILE).write_text(json.dumps({"cpu_ms": 40.0}))
-    base = ArmRun("no drop", results, polls, 0.0, workdir, requests)
+    # the same servers, counting their batches' CPU time (wall 1.06x it); half the requests decoded at 100 ms a token
+    # (the least loaded: a 55 ms delay beyond the work), half at 250 ms
+    polls = [fit_poll(peer, t, {"prefill_tokens": 100 * t, "prefill_batches": t, "prefill_batch_ms": 424.0 * t,
+                                "prefill_batch_cpu_ms": 400.0 * t, "batches": 2 * t, "compute_ms": 530.0 * t,
+                                "cpu_ms": 500.0 * t}) for peer in "ab" for t in (0, 1, 2)]
+    base = fit_run(tmp_path, polls, lambda n: 0.1 if n % 2 else 0.25)
     config = sim_config(base, 20.0, dropping=False)
     assert config.prefill_token_ms == pytest.approx(4.0 / (424 / 400))  # a prompt token at its CPU time
     assert config.round_trip_ms > 55.0 + 30  # above the least loaded requests' figure
-    as_recorded = [SimRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"]) for r in requests.values()]
+    as_recorded = [SimRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"]) for r in base.requests.values()]
     # as long as the live requests decoded, to the steps of a simulation whose decode time jumps a few percent as its
     # batches fall in and out of step (the least loaded figure: 28.4 s against 35)
     assert decoded_s(simulate(config, as_recorded), as_recorded) == pytest.approx(base.decode_s(), rel=0.05)
