@@ -400,7 +400,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     client's head and its loop between steps took 31 ms a step against the simulated 25 (r33), and the simulated
     servers' decode batches stretched less than their prompt batches (taken at their start), where live both
     stretched alike. The weight need not be fitted again after it: the simulated stretch stays within 3% of the live
-    one (r33-r35)."""
+    one (r33-r36)."""
     first = min(base.polls, key=lambda row: row["t"])
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
     widest = max(decode, default=1)
