@@ -740,6 +740,16 @@ def member_prompt_scale(base: ArmRun, run: ArmRun) -> float | None:
     return scale if math.isfinite(scale) else None
 
 
+def arm_speed_scale(base: ArmRun, run: ArmRun) -> float | None:
+    """Gives how many times as long `run`'s servers took a prompt token through a block, in CPU time, as `base`'s
+    did (`ArmRun.batch_cpu`): how much slower this machine computed while `run` ran than while `base` did (its speed
+    moved 5-30% between the arms of one turn, r35-r36); None unless both runs' servers counted CPU."""
+    own, fitted = run.batch_cpu(), base.batch_cpu()
+    if own is None or fitted is None:
+        return None
+    return own.prompt_us_per_token_block / fitted.prompt_us_per_token_block
+
+
 def sim_p99_ttft(base: ArmRun, rtt_ms: float, arm: str, exchanged: Sequence[ArmRun] = (),
                  member_scale: float | None = None, cost_scale: float = 1.0,
                  replays: int = SIM_REPLAYS) -> list[float]:
@@ -899,19 +909,26 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
               f"the median of {SIM_REPLAYS} replays (the arrivals as recorded, and moved by up to "
               f"{SIM_JITTER_S * 1000:.0f} ms) and their 10-90%:")
     report_untracked(runs)
-    for measured in (False, True):
-        if measured:
-            print("  the same, a group's prompt token at what the arm's own servers measured while they hosted a "
-                  "slice, against the whole no-drop servers (`member_prompt_scale`, per arm and turn):")
+    headings = {
+        "fitted": "",
+        "member": "  the same, a group's prompt token at what the arm's own servers measured while they hosted a "
+                  "slice, against the whole no-drop servers (`member_prompt_scale`, per arm and turn):",
+        "speed": "  the same, every compute cost at the speed of the arm's own servers: their CPU per prompt token and "
+                 "block over the no-drop servers' (`arm_speed_scale`, per arm and turn):"}
+    for mode, heading in headings.items():
+        if heading:
+            print(heading)
         within, compared = 0, 0
         for arm in SIMULATED_ARMS:
             lives, sims = [], []
             for turn, run in enumerate(runs.get(arm, [])[:turns]):
                 base, exchanged = fits[turn]
-                scale = member_prompt_scale(base, run) if measured else None
-                if not run.served or (measured and scale is None):
+                scale = {"fitted": None, "member": member_prompt_scale, "speed": arm_speed_scale}[mode]
+                scale = scale(base, run) if scale is not None else None
+                if not run.served or (mode != "fitted" and scale is None):
                     continue
-                replays = np.array(sim_p99_ttft(base, rtt_ms, arm, exchanged, scale))
+                replays = np.array(sim_p99_ttft(base, rtt_ms, arm, exchanged, scale if mode == "member" else None,
+                                                cost_scale=scale if mode == "speed" and scale is not None else 1.0))
                 low, sim, high = np.percentile(replays, [10, 50, 90])
                 lives.append(pct(run.ttft(), 99))
                 sims.append(float(sim))

@@ -20,6 +20,7 @@ from benchmarks.kunserve_burst import (
     Calibration,
     LoadedSpeeds,
     arm_dir,
+    arm_speed_scale,
     burst_requests,
     busiest_share,
     decoded_s,
@@ -227,6 +228,14 @@ def test_the_servers_batch_cpu_is_their_prompt_cpu_per_token_and_block_and_their
     # servers that did not count their CPU
     older = [{**row, "batches": {k: v for k, v in row["batches"].items() if "cpu" not in k}} for row in polls]
     assert ArmRun("no drop", [], older, 0.0).batch_cpu() is None
+    # an arm's speed against the no-drop run's: its CPU per prompt token and block over theirs
+    run = ArmRun("KunServe blocking", [], polls, 0.0)
+    whole = ArmRun("no drop", [], polls[:2], 0.0)  # 300 ms for 100 tokens through 30 blocks: 100 us
+    assert arm_speed_scale(whole, run) == pytest.approx(1.0)
+    faster = [poll("b", 0.0, 30, 0, 0, 0, 0), poll("b", 1.0, 30, 400, 500, 240, 100)]  # 80 us
+    assert arm_speed_scale(ArmRun("no drop", [], faster, 0.0), run) == pytest.approx(100 / 80)
+    assert arm_speed_scale(ArmRun("no drop", [], older, 0.0), run) is None
+    assert arm_speed_scale(whole, ArmRun("KunServe blocking", [], older, 0.0)) is None
 
 
 def test_the_other_works_weight_is_fitted_so_the_simulated_no_drop_batches_stretch_as_the_live_ones_did() -> None:
