@@ -909,13 +909,15 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
               f"the median of {SIM_REPLAYS} replays (the arrivals as recorded, and moved by up to "
               f"{SIM_JITTER_S * 1000:.0f} ms) and their 10-90%:")
     report_untracked(runs)
-    headings = {
-        "fitted": "",
-        "member": "  the same, a group's prompt token at what the arm's own servers measured while they hosted a "
-                  "slice, against the whole no-drop servers (`member_prompt_scale`, per arm and turn):",
-        "speed": "  the same, every compute cost at the speed of the arm's own servers: their CPU per prompt token and "
-                 "block over the no-drop servers' (`arm_speed_scale`, per arm and turn):"}
-    for mode, heading in headings.items():
+    # each reading: its heading, and the scale it takes from the arm's own run into `sim_p99_ttft`'s keyword
+    readings: tuple[tuple[str, Callable[[ArmRun, ArmRun], float | None] | None, str], ...] = (
+        ("", None, ""),
+        ("  the same, a group's prompt token at what the arm's own servers measured while they hosted a slice, "
+         "against the whole no-drop servers (`member_prompt_scale`, per arm and turn):", member_prompt_scale,
+         "member_scale"),
+        ("  the same, every compute cost at the speed of the arm's own servers: their CPU per prompt token and block "
+         "over the no-drop servers' (`arm_speed_scale`, per arm and turn):", arm_speed_scale, "cost_scale"))
+    for heading, scale_of, keyword in readings:
         if heading:
             print(heading)
         within, compared = 0, 0
@@ -923,12 +925,11 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
             lives, sims = [], []
             for turn, run in enumerate(runs.get(arm, [])[:turns]):
                 base, exchanged = fits[turn]
-                scale = {"fitted": None, "member": member_prompt_scale, "speed": arm_speed_scale}[mode]
-                scale = scale(base, run) if scale is not None else None
-                if not run.served or (mode != "fitted" and scale is None):
+                scale = scale_of(base, run) if scale_of is not None else None
+                if not run.served or (scale_of is not None and scale is None):
                     continue
-                replays = np.array(sim_p99_ttft(base, rtt_ms, arm, exchanged, scale if mode == "member" else None,
-                                                cost_scale=scale if mode == "speed" and scale is not None else 1.0))
+                scaled = {keyword: scale} if scale is not None else {}
+                replays = np.array(sim_p99_ttft(base, rtt_ms, arm, exchanged, **scaled))
                 low, sim, high = np.percentile(replays, [10, 50, 90])
                 lives.append(pct(run.ttft(), 99))
                 sims.append(float(sim))
