@@ -367,7 +367,8 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     blocks (before r31's report the fixed part was the whole lone step, which priced a lone step a row too high), both
     scaled by what lone steps took the loaded servers against their start-up timing (`loaded_block_ms`); a prompt token,
     what the servers' counters measured beyond that fixed step (`prefill_token_ms_under_load`); prompts in chunks of the
-    servers' `--max-batch-tokens`. What occupies the client: its CPU per head pass and per token, measured on this
+    servers' `--max-batch-tokens`, a chunk leaving a token of them for every other session of its server, as their
+    scheduler does (`reserve_decode_rows`). What occupies the client: its CPU per head pass and per token, on this
     machine (`client_work`): the tokens of one iteration share a pass, as the client's sessions on one chain share a
     head pass, a pass waits for the chain's steps on their way (`MAX_GANG_WAIT_S`), and passes follow each other, as one
     Python process serves every request. Decode steps join a prompt chunk's batch (`join_prefill`), as the CPU servers'
@@ -435,7 +436,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
                             else refused_try_cpu_ms(base.workdir and base.workdir.parent)),
         token_cpu_ms=untracked.token_ms if untracked is not None else 0.0,
         placement="fewest_hops", cores=os.cpu_count() or 1, member_batching=True,
-        client_gang_wait_s=MAX_GANG_WAIT_S, join_prefill=True, exchange_transient=True,
+        client_gang_wait_s=MAX_GANG_WAIT_S, join_prefill=True, exchange_transient=True, reserve_decode_rows=True,
         client_link_bytes_per_s=MBIT * 1e6 / 8, hidden_bytes_per_token=hidden_size() * WIRE_BYTES,
     )
     if cpu is None:

@@ -348,6 +348,25 @@ def test_decode_steps_join_a_prompt_chunk_computing_on_their_member_and_end_with
                           simulate(lone_replica, alone).tbt_s)
 
 
+def test_with_decode_rows_reserved_a_prompt_chunk_leaves_a_token_for_every_other_request_of_its_unit() -> None:
+    # one replica, batches of 64 tokens: a prompt of 64 alone computes in one batch of 13.2 ms...
+    lone = dataclasses.replace(CONFIG, replicas=1, dropping=False, prefill_chunk_tokens=64)
+    reserving = dataclasses.replace(lone, reserve_decode_rows=True)
+    assert simulate(lone, [SimRequest(0.0, 64, 2)]).ttft_s[0] == pytest.approx(0.0132)
+    # ...but as a swarm server forms its batches it leaves a token for its own session's row: 63, then 1
+    assert simulate(reserving, [SimRequest(0.0, 64, 2)]).ttft_s[0] == pytest.approx(0.0132 - 0.00005 + 0.01005)
+    assert simulate(reserving, [SimRequest(0.0, 63, 2)]).ttft_s[0] == simulate(lone, [SimRequest(0.0, 63, 2)]).ttft_s[0]
+    # three requests decoding, their steps 15 ms away between tokens, then a prompt of 62: it leaves their three
+    # rows and its own, so it needs a budget of 66 to compute in one batch
+    away = dataclasses.replace(lone, round_trip_ms=15.0)
+    requests = [SimRequest(0.0, 16, 40)] * 3 + [SimRequest(0.1, 62, 2)]
+    def first_token(chunk: int, reserve: bool) -> float:
+        config = dataclasses.replace(away, prefill_chunk_tokens=chunk, reserve_decode_rows=reserve)
+        return float(simulate(config, requests).ttft_s[3])
+    assert first_token(65, True) > first_token(65, False) + 0.005
+    assert first_token(66, True) == first_token(66, False)
+
+
 def test_a_request_holds_its_pages_until_its_client_has_closed_it() -> None:
     # one replica with room for one request of 32 pages at a time; a token's round trip to the client is 100 ms
     config = dataclasses.replace(CONFIG, replicas=1, dropping=False, round_trip_ms=100.0)

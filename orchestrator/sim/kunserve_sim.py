@@ -5,7 +5,9 @@ that hold more KV.
 The model, event by event (no clock, no global RNG; the same inputs give the same result):
 - A *unit* serves requests with continuous batching: a group of k replicas (k = 1 undropped) holding one copy of the
   model's blocks, so its KV capacity is k x `pages_total` - `params_pages` (the dropped copies' pages hold KV).
-  An iteration computes one token of every decoding request and up to `prefill_chunk_tokens` of prefill, and
+  An iteration computes one token of every decoding request and up to `prefill_chunk_tokens` of prefill (with
+  `reserve_decode_rows`, as a swarm server forms a batch: the decode steps take their tokens of that budget first,
+  and a prompt's chunk leaves a token for every other request of its unit, whose steps may join it), and
   occupies a whole replica for `step_ms + prefill_token_ms x prompt tokens + decode_token_ms x decoding requests`
   (a group's prompt tokens cost `member_prefill_token_ms` when given: what live members measured, see below).
   A group is a pipeline of its members in slice order, in one of two ways:
@@ -193,6 +195,13 @@ class KunServeSimConfig:
     # that work runs in short bursts (an RPC, a packet at real-time priority) that preempt a computing thread and
     # take its caches with it, more than its CPU share]
     other_work_weight: float = 1.0
+    # How a batch shares its `prefill_chunk_tokens`: False, a prompt's chunk takes them all beside the decode steps;
+    # True, as the swarm's servers (`StepScheduler._next_batch`), decode steps take a token each first and a prompt's
+    # chunk leaves one for every other request of its unit, whose decode steps may join it [chosen: what the live
+    # servers do; a pipeline's members hold every session of the pair (up to 11 each in r36, the whole no-drop
+    # servers 2), so their prompts take more batches: without it the simulated pipelined arms' P99 TTFT was 26-34%
+    # below live on r36's first turn, with it 15-24%]
+    reserve_decode_rows: bool = False
 
     def __post_init__(self) -> None:
         if self.params_pages % self.blocks or self.params_pages >= self.pages_total:
@@ -511,7 +520,7 @@ class _Sim:
             if computing is not None:
                 self._join(computing, [r for r in ready if r.prefilled >= r.request.prompt], share)
                 continue
-            items = self._batch(ready)
+            items = self._batch(ready, unit)
             if not items:
                 continue
             work_ms, remote = self._work(items, len(unit.members))
@@ -561,7 +570,7 @@ class _Sim:
             if not ready:
                 self._wake(unit, [r.ready_s for r in idle])
                 return
-            items = self._batch(ready[:share])
+            items = self._batch(ready[:share], unit)
             if not items:
                 return
             work_ms, remote = self._work(items, slots)
@@ -570,23 +579,58 @@ class _Sim:
             step_s = (compute_ms + (slots - 1 + 2 * remote) * c.hop_ms) / 1000
             self._push(self.now + step_s, "step", unit.uid, _Batch(unit.uid, MICRO_BATCH, True, items))
 
-    def _batch(self, ready: Sequence[_Running]) -> list[tuple[_Running, int]]:
-        """Gives a batch of the `ready` steps, (request, tokens) each, and marks them in flight: every decoding step,
-        and the next chunks of prompts (of their current pass) within `prefill_chunk_tokens`."""
-        budget = self.config.prefill_chunk_tokens
-        items: list[tuple[_Running, int]] = []
-        for running in ready:
-            if running.prefilled < running.request.prompt:
-                if budget <= 0:
-                    continue
-                chunk = min(budget, running.request.prompt - running.prefilled - running.pass_done)
-                budget -= chunk
-                items.append((running, chunk))
-            else:
-                items.append((running, 1))
+    def _batch(self, ready: Sequence[_Running], unit: _Unit) -> list[tuple[_Running, int]]:
+        """Gives a batch of the `ready` steps of `unit`, (request, tokens) each, and marks them in flight: every
+        decoding step, and the next chunks of prompts (of their current pass) within `prefill_chunk_tokens`; with
+        `reserve_decode_rows`, as the swarm's servers form it (`_reserved_batch`)."""
+        if self.config.reserve_decode_rows:
+            items = self._reserved_batch(ready, unit)
+        else:
+            budget = self.config.prefill_chunk_tokens
+            items = []
+            for running in ready:
+                if running.prefilled < running.request.prompt:
+                    if budget <= 0:
+                        continue
+                    chunk = min(budget, self._pass_left(running))
+                    budget -= chunk
+                    items.append((running, chunk))
+                else:
+                    items.append((running, 1))
         for running, _ in items:
             running.in_flight = True
         return items
+
+    def _reserved_batch(self, ready: Sequence[_Running], unit: _Unit) -> list[tuple[_Running, int]]:
+        """Gives a batch of the `ready` steps as a swarm server's scheduler forms it (`StepScheduler._next_batch`):
+        decode steps first, a token each of `prefill_chunk_tokens`, then prompt chunks, each leaving a token of the
+        budget for every request of `unit` not in the batch yet (its own included: the live scheduler counts every
+        session active in the last second, and each of those steps or opened that recently), whose decode steps
+        may join it; a prompt with no room left waits, unless the batch is empty (then it takes one token)."""
+        budget = self.config.prefill_chunk_tokens
+        items: list[tuple[_Running, int]] = []
+        decoding = [running for running in ready if running.prefilled >= running.request.prompt]
+        prompts = [running for running in ready if running.prefilled < running.request.prompt]
+        for running in decoding + prompts:
+            take = 1
+            if running.prefilled < running.request.prompt:
+                taken = {id(r) for r, _ in items}
+                room = budget - sum(1 for r in unit.running if id(r) not in taken)
+                take = min(self._pass_left(running), room)
+                if take < 1:
+                    if items:
+                        continue
+                    take = 1
+            items.append((running, take))
+            budget -= take
+            if budget <= 0:
+                break
+        return items
+
+    @staticmethod
+    def _pass_left(running: _Running) -> int:
+        """Gives the prompt tokens of `running`'s current pass not computed yet at its member."""
+        return running.request.prompt - running.prefilled - running.pass_done
 
     def _work(self, items: Sequence[tuple[_Running, int]], members: int) -> tuple[float, int]:
         """Gives what a batch of `items` on a unit of `members` costs through all blocks (ms, before any sharing), and
