@@ -910,6 +910,7 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
               f"the median of {SIM_REPLAYS} replays (the arrivals as recorded, and moved by up to "
               f"{SIM_JITTER_S * 1000:.0f} ms) and their 10-90%:")
     report_untracked(runs)
+    report_live_spread(runs)
     # each reading: its heading, and the scale it takes from the arm's own run into `sim_p99_ttft`'s keyword
     readings: tuple[tuple[str, Callable[[ArmRun, ArmRun], float | None] | None, str], ...] = (
         ("", None, ""),
@@ -941,6 +942,36 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
                 sim_line(f"{arm}, median", statistics.median(lives), statistics.median(sims))
         print(f"  {within} of {compared} runs within {TARGET_SIM:.0%}")
     report_sensitivity(rtt_ms, runs, fits)
+
+
+def same_arrivals(runs: Sequence[ArmRun]) -> bool:
+    """Gives whether `runs` replayed the same requests (arrival, prompt and output tokens of every id): turns whose
+    burst `--rate` and `--kv-pages-per-block` fixed."""
+    replayed = [{i: (r["at_s"], r["prompt_tokens"], r["output_tokens"]) for i, r in run.requests.items()}
+                for run in runs]
+    return len(replayed) > 1 and all(other == replayed[0] for other in replayed[1:])
+
+
+def report_live_spread(runs: dict[str, list[ArmRun]]) -> None:
+    """Prints, where every turn replayed the same requests, how far each arm's live P99 TTFT lies from the median of
+    that arm's runs (as `sim_line` measures the simulator: over the live run): a simulator that gave each arm exactly
+    its live median would be within the target on as many runs as this counts. The swarm's own spread on one
+    workload is the floor under the simulator's."""
+    if not same_arrivals([run for repeats in runs.values() for run in repeats]):
+        return
+    print(f"  the live runs against their arm's median (every turn replayed the same requests; a simulator that gave "
+          f"each arm its live median would be within {TARGET_SIM:.0%} of as many):")
+    within, compared = 0, 0
+    for arm in SIMULATED_ARMS:
+        p99s = [pct(run.ttft(), 99) for run in runs.get(arm, []) if run.served]
+        if len(p99s) < 2:
+            continue
+        middle = statistics.median(p99s)
+        offs = [abs(middle - p99) / p99 for p99 in p99s]
+        within, compared = within + sum(off <= TARGET_SIM for off in offs), compared + len(offs)
+        print(f"    {arm:<26} median {middle:6.2f} s; " + ", ".join(
+            f"{p99:.2f} s off by {off:.0%}" for p99, off in zip(p99s, offs, strict=True)))
+    print(f"    {within} of {compared} runs within {TARGET_SIM:.0%} of their arm's median")
 
 
 def report_sensitivity(rtt_ms: float, runs: dict[str, list[ArmRun]],
@@ -1013,7 +1044,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the arms this many turns per RTT, each sized by its own calibration run (unless "
                              "--rate and --kv-pages-per-block fix it); the simulator is fitted on each turn and held "
-                             "against each run, and against the median of each arm's live P99 TTFT")
+                             "against each run, and against the median of each arm's live P99 TTFT; turns on the "
+                             "same requests (--rate and --kv-pages-per-block given) also show how far the live runs "
+                             "spread around that median")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--workdir", type=Path, help="keep every arm's logs, polls and results here")
     parser.add_argument("--report-only", action="store_true",

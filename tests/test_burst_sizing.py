@@ -32,6 +32,8 @@ from benchmarks.kunserve_burst import (
     other_work_weight,
     peak_sessions,
     prefill_token_ms_under_load,
+    report_live_spread,
+    same_arrivals,
     sim_config,
     sized_pool,
     sized_rate,
@@ -304,3 +306,30 @@ def test_a_members_prompt_scale_is_its_cpu_per_token_and_block_over_the_whole_se
     member_wall = ArmRun("static pipeline", [], [poll(0, 15, 0, None, 0), poll(1, 15, 450, None, 100)], 0.0)
     assert member_prompt_scale(whole_wall, member_wall) == pytest.approx(1.5)
     assert member_prompt_scale(whole, whole) is None  # never hosted a slice
+
+
+def test_the_live_runs_are_held_against_their_own_median_only_where_every_turn_replayed_the_same_requests(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    requests = {n: {"id": n, "at_s": 0.5 * n, "prompt_tokens": 100, "output_tokens": 10} for n in range(100)}
+
+    def run(arm: str, ttft_s: float, replayed: dict[int, dict] = requests) -> ArmRun:
+        # 100 requests: the P99 is within the two slowest, both `ttft_s`
+        results = [{"id": n, "arrival_s": 0.0, "first_token_s": ttft_s if n >= 98 else 0.1, "ended_s": 9.0}
+                   for n in range(100)]
+        return ArmRun(arm, results, [], 0.0, None, replayed)
+
+    # no drop: 10, 11 and 14 s, median 11: off by 10%, 0% and 21%
+    runs = {"no drop": [run("no drop", 10.0), run("no drop", 11.0), run("no drop", 14.0)],
+            "static pipeline": [run("static pipeline", 2.0), run("static pipeline", 2.0), run("static pipeline", 2.2)]}
+    assert same_arrivals(runs["no drop"])
+    report_live_spread(runs)
+    printed = capsys.readouterr().out
+    assert "10.00 s off by 10%, 11.00 s off by 0%, 14.00 s off by 21%" in printed
+    assert "2.20 s off by 9%" in printed
+    assert "5 of 6 runs within 15% of their arm's median" in printed
+    # turns sized by their own calibrations replay different requests: nothing to hold them against
+    moved = {n: {**request, "at_s": request["at_s"] * 1.1} for n, request in requests.items()}
+    runs["no drop"][2] = run("no drop", 14.0, moved)
+    assert not same_arrivals(runs["no drop"]) and not same_arrivals(runs["no drop"][:1])
+    report_live_spread(runs)
+    assert capsys.readouterr().out == ""
