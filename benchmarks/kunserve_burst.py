@@ -880,6 +880,7 @@ def report(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
                     window = int(t // WINDOW_S)
                     windows[window] = (max(windows.get(window, (0, 0))[0], held), capacity)
             print(f"  {name:<9} " + " ".join(f"{held}/{capacity}" for _, (held, capacity) in sorted(windows.items())))
+    if base.served and any(runs.get(arm) for arm in SIMULATED_ARMS if arm != "no drop"):
         report_sim(rtt_ms, runs)
 
 
@@ -957,7 +958,8 @@ def report_live_spread(runs: dict[str, list[ArmRun]]) -> None:
     that arm's runs (as `sim_line` measures the simulator: over the live run): a simulator that gave each arm exactly
     its live median would be within the target on as many runs as this counts. The swarm's own spread on one
     workload is the floor under the simulator's."""
-    if not same_arrivals([run for repeats in runs.values() for run in repeats]):
+    turns = max((len(repeats) for repeats in runs.values()), default=0)
+    if turns < 2 or not same_arrivals([run for repeats in runs.values() for run in repeats]):
         return
     print(f"  the live runs against their arm's median (every turn replayed the same requests; a simulator that gave "
           f"each arm its live median would be within {TARGET_SIM:.0%} of as many):")
@@ -982,8 +984,10 @@ def report_sensitivity(rtt_ms: float, runs: dict[str, list[ArmRun]],
     print(f"  the simulated P99 with every compute cost {SENSITIVITY:.0%} lower | as fitted | {SENSITIVITY:.0%} higher "
           "(the arrivals as recorded), by turn:")
     for arm in SIMULATED_ARMS:
+        if not runs.get(arm):
+            continue
         cells = []
-        for base, exchanged in fits[:len(runs.get(arm, []))]:
+        for base, exchanged in fits[:len(runs[arm])]:
             low, fitted, high = (sim_p99_ttft(base, rtt_ms, arm, exchanged, cost_scale=scale, replays=1)[0]
                                  for scale in (1 - SENSITIVITY, 1.0, 1 + SENSITIVITY))
             moved = max(abs(low - fitted), abs(high - fitted)) / fitted

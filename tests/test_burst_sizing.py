@@ -333,3 +333,6 @@ def test_the_live_runs_are_held_against_their_own_median_only_where_every_turn_r
     assert not same_arrivals(runs["no drop"]) and not same_arrivals(runs["no drop"][:1])
     report_live_spread(runs)
     assert capsys.readouterr().out == ""
+    # one turn: no arm has runs to hold against each other
+    report_live_spread({"no drop": [run("no drop", 10.0)], "static pipeline": [run("static pipeline", 2.0)]})
+    assert capsys.readouterr().out == ""
