@@ -956,8 +956,8 @@ def same_arrivals(runs: Sequence[ArmRun]) -> bool:
 def report_live_spread(runs: dict[str, list[ArmRun]]) -> None:
     """Prints, where every turn replayed the same requests, how far each arm's live P99 TTFT lies from the median of
     that arm's runs (as `sim_line` measures the simulator: over the live run): a simulator that gave each arm exactly
-    its live median would be within the target on as many runs as this counts. The swarm's own spread on one
-    workload is the floor under the simulator's."""
+    its live median would be within the target on as many runs as this counts: what knowing the workload alone
+    reaches, where the simulator also knows each turn's machine (its fit)."""
     turns = max((len(repeats) for repeats in runs.values()), default=0)
     if turns < 2 or not same_arrivals([run for repeats in runs.values() for run in repeats]):
         return
@@ -969,7 +969,7 @@ def report_live_spread(runs: dict[str, list[ArmRun]]) -> None:
         if len(p99s) < 2:
             continue
         middle = statistics.median(p99s)
-        offs = [abs(middle - p99) / p99 for p99 in p99s]
+        offs = [off_by(p99, middle) for p99 in p99s]
         within, compared = within + sum(off <= TARGET_SIM for off in offs), compared + len(offs)
         print(f"    {arm:<26} median {middle:6.2f} s; " + ", ".join(
             f"{p99:.2f} s off by {off:.0%}" for p99, off in zip(p99s, offs, strict=True)))
@@ -1019,10 +1019,15 @@ def shown(ms: float | None) -> str:
     return "-" if ms is None else f"{ms:.1f} ms"
 
 
+def off_by(live: float, other: float) -> float:
+    """Gives how far `other` (a simulated or typical P99 TTFT) is from the `live` one, over the live one."""
+    return abs(other - live) / live if live else math.nan
+
+
 def sim_line(name: str, live: float, sim: float, band: tuple[float, float] | None = None) -> bool:
     """Prints how far the simulated P99 TTFT `sim` is from the `live` one (and whether `live` is inside the replays'
     10-90% `band`); gives whether it is within the target."""
-    off = abs(sim - live) / live if live else math.nan
+    off = off_by(live, sim)
     spread = inside = ""
     if band is not None:
         spread = f" ({band[0]:.2f}-{band[1]:.2f})"

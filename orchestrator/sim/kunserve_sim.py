@@ -604,9 +604,10 @@ class _Sim:
     def _reserved_batch(self, ready: Sequence[_Running], unit: _Unit) -> list[tuple[_Running, int]]:
         """Gives a batch of the `ready` steps as a swarm server's scheduler forms it (`StepScheduler._next_batch`):
         decode steps first, a token each of `prefill_chunk_tokens`, then prompt chunks, each leaving a token of the
-        budget for every request of `unit` not in the batch yet (its own included: the live scheduler counts every
-        session active in the last second, and each of those steps or opened that recently), whose decode steps
-        may join it; a prompt with no room left waits, unless the batch is empty (then it takes one token)."""
+        budget for every request of `unit` not in the batch yet (`ready` are some of them; its own included: the live
+        scheduler counts every session active in the last second, and each of those steps or opened that recently),
+        whose decode steps may join it; a prompt with no room left waits, unless the batch is empty (then it takes
+        one token)."""
         budget = self.config.prefill_chunk_tokens
         items: list[tuple[_Running, int]] = []
         decoding = [running for running in ready if running.prefilled >= running.request.prompt]
@@ -614,8 +615,7 @@ class _Sim:
         for running in decoding + prompts:
             take = 1
             if running.prefilled < running.request.prompt:
-                taken = {id(r) for r, _ in items}
-                room = budget - sum(1 for r in unit.running if id(r) not in taken)
+                room = budget - (len(unit.running) - len(items))
                 take = min(self._pass_left(running), room)
                 if take < 1:
                     if items:
