@@ -77,6 +77,7 @@ from benchmarks.refused_tries import measure as measure_refused_tries
 from benchmarks.table1_client import run_replay
 from client.batched_head import MAX_GANG_WAIT_S
 from client.inference import BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S
+from client.swarm_client import ClientConfig
 from netem.network import EmulatedNetwork
 from netem.topology import constant
 from orchestrator.sim.kunserve_sim import KunServeSimConfig, KunServeSimResult, SimRequest, simulate
@@ -364,44 +365,48 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     """Gives the simulator the live swarm's geometry (from the servers' records) and speeds measured in the no-drop arm
     (`base`). What occupies a server: a decode iteration's fixed compute and, for each decoding request, the records'
     growth of a decode step with the batch, so that a batch of one costs the records' lone decode step through all
-    blocks (before r31's report the fixed part was the whole lone step, which priced a lone step a row too high), both
-    scaled by what lone steps took the loaded servers against their start-up timing (`loaded_block_ms`); a prompt token,
-    what the servers' counters measured beyond that fixed step (`prefill_token_ms_under_load`); prompts in chunks of the
-    servers' `--max-batch-tokens`, a chunk leaving a token of them for every other session of its server, as their
-    scheduler does (`reserve_decode_rows`). What occupies the client: its CPU per head pass and per token, on this
-    machine (`client_work`): the tokens of one iteration share a pass, as the client's sessions on one chain share a
-    head pass, a pass waits for the chain's steps on their way (`MAX_GANG_WAIT_S`), and passes follow each other, as one
-    Python process serves every request. Decode steps join a prompt chunk's batch (`join_prefill`), as the CPU servers'
-    schedulers have them. What only delays a token: the rest of the 10th percentile of the requests' TBT (the least
-    loaded) beyond the compute and a lone token's client work, at least the network's round trip (the emulated links,
-    the p2pd daemons and the RPC layers on either side). A group's extra member adds a half round trip (the pushed hop),
-    which the simulator counts in a micro-batch's time. A client's try before it is admitted or backs off: the median
-    round of the no-drop arm's clients (`attempt_s_of`). What the machine's other processes spend (the p2pd daemons, the
-    delay fabric, the DHT nodes: `benchmarks.machine_cpu`), per token and per refused round, fitted on the CPU sampled
-    in the no-drop arm (`ArmRun.untracked_cpu`), counts against the shared cores; runs recorded without the sampler: a
-    refused round's cost measured on loopback (`refused_try_cpu_ms`), and nothing per token. Where a session goes: as
-    the live clients route without an orchestrator, by latency over records that do not show load, to the same whole
+    blocks (before r31's report the fixed part was the whole lone step, which priced a lone step a row too high),
+    both scaled by what lone steps took the loaded servers against their start-up timing (`loaded_block_ms`); a
+    prompt token, what the servers' counters measured beyond that fixed step (`prefill_token_ms_under_load`); prompts
+    in chunks of the servers' `--max-batch-tokens`, a chunk leaving a token of them for every other session of its
+    server, as their scheduler does (`reserve_decode_rows`). What occupies the client: its CPU per head pass and per
+    token, on this machine (`client_work`): the tokens of one iteration share a pass, as the client's sessions on one
+    chain share a head pass, a pass waits for the chain's steps on their way (`MAX_GANG_WAIT_S`), and passes follow
+    each other, as one Python process serves every request. Decode steps join a prompt chunk's batch
+    (`join_prefill`), as the CPU servers' schedulers have them. What only delays a token: the rest of the 10th
+    percentile of the requests' TBT (the least loaded) beyond the compute and a lone token's client work, at least
+    the network's round trip (the emulated links, the p2pd daemons and the RPC layers on either side). A group's
+    extra member adds a half round trip (the pushed hop), which the simulator counts in a micro-batch's time. A
+    client's try before it is admitted or backs off, as the no-drop arm's clients took it (`client_tries_of`): a DHT
+    lookup unless a try looked one up within the client's `records_max_age_s`, then an `open` call on each server of
+    its chain (the reports up to r38's gave every try the median round, lookup and opens, 0.2 s: the simulated
+    prompts of a pipeline reached their first member up to 0.15 s after the live ones, which then shared its batches
+    with the prompt before them). What the machine's other processes spend (the p2pd daemons, the delay fabric, the
+    DHT nodes: `benchmarks.machine_cpu`), per token and per refused round, fitted on the CPU sampled in the no-drop
+    arm (`ArmRun.untracked_cpu`), counts against the shared cores; runs recorded without the sampler: a refused
+    round's cost measured on loopback (`refused_try_cpu_ms`), and nothing per token. Where a session goes: as the
+    live clients route without an orchestrator, by latency over records that do not show load, to the same whole
     replica until it refuses them (`placement` "fewest_hops"). The servers and the client share this machine's cores
-    (`cores`: the report runs where the arms ran), so work that starts while more of them compute than there are cores
-    runs slower. A group's members batch on their own, as the live servers do (`member_batching`). A prompt's hidden
-    states (float32, as the client sends them) cross the client's emulated link, up to the first member and, through a
-    group, down and up again between members, one prompt after another. How fast victims' KV crosses between members:
-    what the servers of the runs that dropped (`exchanged`) measured of their KV moves (`exchange_bytes_per_s`), else
-    the link's rate; until a victim's KV has crossed, it takes pages on both members, as the live servers hold them
-    back from new sessions (`exchange_transient`). Runs whose servers counted their batches' CPU time
-    (`ArmRun.batch_cpu`, from r33 on): a prompt token at its CPU time rather than its wall time under load (which
-    carries the no-drop crowd's contention, 1.2-1.4x, into every arm), the contention left to the simulator's
-    sharing, whose weight of the machine's other work (`other_work_weight`) is fitted so the simulated no-drop
-    servers' batches stretch as the live ones' did. The lone decode step stays at its wall time: lone steps run
-    mostly while the machine is quiet. With the weight fitted, a token's delay outside the simulated work is fitted on
-    all of the no-drop requests rather than the least loaded (`loaded_round_trip_ms`): so that they decode, summed
-    from first token to last, as long as the live ones did. With the least loaded requests' figure the live no-drop
-    requests decoded 11-22% longer than the simulated ones (r33-r34), held their pages longer, and the live crowd
-    drained later: the simulated P99 TTFT came out 17-31% low. The live requests' steps show where the time goes: the
-    client's head and its loop between steps took 31 ms a step against the simulated 25 (r33), and the simulated
-    servers' decode batches stretched less than their prompt batches (taken at their start), where live both
-    stretched alike. The weight need not be fitted again after it: the simulated stretch stays within 3% of the live
-    one (r33-r36)."""
+    (`cores`: the report runs where the arms ran), so work that starts while more of them compute than there are
+    cores runs slower. A group's members batch on their own, as the live servers do (`member_batching`). A prompt's
+    hidden states (float32, as the client sends them) cross the client's emulated link, up to the first member and,
+    through a group, down and up again between members, one prompt after another. How fast victims' KV crosses
+    between members: what the servers of the runs that dropped (`exchanged`) measured of their KV moves
+    (`exchange_bytes_per_s`), else the link's rate; until a victim's KV has crossed, it takes pages on both members,
+    as the live servers hold them back from new sessions (`exchange_transient`). Runs whose servers counted their
+    batches' CPU time (`ArmRun.batch_cpu`, from r33 on): a prompt token at its CPU time rather than its wall time
+    under load (which carries the no-drop crowd's contention, 1.2-1.4x, into every arm), the contention left to the
+    simulator's sharing, whose weight of the machine's other work (`other_work_weight`) is fitted so the simulated
+    no-drop servers' batches stretch as the live ones' did. The lone decode step stays at its wall time: lone steps
+    run mostly while the machine is quiet. With the weight fitted, a token's delay outside the simulated work is
+    fitted on all of the no-drop requests rather than the least loaded (`loaded_round_trip_ms`): so that they decode,
+    summed from first token to last, as long as the live ones did. With the least loaded requests' figure the live
+    no-drop requests decoded 11-22% longer than the simulated ones (r33-r34), held their pages longer, and the live
+    crowd drained later: the simulated P99 TTFT came out 17-31% low. The live requests' steps show where the time
+    goes: the client's head and its loop between steps took 31 ms a step against the simulated 25 (r33), and the
+    simulated servers' decode batches stretched less than their prompt batches (taken at their start), where live
+    both stretched alike. The weight need not be fitted again after it: the simulated stretch stays within 3% of the
+    live one (r33-r36)."""
     first = min(base.polls, key=lambda row: row["t"])
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
     widest = max(decode, default=1)
@@ -417,6 +422,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     untracked = base.untracked_cpu()
     refused_round_ms = untracked.refused_round_ms if untracked is not None else None
     prefill_ms = prefill_token_ms_under_load(base, fixed)
+    tries = client_tries_of(base)
     cpu = base.batch_cpu()
     if cpu is not None:  # the costs at the servers' CPU time: the simulator's sharing adds what contention took
         prefill_ms /= cpu.prompt_wall_over_cpu
@@ -431,7 +437,8 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
         kv_bytes_per_token_block=first["kv_bytes_per_token"],
         prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping,
         retry_backoff_s=(BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S), refused_window_s=REFUSED_WINDOW_S,
-        attempt_s=attempt_s_of(base),
+        lookup_s=tries.lookup_s, open_s=tries.open_s,
+        records_max_age_s=ClientConfig().records_max_age_s,
         refused_try_cpu_ms=(refused_round_ms if refused_round_ms is not None
                             else refused_try_cpu_ms(base.workdir and base.workdir.parent)),
         token_cpu_ms=untracked.token_ms if untracked is not None else 0.0,
@@ -581,24 +588,31 @@ def _measured_refused_tries() -> RefusedTries:
                                  max_length=MAX_PROMPT + MAX_OUTPUT)
 
 
-def attempt_s_of(run: ArmRun) -> float:
-    """Gives the median time of the run's clients' rounds to open a session: from a round's first DHT lookup to its
-    `open` that succeeded, or to its back-off when every server refused (the clients' `open_attempts`). Runs
-    recorded before clients logged their attempts: 0."""
-    rounds: list[float] = []
+LOOKUP_MIN_S = 0.01  # a client's route that took longer looked the DHT up; faster ones routed on recent records
+
+
+@dataclass(frozen=True)
+class ClientTries:
+    """What a client's try to open a session took in a run (`client_tries_of`)."""
+
+    lookup_s: float  # a DHT lookup, the median of the routes that made one
+    open_s: float  # an `open` call on one server, the median of all (admitted or refused)
+
+
+def client_tries_of(run: ArmRun) -> ClientTries:
+    """Gives what the run's clients' tries took (`open_attempts`): a DHT lookup (the routes slower than
+    `LOOKUP_MIN_S`: the others routed on records a try had looked up within `ClientConfig.records_max_age_s`) and
+    one `open` call. Runs recorded before clients logged their attempts: zeros."""
+    routes, opens = [], []
     for result in run.results:
-        round_start = None
-        for kind, started_s, ended_s, _peer, outcome in result.get("open_attempts", ()):
-            if kind == "backoff":
-                if round_start is not None:
-                    rounds.append(started_s - round_start)
-                round_start = None
-                continue
-            round_start = started_s if round_start is None else round_start
-            if kind == "open" and outcome == "ok":
-                rounds.append(ended_s - round_start)
-                round_start = None
-    return statistics.median(rounds) if rounds else 0.0
+        for kind, started_s, ended_s, _peer, _outcome in result.get("open_attempts", ()):
+            if kind == "route" and ended_s - started_s >= LOOKUP_MIN_S:
+                routes.append(ended_s - started_s)
+            elif kind == "open":
+                opens.append(ended_s - started_s)
+    return ClientTries(statistics.median(routes) if routes else 0.0, statistics.median(opens) if opens else 0.0)
+
+
 
 
 def batch_counters(run: ArmRun) -> dict[str, float]:
@@ -898,15 +912,14 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
                   f"{fitted.other_work_weight:.2f}x its CPU")
         if turn:
             print(f"  turn {turn + 1}'s fit: {speeds}, a token's delay beyond the work {fitted.round_trip_ms:.0f} ms, "
-                  f"victims' KV at {fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, a client's try "
-                  f"{fitted.attempt_s * 1000:.0f} ms")
+                  f"victims' KV at {fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, {tries_text(fitted)}")
             continue
         each = ", fitted on each turn" if turns > 1 else ""
         print(f"simulator (same requests, the live swarm's geometry and speeds{each}: {speeds}, the client's work "
               f"{fitted.client_pass_ms:.0f} ms a head pass and {fitted.client_token_ms:.0f} ms a token in it, a "
               f"token's delay beyond the work {fitted.round_trip_ms:.0f} ms, hop {fitted.hop_ms:g} ms, victims' KV at "
-              f"{fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, a client's try "
-              f"{fitted.attempt_s * 1000:.0f} ms and, when refused, {fitted.refused_try_cpu_ms:.0f} ms of CPU; "
+              f"{fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, {tries_text(fitted)} and, when refused, "
+              f"{fitted.refused_try_cpu_ms:.0f} ms of CPU; "
               f"sessions to the first whole replica with room, {fitted.cores} cores shared) against live, P99 TTFT: "
               f"the median of {SIM_REPLAYS} replays (the arrivals as recorded, and moved by up to "
               f"{SIM_JITTER_S * 1000:.0f} ms) and their 10-90%:")
@@ -993,6 +1006,12 @@ def report_sensitivity(rtt_ms: float, runs: dict[str, list[ArmRun]],
             moved = max(abs(low - fitted), abs(high - fitted)) / fitted
             cells.append(f"{low:6.2f} | {fitted:6.2f} | {high:6.2f} s (moves {moved:.0%})")
         print(f"    {arm:<26} " + "; ".join(cells))
+
+
+def tries_text(config: KunServeSimConfig) -> str:
+    """Gives how the report says a client's try is simulated."""
+    return (f"a client's try {config.lookup_s * 1000:.0f} ms for a DHT lookup (none within "
+            f"{config.records_max_age_s:g} s) and {config.open_s * 1000:.0f} ms an open per server")
 
 
 def report_untracked(runs: dict[str, list[ArmRun]]) -> None:

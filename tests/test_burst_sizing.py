@@ -18,11 +18,13 @@ from benchmarks.kunserve_burst import (
     TRACE,
     ArmRun,
     Calibration,
+    ClientTries,
     LoadedSpeeds,
     arm_dir,
     arm_speed_scale,
     burst_requests,
     busiest_share,
+    client_tries_of,
     decoded_s,
     exchange_bytes_per_s,
     kept_repeats,
@@ -192,6 +194,21 @@ def test_the_fitted_simulator_prices_a_lone_decode_step_at_what_the_loaded_serve
     assert config.round_trip_ms == pytest.approx(55.0)  # the 10th percentile of TBT less the compute and client work
     assert (config.client_pass_ms, config.client_token_ms, config.refused_try_cpu_ms) == (10.0, 5.0, 40.0)
     assert config.blocks == 30 and config.params_pages == 420 and config.pages_total == 480
+
+
+def test_a_clients_try_is_fitted_as_a_dht_lookup_where_its_route_made_one_and_an_open_call_per_server() -> None:
+    # three rounds: one routed on fresh records (1 ms), two looked the DHT up (0.13 and 0.15 s); opens of 20-30 ms,
+    # one refused by a busy server
+    attempts = [[["route", 0.0, 0.13, None, "ok"], ["open", 0.13, 0.15, "a", "ok"], ["open", 0.15, 0.18, "b", "ok"]],
+                [["route", 1.0, 1.001, None, "ok"], ["open", 1.001, 1.026, "a", "ServerBusy"],
+                 ["backoff", 1.026, 1.526, None, "0.5"]],
+                [["route", 2.0, 2.15, None, "ok"], ["open", 2.15, 2.175, "a", "ok"]]]
+    run = ArmRun("no drop", [{"id": n, "open_attempts": rows} for n, rows in enumerate(attempts)], [], 0.0)
+    tries = client_tries_of(run)
+    assert tries.lookup_s == pytest.approx(0.14)  # the median of the routes that looked up; the 1-ms one did not
+    assert tries.open_s == pytest.approx(0.025)  # the median of every open, admitted or refused
+    unlogged = ArmRun("no drop", [{"id": 0}], [], 0.0)  # recorded before clients logged their attempts
+    assert client_tries_of(unlogged) == ClientTries(0.0, 0.0)
 
 
 def test_where_the_servers_counted_cpu_the_fit_takes_a_tokens_delay_from_all_of_the_no_drop_requests(

@@ -393,6 +393,28 @@ def test_a_clients_try_takes_its_time_before_it_is_admitted_or_backs_off() -> No
         dataclasses.replace(config, attempt_s=-0.1)
 
 
+def test_a_clients_try_looks_the_dht_up_when_no_records_are_fresh_and_opens_every_member() -> None:
+    # the live client's figures: a DHT lookup of 0.2 s unless one that began within 1 s has ended, then an `open`
+    # call of 0.03 s on each member of its chain; one replica with room for one request of 32 pages at a time
+    config = dataclasses.replace(CONFIG, replicas=1, dropping=False, retry_backoff_s=(0.5, 4.0), lookup_s=0.2,
+                                 records_max_age_s=1.0, open_s=0.03)
+    spaced = simulate(config, [SimRequest(0.0, 200, 4), SimRequest(0.5, 200, 4), SimRequest(2.0, 200, 4)])
+    # the first looks up (0.2 s) and opens (0.03 s) before its prompt computes in 0.020 s; the second routes on the
+    # first's records, half a second old; the third's are two seconds old: it looks up again
+    assert spaced.ttft_s == pytest.approx([0.250, 0.050, 0.250])
+    # the second arrives while the first's lookup runs: it looks up on its own, is refused at 0.2 (the first took
+    # the room), calls `open` on the one replica, backs off from 0.23 to 0.73 and routes on the records of 0.0
+    together = simulate(config, [SimRequest(0.0, 200, 4), SimRequest(0.0, 200, 4)])
+    assert together.ttft_s == pytest.approx([0.250, 0.780])
+    # through a group of two members, a try opens both, one after the other
+    pair = dataclasses.replace(CONFIG, replicas=2, static_groups=2, dropping=False, retry_backoff_s=(0.5, 4.0))
+    lone = [SimRequest(0.0, 200, 4)]
+    opened = simulate(dataclasses.replace(pair, lookup_s=0.2, records_max_age_s=1.0, open_s=0.03), lone)
+    assert opened.ttft_s[0] - simulate(pair, lone).ttft_s[0] == pytest.approx(0.26)
+    with pytest.raises(ValueError, match="open_s"):
+        dataclasses.replace(config, open_s=-0.01)
+
+
 def test_live_exchange_keeps_a_victim_computing_while_its_kv_follows() -> None:
     pair = dataclasses.replace(CONFIG, replicas=2, link_bytes_per_s=1e6)
     exchange_s = 26 * 4 * 1536 / 1e6  # 26 tokens of KV for the 4 blocks its member dropped, over 1 MB/s

@@ -41,8 +41,10 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   its head as soon as it fits (head-of-line blocking, as Llumnix's dispatcher); with `retry_backoff_s`, as a swarm's
   clients do without an orchestrator, a request that finds no room tries again after its own exponential backoff
   instead; each try takes `attempt_s` (the client's DHT lookup and `open` calls) before it is admitted or backs
-  off. Its pages return when its client's close reaches the unit: half a round trip after the client saw its
-  last token (live servers free a session's pages on `close`, not at its last step).
+  off, or, with `lookup_s` and `open_s`, what a live client's takes: a lookup unless one that began within
+  `records_max_age_s` has ended, then an `open` on each member of its unit before its prompt goes up. Its pages
+  return when its client's close reaches the unit: half a round trip after the client saw its last token (live
+  servers free a session's pages on `close`, not at its last step).
 - TTFT = admission wait + the iterations that prefill the prompt; TBT = a request's mean time per output token after
   its first (the paper's metric).
 - With `cores` (servers and their client on one machine, as in a live benchmark), work runs slower while more
@@ -142,6 +144,14 @@ class KunServeSimConfig:
     # A client's try (with `retry_backoff_s`): its DHT lookup and `open` calls. It is admitted, or starts its backoff,
     # that long after it began, on the servers' state then.
     attempt_s: float = 0.0
+    # With `lookup_s` or `open_s`, a try takes what a live client's does instead of `attempt_s`: a DHT lookup
+    # (`lookup_s`) unless a try began one at most `records_max_age_s` before (the client routes on those records:
+    # live, half the rounds or more found none that fresh), then an `open` call (`open_s`) on each member of the unit it
+    # lands on, one after another, before its prompt goes up; a refused try calls `open` on every unit (each refuses
+    # at its first member) before it backs off.
+    lookup_s: float = 0.0
+    records_max_age_s: float = 0.0
+    open_s: float = 0.0
     # Live exchange (remote attention, spec 3.5): a victim goes on computing while its KV follows; until it has
     # arrived, an iteration holding it pays one round trip between members per block it attends remotely
     live_exchange: bool = False
@@ -208,10 +218,11 @@ class KunServeSimConfig:
             raise ValueError("params_pages must be a multiple of blocks and below pages_total")
         if self.static_groups < 1 or self.replicas % self.static_groups:
             raise ValueError("static_groups must divide the replicas")
-        if min(self.attempt_s, self.refused_try_cpu_ms, self.token_cpu_ms, self.client_gang_wait_s,
-               self.client_link_bytes_per_s, self.hidden_bytes_per_token) < 0:
-            raise ValueError("attempt_s, refused_try_cpu_ms, token_cpu_ms, client_gang_wait_s, client_link_bytes_per_s "
-                             "and hidden_bytes_per_token must be >= 0")
+        if min(self.attempt_s, self.lookup_s, self.records_max_age_s, self.open_s, self.refused_try_cpu_ms,
+               self.token_cpu_ms, self.client_gang_wait_s, self.client_link_bytes_per_s,
+               self.hidden_bytes_per_token) < 0:
+            raise ValueError("attempt_s, lookup_s, records_max_age_s, open_s, refused_try_cpu_ms, token_cpu_ms, "
+                             "client_gang_wait_s, client_link_bytes_per_s and hidden_bytes_per_token must be >= 0")
         if self.member_prefill_token_ms is not None and self.member_prefill_token_ms < 0:
             raise ValueError("member_prefill_token_ms must be >= 0 (or None)")
         if self.cores is not None and self.cores < 1:
@@ -353,6 +364,7 @@ class _Sim:
         self.fluid = config.cores is not None and config.fluid_sharing
         self.stretch, self.advanced_s = 1.0, 0.0
         self.batch_wall_ms = self.batch_work_ms = 0.0  # the members' batches' time less hops, and their work
+        self.lookups: deque[float] = deque()  # when clients' tries began the DHT lookups of the last moments
 
     def _add_unit(self, members: tuple[int, ...]) -> _Unit:
         c = self.config
@@ -375,8 +387,9 @@ class _Sim:
                 break
             self._advance()
             if kind == "arrive" and self.config.retry_backoff_s is not None:
-                if self.config.attempt_s > 0:
-                    self._push(self.now + self.config.attempt_s, "try", subject)
+                route_s = self._route_s()
+                if route_s > 0:
+                    self._push(self.now + route_s, "try", subject)
                 else:
                     self._try(subject)
             elif kind == "try":
@@ -419,15 +432,30 @@ class _Sim:
 
     # ---- serving
 
+    def _route_s(self) -> float:
+        """Gives how long a try that begins now takes before it opens: `attempt_s`, or, with the client's own
+        figures (`lookup_s`, `open_s`), a DHT lookup unless one that began within `records_max_age_s` has ended
+        (during one, a try looks up on its own, as the live client does)."""
+        c = self.config
+        if not (c.lookup_s or c.open_s):
+            return c.attempt_s
+        while self.lookups and self.lookups[0] < self.now - max(c.records_max_age_s, c.lookup_s):
+            self.lookups.popleft()
+        if any(began + c.lookup_s <= self.now <= began + c.records_max_age_s for began in self.lookups):
+            return 0.0
+        self.lookups.append(self.now)
+        return c.lookup_s
+
     def _try(self, index: int) -> None:
-        """A client's attempt to open request `index`: admitted where it fits, else it backs off."""
+        """A client's attempt to open request `index`: admitted where it fits (its prompt goes up once its `open`
+        calls are done), else it backs off (once every unit refused its `open`)."""
         c = self.config
         assert c.retry_backoff_s is not None
         pages = c.pages_of(self.requests[index])
         unit = self._place(pages)
         if unit is not None:
             self.backing_off.pop(index, None)
-            unit.running.append(self._admitted(index, pages))
+            unit.running.append(self._admitted(index, pages, self.now + c.open_s * len(unit.members)))
             self._start(unit)
             return
         if c.refused_try_cpu_ms > 0 and c.cores is not None:
@@ -435,7 +463,7 @@ class _Sim:
         first, longest = c.retry_backoff_s
         backoff = self.backing_off.get(index, (first, 0.0))[0]
         self.backing_off[index] = (min(longest, 2 * backoff), self.now)
-        self._push(self.now + backoff, "arrive", index)
+        self._push(self.now + c.open_s * len(self.units) + backoff, "arrive", index)
 
     def _dispatch(self) -> None:
         c = self.config
@@ -454,18 +482,20 @@ class _Sim:
             unit.running.append(self._admitted(index, pages))
             self._start(unit)
 
-    def _admitted(self, index: int, pages: int) -> _Running:
-        """Gives request `index` admitted now with `pages`: its prompt is on its way up the client's link."""
+    def _admitted(self, index: int, pages: int, opened_s: float | None = None) -> _Running:
+        """Gives request `index` admitted now with `pages`: its prompt is on its way up the client's link (from
+        `opened_s`, when its client has opened its session on every member)."""
         running = _Running(index, self.requests[index], pages)
-        self._restart_pass(running)
+        self._restart_pass(running, opened_s)
         return running
 
-    def _restart_pass(self, running: _Running) -> None:
+    def _restart_pass(self, running: _Running, from_s: float | None = None) -> None:
         """Has `running`'s pass start (again) at its unit's first member: a prompt's hidden states go up the
-        client's link first."""
+        client's link first (from `from_s` if later than now)."""
         running.stage, running.pass_done = 0, 0
         if running.prefilled < running.request.prompt:
-            running.ready_s = max(running.ready_s, self._cross("up", running, self.now))
+            at_s = self.now if from_s is None else max(self.now, from_s)
+            running.ready_s = max(running.ready_s, self._cross("up", running, at_s))
 
     def _moved(self, running: _Running) -> None:
         """`running` moved to a new unit (a drop, a restore): its pass starts again there, now if it is not computing,
