@@ -316,6 +316,11 @@ class BlockExchange:
             await connection.close()
 
     async def _mode(self, session: Session, keeper: ServerRecord, start: int, end: int) -> str:
+        if self.setting == "live" and session.position == 0:
+            # no KV yet (its prompt has not come): nothing to attend over here, and lent, its prompt would send every
+            # block's queries, keys and values to this server (r39: a 256-token prompt came 6.2 s after it arrived);
+            # the move carries no bytes
+            return "blocking"
         if self.setting != "auto":
             return self.setting  # blocking, live or replay for every victim
         # the KV of the part, against a replay of the whole session through the keepers' chain

@@ -205,6 +205,41 @@ def test_live_exchange_victims_go_on_at_once_through_the_keeper_which_attends_ov
         remote.shutdown()
 
 
+def test_live_exchange_moves_a_victim_without_kv_yet_instead_of_lending_it(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    """Under `--kv-exchange live`, a session opened just before the drop, whose prompt has not come yet, has no KV to
+    lend: it moves to the keeper at once (no bytes), and its prompt then computes there like any session's instead of
+    sending every block's queries, keys and values back to its old server; its tokens equal the local model's."""
+    swarm_factory.start_dht()
+    local, remote = local_and_remote(swarm_factory, tiny_llama)
+    client = remote.swarm
+    try:
+        peers, _ = start_replicas(swarm_factory, tiny_llama, client, "--kv-exchange", "live")
+        input_ids = prompt(7, 40)
+        expected = local.generate(input_ids, max_new_tokens=6, do_sample=False)
+        with remote.inference_session(max_length=64) as session:
+            first = session.route[0].peer_id
+            (second,) = set(peers) - {first}
+            halves = {first: (0, 4), second: (4, 8)}
+            for peer, blocks in halves.items():
+                call(client, peer, "drop", {"blocks": list(blocks)})
+            wait_for_ranges(client, halves)
+            lender = wait_until_reshaped(client, peers)[first]
+            assert lender["dropping"]["exchange"]["moved"] == 1
+            assert lender["dropping"]["live"]["lent_sessions"] == 0
+            assert lender["migrations"]["out"]["kv"] == 1
+            actual = remote.generate(input_ids, session=session, max_new_tokens=6, do_sample=False)
+            assert session.failovers == 0
+            assert [(span.peer_id, span.start, span.end) for span in session.route] == [
+                (first, 0, 4), (second, 4, 8)]
+        assert actual.tolist() == expected.tolist()
+        keeper = infos(client)[second]
+        assert keeper["steps_computed"]["remote"] == 0  # no block attended through the old server
+    finally:
+        remote.shutdown()
+
+
 def test_only_the_servers_orchestrator_may_make_it_drop_and_only_a_server_of_the_blocks_lend_it_kv(
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:
