@@ -319,7 +319,7 @@ class BlockExchange:
         if self.setting == "live" and session.position == 0:
             # no KV yet (its prompt has not come): nothing to attend over here, and lent, its prompt would send every
             # block's queries, keys and values to this server (r39: a 256-token prompt came 6.2 s after it arrived);
-            # the move carries no bytes
+            # the move carries no bytes, or those of a prompt computing now (it waits for that step, as any move does)
             return "blocking"
         if self.setting != "auto":
             return self.setting  # blocking, live or replay for every victim
