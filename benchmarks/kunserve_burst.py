@@ -613,8 +613,6 @@ def client_tries_of(run: ArmRun) -> ClientTries:
     return ClientTries(statistics.median(routes) if routes else 0.0, statistics.median(opens) if opens else 0.0)
 
 
-
-
 def batch_counters(run: ArmRun) -> dict[str, float]:
     """Gives what the servers' batch counters (`info` batches) grew by over the run, summed over the servers: prompt
     tokens, the batches that held them and their compute, and all compute (ms)."""

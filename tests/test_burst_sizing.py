@@ -261,7 +261,7 @@ def test_the_other_works_weight_is_fitted_so_the_simulated_no_drop_batches_stret
     # two replicas on two cores; a client keeps waiting (one request's room each) and its refused tries take CPU
     config = KunServeSimConfig(replicas=2, blocks=8, pages_total=100, params_pages=40, tokens_per_page=64,
                                step_ms=10.0, prefill_token_ms=0.5, decode_token_ms=2.0, dropping=False, cores=2,
-                               retry_backoff_s=(0.2, 1.0), refused_try_cpu_ms=300.0, attempt_s=0.05)
+                               retry_backoff_s=(0.2, 1.0), refused_try_cpu_ms=300.0, lookup_s=0.05)
     requests = {n: {"id": n, "at_s": 0.05 * n, "prompt_tokens": 200, "output_tokens": 100} for n in range(8)}
     base = ArmRun("no drop", [], [], 0.0, None, requests)
     as_recorded = [SimRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"]) for r in requests.values()]
@@ -283,7 +283,7 @@ def test_the_round_trip_is_fitted_so_the_simulated_no_drop_requests_decode_as_lo
     config = KunServeSimConfig(replicas=2, blocks=8, pages_total=100, params_pages=40, tokens_per_page=64,
                                step_ms=10.0, prefill_token_ms=0.5, decode_token_ms=2.0, round_trip_ms=20.0,
                                dropping=False, cores=2, retry_backoff_s=(0.2, 1.0), refused_try_cpu_ms=300.0,
-                               attempt_s=0.05)
+                               lookup_s=0.05)
     requests = {n: {"id": n, "at_s": 0.05 * n, "prompt_tokens": 200, "output_tokens": 100} for n in range(8)}
     as_recorded = [SimRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"]) for r in requests.values()]
 

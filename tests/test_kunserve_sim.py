@@ -385,12 +385,12 @@ def test_a_clients_try_takes_its_time_before_it_is_admitted_or_backs_off() -> No
     instant = simulate(config, requests)
     # the first computes its prompt by 0.020 s and closes at 0.0503; the second, refused at 0, tries again at 0.5
     assert instant.ttft_s == pytest.approx([0.020, 0.520])
-    slow = simulate(dataclasses.replace(config, attempt_s=0.2), requests)
+    slow = simulate(dataclasses.replace(config, lookup_s=0.2), requests)  # every try looks the DHT up (no record age)
     # each try is decided 0.2 s after it began: the first is admitted at 0.2; the second is refused then, backs off
     # from 0.2 to 0.7 and is admitted at 0.9
     assert slow.ttft_s == pytest.approx([0.220, 0.920])
-    with pytest.raises(ValueError, match="attempt_s"):
-        dataclasses.replace(config, attempt_s=-0.1)
+    with pytest.raises(ValueError, match="lookup_s"):
+        dataclasses.replace(config, lookup_s=-0.1)
 
 
 def test_a_clients_try_looks_the_dht_up_when_no_records_are_fresh_and_opens_every_member() -> None:

@@ -40,9 +40,9 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   first: every client takes the same whole replica until it refuses them. The dispatcher keeps one FCFS queue and admits
   its head as soon as it fits (head-of-line blocking, as Llumnix's dispatcher); with `retry_backoff_s`, as a swarm's
   clients do without an orchestrator, a request that finds no room tries again after its own exponential backoff
-  instead; each try takes `attempt_s` (the client's DHT lookup and `open` calls) before it is admitted or backs
-  off, or, with `lookup_s` and `open_s`, what a live client's takes: a lookup unless one that began within
-  `records_max_age_s` has ended, then an `open` on each member of its unit before its prompt goes up. Its pages
+  instead; each try takes what a live client's does before it is admitted or backs off: a DHT lookup (`lookup_s`)
+  unless one that began within `records_max_age_s` has ended, then an `open` (`open_s`) on each member of its unit
+  before its prompt goes up. Its pages
   return when its client's close reaches the unit: half a round trip after the client saw its last token (live
   servers free a session's pages on `close`, not at its last step).
 - TTFT = admission wait + the iterations that prefill the prompt; TBT = a request's mean time per output token after
@@ -141,14 +141,12 @@ class KunServeSimConfig:
     # admits its head as soon as it fits.
     retry_backoff_s: tuple[float, float] | None = None
     refused_window_s: float = 5.0
-    # A client's try (with `retry_backoff_s`): its DHT lookup and `open` calls. It is admitted, or starts its backoff,
-    # that long after it began, on the servers' state then.
-    attempt_s: float = 0.0
-    # With `lookup_s` or `open_s`, a try takes what a live client's does instead of `attempt_s`: a DHT lookup
-    # (`lookup_s`) unless a try began one at most `records_max_age_s` before (the client routes on those records:
-    # live, half the rounds or more found none that fresh), then an `open` call (`open_s`) on each member of the unit it
-    # lands on, one after another, before its prompt goes up; a refused try calls `open` on every unit (each refuses
-    # at its first member) before it backs off.
+    # A client's try (with `retry_backoff_s`), as a live client's: a DHT lookup (`lookup_s`) unless a try began one
+    # at most `records_max_age_s` before and it has ended (the client routes on those records: live, half the rounds
+    # or more found none that fresh; 0: every try looks up), then an `open` call (`open_s`) on each member of the unit
+    # it lands on, one after another, before its prompt goes up; it is admitted, or refused on the servers' state at
+    # its lookup's end, and a refused try calls `open` on every unit (each refuses at its first member) before it
+    # backs off [the reports up to r38's gave every try one figure, the median round of lookup and opens].
     lookup_s: float = 0.0
     records_max_age_s: float = 0.0
     open_s: float = 0.0
@@ -218,10 +216,9 @@ class KunServeSimConfig:
             raise ValueError("params_pages must be a multiple of blocks and below pages_total")
         if self.static_groups < 1 or self.replicas % self.static_groups:
             raise ValueError("static_groups must divide the replicas")
-        if min(self.attempt_s, self.lookup_s, self.records_max_age_s, self.open_s, self.refused_try_cpu_ms,
-               self.token_cpu_ms, self.client_gang_wait_s, self.client_link_bytes_per_s,
-               self.hidden_bytes_per_token) < 0:
-            raise ValueError("attempt_s, lookup_s, records_max_age_s, open_s, refused_try_cpu_ms, token_cpu_ms, "
+        if min(self.lookup_s, self.records_max_age_s, self.open_s, self.refused_try_cpu_ms, self.token_cpu_ms,
+               self.client_gang_wait_s, self.client_link_bytes_per_s, self.hidden_bytes_per_token) < 0:
+            raise ValueError("lookup_s, records_max_age_s, open_s, refused_try_cpu_ms, token_cpu_ms, "
                              "client_gang_wait_s, client_link_bytes_per_s and hidden_bytes_per_token must be >= 0")
         if self.member_prefill_token_ms is not None and self.member_prefill_token_ms < 0:
             raise ValueError("member_prefill_token_ms must be >= 0 (or None)")
@@ -433,12 +430,9 @@ class _Sim:
     # ---- serving
 
     def _route_s(self) -> float:
-        """Gives how long a try that begins now takes before it opens: `attempt_s`, or, with the client's own
-        figures (`lookup_s`, `open_s`), a DHT lookup unless one that began within `records_max_age_s` has ended
-        (during one, a try looks up on its own, as the live client does)."""
+        """Gives how long a try that begins now takes before it opens: a DHT lookup (`lookup_s`) unless one that
+        began within `records_max_age_s` has ended (during one, a try looks up on its own, as the live client does)."""
         c = self.config
-        if not (c.lookup_s or c.open_s):
-            return c.attempt_s
         while self.lookups and self.lookups[0] < self.now - max(c.records_max_age_s, c.lookup_s):
             self.lookups.popleft()
         if any(began + c.lookup_s <= self.now <= began + c.records_max_age_s for began in self.lookups):
