@@ -7,10 +7,13 @@ here keeps the session's id, and the client learns the new chain from the next s
 without a replay. Blocking exchange (the paper's): from the drop on, every victim's steps wait until its KV has
 moved, so nothing computes over the dropped blocks any more and their parameter pages are free at once (those of a
 batch computing at the drop, once it ends), for new sessions and for the KV the group-mates' victims bring (spec
-5.2's transient). Victims then go one by one, smallest first (`exchange_order`), each stalled from the drop until
-its own KV has moved [chainswarm: until stop 44 each victim computed on until its own turn, which kept the dropped
-blocks loaded until the last victim had left them: 2-4 s after a drop in which the burst's arrivals found "0 are
-free"]. A victim goes by replay instead (it is evicted with `BlocksDropped` and its client replays
+5.2's transient). A victim's prompt computing at the drop stops where its batch ends (`StepScheduler.stop_step`): its
+KV moves as it was before the prompt, and the client sends the prompt again through the new chain [chainswarm: until
+stop 57 the prompt computed on over every block, and the dropped blocks stayed loaded until it ended: 1.7 s in r39,
+in which new sessions were refused]. Victims then go one by one, smallest first (`exchange_order`), each stalled
+from the drop until its own KV has moved [chainswarm: until stop 44 each victim computed on until its own turn,
+which kept the dropped blocks loaded until the last victim had left them: 2-4 s after a drop in which the burst's
+arrivals found "0 are free"]. A victim goes by replay instead (it is evicted with `BlocksDropped` and its client replays
 it through the keepers) where `exchange_mode` expects that to end sooner, where no keeper has room for it
 within `EXCHANGE_DEADLINE_S`, or with `--kv-exchange replay`; under `auto` every victim waits from the drop as under
 `blocking`, until it moved or was evicted. With `--kv-exchange live`, no victim waits: each goes on at once through
@@ -42,6 +45,7 @@ from server.config import ServerConfig
 from server.hosting import Hosting
 from server.migration import Migrations, Part
 from server.remote_attention import RemoteAttention
+from server.scheduler import StepScheduler
 from server.sessions import Session, SessionTable
 from swarm.dht import lookup_servers_async
 from swarm.errors import BlocksDropped, Hop, MigrationRefused, PeerUnreachable, SwarmError
@@ -77,6 +81,7 @@ class ExchangeHost(Protocol):
     sessions: SessionTable
     migrations: Migrations
     remote: RemoteAttention
+    scheduler: StepScheduler
     blocks: BlockRange
     dht: DHT | None
     p2p: P2P | None
@@ -135,16 +140,19 @@ class BlockExchange:
 
         Blocking and auto (the paper's blocking exchange, spec 3.5 and 5.2): from now on the victims' steps wait until
         their KV moved (or they were evicted for a replay), so no victim computes over the dropped blocks any more,
-        and their parameter pages are free at once (those of a step computing now, once it ends) for new sessions and
-        the group-mates' victims."""
-        if self.setting in ("blocking", "auto"):
-            now = time.perf_counter()
-            for session_id in victims:
-                session = self._open(session_id)
-                if session is not None and session.awaiting_exchange is None:
-                    session.awaiting_exchange = asyncio.get_running_loop().create_future()
-                    self._waiting[session_id] = (session, now)
-            self.server.hosting.unload_unused()
+        and their parameter pages are free at once (those of a batch computing now, once it ends: a victim's prompt
+        stops there and is sent again through the new chain) for new sessions and the group-mates' victims. Under
+        `live`, victims with no KV yet wait and move so too (`_mode`)."""
+        now = time.perf_counter()
+        for session_id in victims:
+            session = self._open(session_id)
+            # under `live`, a victim with no KV yet moves as under `blocking` (`_mode`)
+            waits = self.setting in ("blocking", "auto") or (session is not None and session.position == 0)
+            if session is not None and waits and session.awaiting_exchange is None:
+                session.awaiting_exchange = asyncio.get_running_loop().create_future()
+                self._waiting[session_id] = (session, now)
+                self.server.scheduler.stop_step(session)  # a prompt computing here goes on through the keepers
+        self.server.hosting.unload_unused()
         self._run(self._exchange(victims), "kv-exchange")
 
     def after_restore(self) -> None:
@@ -319,7 +327,7 @@ class BlockExchange:
         if self.setting == "live" and session.position == 0:
             # no KV yet (its prompt has not come): nothing to attend over here, and lent, its prompt would send every
             # block's queries, keys and values to this server (r39: a 256-token prompt came 6.2 s after it arrived);
-            # the move carries no bytes, or those of a prompt computing now (it waits for that step, as any move does)
+            # the move carries no bytes (a prompt computing at the drop stopped where its batch ended: `after_drop`)
             return "blocking"
         if self.setting != "auto":
             return self.setting  # blocking, live or replay for every victim

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from server.batch_stats import BatchStats
-from server.sessions import SessionTable, Step, StepResult
-from swarm.errors import InternalServerError, ServerDraining, SessionNotFound, SwarmError
+from server.sessions import Session, SessionTable, Step, StepResult
+from swarm.errors import InternalServerError, ServerDraining, SessionNotFound, StepStopped, SwarmError
 from swarm.model import BlockRange
 from swarm.model.blocks import ForwardPass
 from swarm.model.paged_kv import PagedBatch, PagedKV, SequenceChunk
@@ -130,9 +130,29 @@ class StepScheduler:
             self._join(self._pass, step)
         self._ready.set()
 
+    def stop_step(self, session: Session) -> bool:
+        """Stops `session`'s running step of several tokens (a prompt) where the tokens computed so far end: at once
+        if no batch computes it now, else when that batch ends (a step that batch completes ends as usual). Its
+        waiter gets StepStopped; the session stays at the step's start, and the step's next run writes again the KV
+        this one wrote past it. Gives whether a step is stopping. A drop's victim goes on through the servers that
+        keep its blocks without waiting for the rest of its prompt here, which kept the dropped blocks' pages from new
+        sessions (r39: 1.7 s for a 256-token prompt)."""
+        step = session.running
+        if step is None or step.tokens == 1 or step.result.done():
+            return False
+        step.stopping = True
+        self._ready.set()  # a queued step leaves at the next batch's forming
+        return True
+
+    def _stopped(self, step: Step) -> None:
+        self._drop(step, StepStopped(
+            f"step {step.step_id!r} of session {step.session.session_id!r} stopped after {step.done} of its "
+            f"{step.tokens} tokens: the session's blocks are moving"
+        ))
+
     def _join(self, running: _Pass, step: Step) -> None:
         """Hands `step` (or a chunk of it) to the batch computing now, if it fits its budget and progress."""
-        if step.session.closed:
+        if step.session.closed or step.stopping:
             return
         if not self._worth_joining(running):
             return
@@ -256,6 +276,9 @@ class StepScheduler:
                 closed = SessionNotFound(f"session {step.session.session_id!r} closed before its step ran")
                 self._drop(step, step.session.evicted or closed)
                 continue
+            if step.stopping:
+                self._stopped(step)
+                continue
             room = budget
             if step.tokens > 1:
                 room -= self._expected_decode_rows(batch)
@@ -319,6 +342,9 @@ class StepScheduler:
             step.outputs.append(output.view(step.rows, take, -1))
             step.done += take
             step.compute_ms += compute_ms
+            if step.remaining and step.stopping:
+                self._stopped(step)
+                continue
             if step.remaining == 0:
                 self._queue.remove(step)
                 self._commit(step)

@@ -47,6 +47,7 @@ from swarm.errors import (
     ServerBusy,
     ServerDraining,
     StepNotPushed,
+    StepStopped,
     SwarmError,
 )
 from swarm.memory import PagePool, ParamsOwner, default_budget_bytes, parse_size
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 _THROUGHPUT_MIN_BYTES = 64 << 10  # smaller frames measure latency, not bandwidth
 SELF_CHOSEN_KV_SESSIONS = 4  # a server choosing how many blocks it hosts keeps KV room for this many full sessions
 MAX_PUSH_WAIT_MS = 600_000
+STOPPED_STEP_RUNS = 3  # runs of one step request that a drop's exchange may stop before its StepStopped goes out
 
 
 def _step_list(payload: dict[str, Any]) -> list[Any]:
@@ -562,12 +564,20 @@ class SwarmServer:
         output = field(payload, "output", str, optional=True) or "all"
         if output not in ("all", "last"):
             raise MalformedFrame(f"output {output!r} is neither 'all' nor 'last'")
-        await self.migrations.wait_if_moving(field(payload, "session_id", str), _expected_blocks(payload))
-        if "hidden" not in payload and "wait_ms" in payload:
-            session, result = await self._await_pushed_step(payload)
-        else:
-            session, result = self._admit_step(payload, ctx)
-        return await self._step_reply(session, result, compression, last_only=output == "last")
+        session_id, blocks = field(payload, "session_id", str), _expected_blocks(payload)
+        runs = 0
+        while True:
+            await self.migrations.wait_if_moving(session_id, blocks)
+            if "hidden" not in payload and "wait_ms" in payload:
+                session, result = await self._await_pushed_step(payload)
+            else:
+                session, result = self._admit_step(payload, ctx)
+            try:
+                return await self._step_reply(session, result, compression, last_only=output == "last")
+            except StepStopped:  # a drop moves the session's blocks: ChainChanged once they moved, or it runs again
+                runs += 1
+                if runs == STOPPED_STEP_RUNS:
+                    raise
 
     async def _steps(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         """Runs `steps`, a list of `step` payloads of any sessions on this server (a client sends the steps of its

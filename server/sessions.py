@@ -140,6 +140,7 @@ class Step:
     compute_ms: float = 0.0
     admitted_s: float = field(default_factory=time.perf_counter)
     beside_prefill: bool = False  # whether a batch it computed in also computed a prefill chunk
+    stopping: bool = False  # it ends with StepStopped where the batch computing it ends (`StepScheduler.stop_step`)
 
     @property
     def tokens(self) -> int:

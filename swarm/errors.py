@@ -126,6 +126,13 @@ class BlocksDropped(SwarmError):
     on a chain through the servers that keep those blocks, replayed from the client's saved inputs."""
 
 
+class StepStopped(SwarmError):
+    """The server stopped a step of several tokens before its end, where the batch computing it ended: a drop moves
+    the session's blocks (KunServe's exchange), and the rest of the step computes on the new chain. The session
+    stays at the step's start; the server answers the step again once the move is done (`ChainChanged`), so a
+    client sees this only if that failed."""
+
+
 class ServerDraining(SwarmError):
     """The server is shutting down and accepts no new sessions or steps."""
 

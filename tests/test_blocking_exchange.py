@@ -19,7 +19,8 @@ class LoneHost:
     """A server's exchange host without a network: no DHT, so no victim finds a keeper."""
 
     def __init__(self, core: Core) -> None:
-        self.hosting, self.sessions, self.dht, self.p2p = core.hosting, core.sessions, None, None
+        self.hosting, self.sessions, self.scheduler, self.dht, self.p2p = (core.hosting, core.sessions,
+                                                                           core.scheduler, None, None)
 
     @property
     def peer_id(self) -> str:

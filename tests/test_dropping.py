@@ -5,6 +5,7 @@ model's tokens, the dropped blocks' pages hold KV, and a restore brings every bl
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -236,6 +237,57 @@ def test_live_exchange_moves_a_victim_without_kv_yet_instead_of_lending_it(
         assert actual.tolist() == expected.tolist()
         keeper = infos(client)[second]
         assert keeper["steps_computed"]["remote"] == 0  # no block attended through the old server
+    finally:
+        remote.shutdown()
+
+
+def test_a_victims_prompt_computing_at_the_drop_stops_where_its_batch_ends_and_goes_on_through_the_keeper(
+    swarm_factory: SwarmProcesses, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Blocking exchange: the drop catches a session's 40-token prompt in its first chunks (emulated servers that
+    take 4 ms a token and block, 8 tokens a batch: 1.3 s for the prompt). The prompt stops where its batch ends, the
+    session moves with no KV, and its client sends the prompt again through both servers, so the dropped blocks go
+    without waiting for the rest of the prompt; no replay, and the tokens equal the local model's."""
+    profile = tmp_path / "slow-prefill.json"
+    profile.write_text(json.dumps({"memory_gb": 16, "prefill_ms_per_token": 4.0, "decode_ms_base": 1.0,
+                                   "decode_ms_per_row": 0.0}))
+    swarm_factory.start_dht()
+    local, remote = local_and_remote(swarm_factory, tiny_llama)
+    client = remote.swarm
+    try:
+        peers, baseline = start_replicas(swarm_factory, tiny_llama, client, "--emulate-gpu", str(profile),
+                                         "--max-batch-tokens", "8", "--kv-exchange", "blocking")
+        input_ids = prompt(7, 40)
+        expected = local.generate(input_ids, max_new_tokens=6, do_sample=False)
+        generated: dict[str, torch.Tensor] = {}
+        with remote.inference_session(max_length=64) as session:
+            first = session.route[0].peer_id
+            (second,) = set(peers) - {first}
+            thread = threading.Thread(target=lambda: generated.update(ids=remote.generate(
+                input_ids, session=session, max_new_tokens=6, do_sample=False)))
+            thread.start()
+            deadline = time.monotonic() + TIMEOUT_S
+            while infos(client)[first]["batches"]["prefill_tokens"] < 8 and time.monotonic() < deadline:
+                time.sleep(0.02)  # the prompt's first chunk computed on `first`, four to go
+            halves = {first: (0, 4), second: (4, 8)}
+            for peer, blocks in halves.items():
+                call(client, peer, "drop", {"blocks": list(blocks)})
+            thread.join(TIMEOUT_S)
+            assert not thread.is_alive()
+            assert (session.failovers, session.moves) == (0, 1)
+            assert [(span.peer_id, span.start, span.end) for span in session.route] == [
+                (first, 0, 4), (second, 4, 8)]
+        assert generated["ids"].tolist() == expected.tolist()
+        found = wait_until_reshaped(client, peers)
+        victim_server = found[first]
+        assert victim_server["batches"]["steps_failed"] == {"StepStopped": 1}
+        # a chunk or more before the drop, then the whole prompt again over the blocks it kept
+        assert 40 + 8 <= victim_server["batches"]["prefill_tokens"] < 40 + 40
+        assert found[second]["batches"]["prefill_tokens"] == 40  # its half of the prompt, once
+        assert victim_server["dropping"]["exchange"]["moved"] == 1
+        assert victim_server["migrations"]["out"]["kv"] == 1
+        assert victim_server["record"]["pages_free"] == (baseline[first]["pages_free"]
+                                                         + baseline[first]["pages_params"] // 2)
     finally:
         remote.shutdown()
 

@@ -15,7 +15,7 @@ import torch
 from server import scheduler as scheduler_module
 from server.scheduler import StepScheduler
 from server.sessions import Session, SessionTable, Step, StepResult
-from swarm.errors import InternalServerError, ServerBusy
+from swarm.errors import InternalServerError, ServerBusy, StepStopped
 from swarm.memory import PagePool
 from swarm.model import BlockRange, resolve_model
 from swarm.model.blocks import ForwardPass
@@ -225,6 +225,67 @@ def test_a_session_closed_while_its_batch_computes_gets_its_pages_back_after_it(
         assert not engine.pool.has_session("closing")
         engine.pool.check_invariants()
         await engine.scheduler.stop()
+
+    scenario(body)
+
+
+def test_a_stopped_prompt_ends_where_its_batch_ends_and_runs_again_exact_from_the_sessions_position(
+    tiny_llama: Path
+) -> None:
+    """A drop's victim: its prompt, computing in chunks, stops where the batch computing it ends (a queued one at
+    once, without computing); a prompt that batch completes ends as usual. The session stays where it was, and the
+    prompt sent again (over the KV the stopped run wrote past the position) and the steps after it are exact."""
+    async def body() -> None:
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=16)
+        started, release = threading.Event(), threading.Event()
+        forward = engine.scheduler._timed_forward
+
+        def held_forward(*args):  # type: ignore[no-untyped-def]  # the first batch waits on its thread until released
+            started.set()
+            release.wait(30)
+            return forward(*args)
+
+        engine.scheduler._timed_forward = held_forward  # type: ignore[method-assign]
+        short, long, queued = engine.open("short"), engine.open("long"), engine.open("queued")
+        for session in (short, long, queued):
+            session.last_active_s = 0.0  # idle: a prompt's chunk leaves no room for their decode steps
+        short_result, short_expected = engine.submit(short, 6)
+        long_step, queued_step = torch.randn(1, 40, HIDDEN), torch.randn(1, 20, HIDDEN)
+        long_result = asyncio.get_running_loop().create_future()
+        long.running = Step(long, "0", long_step, long_result)
+        engine.scheduler.submit(long.running)
+        queued_result = asyncio.get_running_loop().create_future()
+        queued.running = Step(queued, "0", queued_step, queued_result)
+        engine.scheduler.submit(queued.running)
+        engine.scheduler.start()
+        for _ in range(1000):
+            if started.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert engine.scheduler.computing  # short's 6 tokens and long's first 10 (the budget's 16)
+        assert all(engine.scheduler.stop_step(session) for session in (short, long, queued))
+        release.set()
+        await short_result
+        check(short_result, short_expected)  # its batch completed it
+        for result, done in ((long_result, 10), (queued_result, 0)):
+            with pytest.raises(StepStopped, match=f"after {done} of its"):
+                await result
+        assert long.position == queued.position == 0 and long.running is None and queued.running is None
+        assert engine.scheduler.stats.prefill_tokens == 6 + 10  # the queued prompt computed nothing
+        assert engine.scheduler.stats.failed["StepStopped"] == 2
+        for session, hidden in ((long, long_step), (queued, queued_step)):  # sent again, then a decode step
+            again = asyncio.get_running_loop().create_future()
+            session.running = Step(session, "0", hidden, again)
+            engine.scheduler.submit(session.running)
+            await again
+            check(again, engine.references[session.session_id](hidden))
+            result, expected = engine.submit(session, 1)
+            await result
+            check(result, expected)
+        assert long.position == 41 and queued.position == 21
+        await engine.scheduler.stop()
+        engine.sessions.close_all()
+        engine.pool.check_invariants()
 
     scenario(body)
 
