@@ -216,15 +216,16 @@ class RemoteInferenceSession:
                           records_max_age_s: float = 0.0, wait_for_room: bool = True) -> list[_SpanSession]:
         """Gives open sessions on a min-latency chain over [start, end), routing around servers that refuse.
 
-        A server that answers busy (no room now), or that no longer hosts the blocks its record in the DHT still
-        announced (it changed its range a moment ago), is avoided until every server that could serve the blocks
-        did; then the session waits, backing off, and asks them all again, for up to `ClientConfig.busy_wait_s`, as
-        Petals' client waits for a full swarm (`busy`: servers known busy already). Other refusals ban the server
-        for a while. Blocks that no online server covers (its servers restarting, say) are waited for up to
-        `ClientConfig.route_wait_s`, then NoRouteFound rises. A round (until a back-off) routes every try on the
-        records it looked up at its start: a lookup costs several round trips to the DHT, and a refusal is news of
-        one server, which the round avoids. The first round may take the client's latest lookup instead, if it began
-        at most `records_max_age_s` ago (a new session: `ClientConfig.records_max_age_s`; a replacement looks up
+        A server that no longer hosts the blocks its record in the DHT still announced (it changed its range a moment
+        ago) names the range it serves now: the route goes on at once with that range (`note_hosted`). A server that
+        answers busy (no room now), or a stale one that named no range, is avoided until every server that could serve
+        the blocks did; then the session waits, backing off, and asks them all again, for up to
+        `ClientConfig.busy_wait_s`, as Petals' client waits for a full swarm (`busy`: servers known busy already). Other
+        refusals ban the server for a while. Blocks that no online server covers (its servers restarting, say) are
+        waited for up to `ClientConfig.route_wait_s`, then NoRouteFound rises. A round (until a back-off) routes every
+        try on the records it looked up at its start: a lookup costs several round trips to the DHT, and a refusal is
+        news of one server, which the round avoids. The first round may take the client's latest lookup instead, if it
+        began at most `records_max_age_s` ago (a new session: `ClientConfig.records_max_age_s`; a replacement looks up
         anew, since something just changed); if those records give no chain, a round on fresh ones follows at once.
         Without `wait_for_room`, a round that a server refused as busy raises ServerBusy instead of backing off."""
         config = self.client.config
@@ -233,6 +234,7 @@ class RemoteInferenceSession:
         missing_deadline = now + config.route_wait_s
         busy = set(busy or ())
         refusals = 0
+        corrected = 0  # records this call set to the range their server answered it serves now
         answered_busy = False  # a server refused this call for room (not only avoided from an earlier refusal)
         soon_s: float | None = None  # the earliest time a server of this round that refused it asked to be tried again
         attempts = self.open_attempts
@@ -285,6 +287,11 @@ class RemoteInferenceSession:
                 attempts.append(OpenAttempt("open", started, time.perf_counter(), span.peer_id, type(error).__name__))
                 log.warning("Server %s refused a session (%s: %s); rerouting", span.peer_id,
                             type(error).__name__, error.message)
+                hosted = error.hosted if isinstance(error, BlocksNotHosted) else None
+                if (hosted is not None and servers is not None and corrected < 2 * len(servers)
+                        and self.client.note_hosted(span.peer_id, hosted, servers)):
+                    corrected += 1
+                    continue  # the record it routed on was stale: the route goes on with the range it serves now
                 if isinstance(error, ServerBusy | BlocksNotHosted):  # full, or the record it routed on is stale
                     busy.add(span.peer_id)
                     answered_busy |= isinstance(error, ServerBusy)

@@ -88,6 +88,20 @@ class SwarmClient:
             return None
         return dict(self._servers[0])
 
+    def note_hosted(self, peer_id: str, hosted: tuple[int, int], servers: dict[str, ServerRecord]) -> bool:
+        """A server answered that it takes new sessions on blocks `hosted` now (`BlocksNotHosted.hosted`), which its
+        record in `servers` (a round's records) does not say: gives whether that record changed, there and in the
+        latest lookup's records, so that routes go on at once with the range the server serves (its record in the
+        DHT shows it only once its next announce has spread)."""
+        record = servers.get(peer_id)
+        start, end = hosted
+        if record is None or (record.block_start, record.block_end) == hosted or end > self.num_blocks:
+            return False
+        servers[peer_id] = record.model_copy(update={"block_start": start, "block_end": end})
+        if self._servers is not None and peer_id in self._servers[0]:
+            self._servers[0][peer_id] = servers[peer_id]
+        return True
+
     def ban(self, peer_id: str, seconds: float | None = None) -> None:
         """Avoids `peer_id` in routes for `seconds` (default `ban_s`: it failed us), or longer if already banned."""
         until = time.monotonic() + (self.config.ban_s if seconds is None else seconds)

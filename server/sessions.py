@@ -259,7 +259,8 @@ class SessionTable:
         """Raises BlocksNotHosted unless [start, end) is a non-empty part of the blocks new sessions may open on."""
         if not (self.block_start <= start < end <= self.block_end):
             hosted = f"hosts {self.block_start}:{self.block_end}" if self.block_end > self.block_start else "hosts none"
-            raise BlocksNotHosted(f"blocks {start}:{end} requested, but this server {hosted} for new sessions")
+            raise BlocksNotHosted(f"blocks {start}:{end} requested, but this server {hosted} for new sessions",
+                                  {"block_start": self.block_start, "block_end": max(self.block_start, self.block_end)})
 
     def open(
         self, session_id: str, start: int, end: int, *, batch: int, max_length: int, opener: str = "", tokens: int = 1,

@@ -118,7 +118,17 @@ class QuotaExceeded(ServerBusy):
 
 
 class BlocksNotHosted(SwarmError):
-    """The requested block range is not (entirely) hosted by this server."""
+    """The requested block range is not (entirely) hosted by this server. A server says which blocks it takes new
+    sessions on now (`details["block_start"]`, `details["block_end"]`, read by `hosted`): its record in the DHT may
+    still show the range it served before a change."""
+
+    @property
+    def hosted(self) -> tuple[int, int] | None:
+        """Gives the [start, end) the server said it serves for new sessions, or None if it named none."""
+        start, end = self.details.get("block_start"), self.details.get("block_end")
+        if isinstance(start, int) and isinstance(end, int) and 0 <= start <= end:
+            return start, end
+        return None
 
 
 class BlocksDropped(SwarmError):

@@ -292,6 +292,42 @@ def test_a_victims_prompt_computing_at_the_drop_stops_where_its_batch_ends_and_g
         remote.shutdown()
 
 
+def test_a_session_routed_on_records_from_before_a_drop_takes_the_range_each_server_names_and_opens_at_once(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    """The client's records (a lookup a moment old) still show both replicas whole after each dropped half: a server
+    refuses the new session with `BlocksNotHosted` naming the range it serves now, and the client routes on that
+    range at once (no fresh lookup, no back-off) and opens across both; the tokens equal the local model's."""
+    swarm_factory.start_dht()
+    local, remote = local_and_remote(swarm_factory, tiny_llama, records_max_age_s=60.0)
+    client = remote.swarm
+    try:
+        peers, _ = start_replicas(swarm_factory, tiny_llama, client)
+        stale = client.run(client.servers())  # the lookup the next session routes on: both whole
+        halves = {peers[0]: (0, 4), peers[1]: (4, 8)}
+        for peer, blocks in halves.items():  # through the records it has, so that the client looks nothing up
+            connection = client.run(client.connect(stale[peer]))
+            try:
+                client.run(connection.call("drop", {"blocks": list(blocks)}, timeout=TIMEOUT_S))
+            finally:
+                client.run(connection.close())
+        input_ids = prompt(5, 12)
+        expected = local.generate(input_ids, max_new_tokens=4, do_sample=False)
+        with remote.inference_session(max_length=32) as session:
+            outcomes = [(attempt.kind, attempt.outcome) for attempt in session.open_attempts]
+            assert ("open", "BlocksNotHosted") in outcomes
+            assert not any(outcome == "no route" or kind == "backoff" for kind, outcome in outcomes), outcomes
+            assert sorted((span.start, span.end, span.peer_id) for span in session.route) == [
+                (0, 4, peers[0]), (4, 8, peers[1])]
+            actual = remote.generate(input_ids, session=session, max_new_tokens=4, do_sample=False)
+        assert actual.tolist() == expected.tolist()
+        record = client.recent_servers(60.0)
+        assert record is not None and {peer: (record[peer].block_start, record[peer].block_end)
+                                       for peer in peers} == halves  # the next sessions route on them too
+    finally:
+        remote.shutdown()
+
+
 def test_only_the_servers_orchestrator_may_make_it_drop_and_only_a_server_of_the_blocks_lend_it_kv(
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:

@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 from client.inference import BUSY_BACKOFF_MAX_S
 from orchestrator.admission import ClientQuota, KVPolicy, SessionKV
 from server.sessions import REFUSED_WINDOW_S, SessionTable
-from swarm.errors import BlocksNotHosted, MaxLengthExceeded, QuotaExceeded, ServerBusy, SessionNotFound
+from swarm.errors import (
+    BlocksNotHosted,
+    MaxLengthExceeded,
+    QuotaExceeded,
+    ServerBusy,
+    SessionNotFound,
+    SwarmError,
+)
 from swarm.memory import KVOwner, PagePool, ParamsOwner
 
 TOKENS_PER_PAGE = 16
@@ -124,8 +131,14 @@ def test_running_sessions_may_grow_past_the_headroom_until_the_pool_is_empty() -
 def test_open_refuses_what_it_cannot_serve() -> None:
     async def scenario() -> None:
         sessions = table(64)
-        with pytest.raises(BlocksNotHosted):
+        with pytest.raises(BlocksNotHosted) as refused:
             sessions.open("a", 2, 5, batch=1, max_length=16)
+        assert refused.value.hosted == (0, 4)  # the range it serves now, for clients routing on an older record
+        received = SwarmError.from_wire(refused.value.to_wire())
+        assert isinstance(received, BlocksNotHosted) and received.hosted == (0, 4)
+        assert BlocksNotHosted("no range named").hosted is None
+        assert BlocksNotHosted("bad", {"block_start": 5, "block_end": 2}).hosted is None
+        assert BlocksNotHosted("bad", {"block_start": "0", "block_end": 4}).hosted is None
         with pytest.raises(MaxLengthExceeded):
             sessions.open("a", 0, 4, batch=1, max_length=129)
         with pytest.raises(MaxLengthExceeded):
