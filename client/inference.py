@@ -38,6 +38,7 @@ from swarm.errors import (
     ServerDraining,
     SessionMoved,
     SessionNotFound,
+    StepStopped,
     SwarmError,
 )
 from swarm.records import MAX_NEXT_HOPS, NextHop, ServerRecord
@@ -54,11 +55,11 @@ MIN_RETRY_S = 0.05  # the soonest a client asks again when a busy server named a
 # Errors after which another server may succeed; anything else (bad input, max length) goes to the caller.
 RECOVERABLE = (
     PeerUnreachable, RpcTimeout, ServerDraining, ServerBusy, SessionNotFound, InternalServerError, PositionMismatch,
-    BlocksDropped,
+    BlocksDropped, StepStopped,
 )
 # Failures that say nothing against the server (it is full, moved the session, or dropped blocks to hold more KV):
 # its replacement chain may go through it again, and it is not banned.
-NOT_THE_SERVERS_FAULT = (ServerBusy, SessionMoved, BlocksDropped, ChainChanged)
+NOT_THE_SERVERS_FAULT = (ServerBusy, SessionMoved, BlocksDropped, ChainChanged, StepStopped)
 # When opening a session, a stale record (blocks no longer hosted) or a lower --max-length also means: try another.
 RECOVERABLE_AT_OPEN = (*RECOVERABLE, BlocksNotHosted, MaxLengthExceeded)
 

@@ -146,9 +146,10 @@ class BlockExchange:
         now = time.perf_counter()
         for session_id in victims:
             session = self._open(session_id)
-            # under `live`, a victim with no KV yet moves as under `blocking` (`_mode`)
-            waits = self.setting in ("blocking", "auto") or (session is not None and session.position == 0)
-            if session is not None and waits and session.awaiting_exchange is None:
+            if session is None:
+                continue
+            waits = self.setting in ("blocking", "auto") or self._nothing_to_lend(session)
+            if waits and session.awaiting_exchange is None:
                 session.awaiting_exchange = asyncio.get_running_loop().create_future()
                 self._waiting[session_id] = (session, now)
                 self.server.scheduler.stop_step(session)  # a prompt computing here goes on through the keepers
@@ -323,11 +324,15 @@ class BlockExchange:
         finally:
             await connection.close()
 
+    def _nothing_to_lend(self, session: Session) -> bool:
+        """Gives whether `session`, a victim under `live`, has no KV yet, so it moves as under `blocking` (waiting
+        from the drop, with no bytes: a prompt computing at the drop stopped where its batch ended) instead of being
+        lent: there is nothing to attend over here, and lent, its prompt would send every block's queries, keys and
+        values to this server (r39: a 256-token prompt came 6.2 s after it arrived)."""
+        return self.setting == "live" and session.position == 0
+
     async def _mode(self, session: Session, keeper: ServerRecord, start: int, end: int) -> str:
-        if self.setting == "live" and session.position == 0:
-            # no KV yet (its prompt has not come): nothing to attend over here, and lent, its prompt would send every
-            # block's queries, keys and values to this server (r39: a 256-token prompt came 6.2 s after it arrived);
-            # the move carries no bytes (a prompt computing at the drop stopped where its batch ended: `after_drop`)
+        if self._nothing_to_lend(session):
             return "blocking"
         if self.setting != "auto":
             return self.setting  # blocking, live or replay for every victim

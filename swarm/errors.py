@@ -140,7 +140,7 @@ class StepStopped(SwarmError):
     """The server stopped a step of several tokens before its end, where the batch computing it ended: a drop moves
     the session's blocks (KunServe's exchange), and the rest of the step computes on the new chain. The session
     stays at the step's start; the server answers the step again once the move is done (`ChainChanged`), so a
-    client sees this only if that failed."""
+    client sees this only if that failed (drops stopped the same step again and again), and replays the session."""
 
 
 class ServerDraining(SwarmError):
