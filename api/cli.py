@@ -22,6 +22,11 @@ from swarm.model import DEFAULT_MODEL, ModelNotFound, resolve_model
 
 log = logging.getLogger(__name__)
 
+# An idle keep-alive connection stays open this long (s). uvicorn's default, 5 s, equals httpx's idle expiry (the
+# openai client's), so a request sent on a connection idle ~5 s could meet the server's close: "Server disconnected
+# without sending a response" (seen once in tests/test_api.py under the full suite). 75 s, as nginx's default.
+KEEP_ALIVE_S = 75
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="swarm-api", description=__doc__.splitlines()[0])
@@ -65,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
                     metrics=ApiMetrics())
     watcher = SwarmWatcher(model.swarm, names[0], period_s=args.page_period)
     config = uvicorn.Config(create_app(engine, watcher), host=args.host, port=args.port,
-                            log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
+                            log_level=args.log_level.lower(), timeout_graceful_shutdown=5,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     server = uvicorn.Server(config)
     original_startup = server.startup
 
