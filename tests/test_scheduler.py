@@ -357,6 +357,82 @@ def test_a_step_that_arrives_while_a_batch_computes_joins_it_between_two_blocks(
     scenario(body)
 
 
+def test_a_prompt_that_joins_a_computing_batch_leaves_room_for_the_other_sessions_decode_steps(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A budget of 10 tokens: a 3-token step computes; a 30-token prompt arrives and joins with 6 tokens, not 7, since
+    another session decodes; that session's decode step then joins too instead of waiting for the next batch."""
+    async def body() -> None:
+        started, release = threading.Event(), threading.Event()
+        advance = ForwardPass.advance
+
+        def held_advance(self: ForwardPass) -> None:
+            started.set()
+            release.wait(30)
+            advance(self)
+
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=10)
+        engine.scheduler.start()
+        decoding, first, long = engine.open("decoding"), engine.open("first"), engine.open("long")
+        result, expected = engine.submit(decoding, 2)  # active: it stepped within the last second
+        await result
+        check(result, expected)
+        monkeypatch.setattr(ForwardPass, "advance", held_advance)
+        computing, computing_expected = engine.submit(first, 3)
+        for _ in range(1000):
+            if started.is_set():
+                break
+            await asyncio.sleep(0.01)
+        prompt, prompt_expected = engine.submit(long, 30)
+        step, step_expected = engine.submit(decoding, 1)
+        release.set()
+        await step
+        check(step, step_expected)
+        assert not prompt.done()  # the decode step rode the first batch, the prompt's rest computes after it
+        for result, expected in ((computing, computing_expected), (prompt, prompt_expected)):
+            await result
+            check(result, expected)
+        stats = engine.scheduler.stats
+        assert stats.joined == 2  # the prompt's first 6 tokens and the decode step
+        assert stats.to_wire()["decode_step_ms"]["beside_prefill_beyond_its_batch"]["max_ms"] == 0  # type: ignore[index]
+        await engine.scheduler.stop()
+
+    scenario(body)
+
+
+def test_a_prompt_waits_for_a_computing_decode_batch_instead_of_holding_its_rows(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def body() -> None:
+        started, release = threading.Event(), threading.Event()
+        advance = ForwardPass.advance
+
+        def held_advance(self: ForwardPass) -> None:
+            started.set()
+            release.wait(30)
+            advance(self)
+
+        monkeypatch.setattr(ForwardPass, "advance", held_advance)
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=64)
+        engine.scheduler.start()
+        decoding, long = engine.open("decoding"), engine.open("long")
+        step, step_expected = engine.submit(decoding, 1)
+        for _ in range(1000):
+            if started.is_set():
+                break
+            await asyncio.sleep(0.01)
+        prompt, prompt_expected = engine.submit(long, 20)  # the budget has room, but the batch computes no chunk
+        release.set()
+        for result, expected in ((step, step_expected), (prompt, prompt_expected)):
+            await result
+            check(result, expected)
+        stats = engine.scheduler.stats
+        assert stats.joined == 0 and stats.batches == 2
+        await engine.scheduler.stop()
+
+    scenario(body)
+
+
 def test_sessions_of_mixed_lengths_come_and_go_and_the_pool_holds_its_accounting(tiny_llama: Path) -> None:
     async def body() -> None:
         engine = Engine(tiny_llama, pages=8 * 40, max_batch_tokens=24, page_tokens=8)
