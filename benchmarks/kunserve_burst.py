@@ -34,8 +34,9 @@ TTFT >= 3x lower, TBT P50 within 2x); KV pages held and capacity over time in 5-
 of every arm on the live run's geometry and speeds, against the live one (target: within 15%). A P99 of 79 requests
 is about their longest wait, and where clients back off who waits longest turns on milliseconds: `--repeats N` runs
 the arms N turns, each sized anew (a row per run, each turn's targets against its own no-drop run) and
-holds the simulator against each run, fitted on its turn's no-drop run (the machine's speed moves between turns), and
-the median of each arm's simulated P99s against that of its live ones.
+holds the simulator against each run, fitted on its turn's no-drop run (the machine's speed moves between turns) and,
+for a server that hosts a slice, on its turn's static pipeline, and the median of each arm's simulated P99s against
+that of its live ones.
 
     sudo .venv/bin/python benchmarks/kunserve_burst.py [--rtt 20 40] [--rate 0.6] [--thin 6] [--repeats 3]
 
@@ -808,6 +809,22 @@ def kept_repeats(root: Path, rtt_ms: float, arm: str) -> list[ArmRun]:
     return runs
 
 
+def slice_scale(runs: dict[str, list[ArmRun]], turn: int) -> float | None:
+    """Gives how many times as long a prompt token took a block on the servers of turn `turn`'s static pipeline,
+    each hosting a slice, as on that turn's whole no-drop servers (`member_prompt_scale`): what the simulator of that
+    turn charges a group member's prompt token over a whole replica's; None if no static pipeline ran that turn.
+
+    A server that hosts a slice computes a prompt token through a block 5-15% slower than a whole server (r39-r43:
+    x0.98-1.15, in CPU time, every turn but one above 1.05): it carries more sessions' decode rows beside each chunk
+    (3.6 open sessions per busy member against 1.4 in r43), and what a batch costs beyond its blocks spreads over
+    half as many. The static pipeline measures it on servers that host a slice all the run, as the no-drop arm
+    measures whole ones; the KunServe arms, whose servers host both in turn, are then predicted from the two."""
+    repeats = runs.get("static pipeline", [])
+    if turn >= len(repeats) or not repeats[turn].served:
+        return None
+    return member_prompt_scale(runs["no drop"][turn], repeats[turn])
+
+
 def turn_fit(runs: dict[str, list[ArmRun]], turn: int) -> tuple[ArmRun, list[ArmRun]]:
     """Gives what the simulator of turn `turn` (from 0) is fitted on: that turn's no-drop run, and that turn's runs
     that dropped (their KV moves)."""
@@ -898,15 +915,18 @@ def report(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
 
 def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
     """Prints the simulator's P99 TTFT of every arm against the live one, run by run: each turn's simulator is fitted
-    on that turn's no-drop run (`turn_fit`), since what a step costs moves between turns as this machine's speed does.
-    With more than one turn, then, per arm, the median over the turns of the simulated P99s against that of the live
-    ones."""
+    on that turn's no-drop run (`turn_fit`), since what a step costs moves between turns as this machine's speed does,
+    and charges a group member's prompt token what that turn's static pipeline measured (`slice_scale`). With more
+    than one turn, then, per arm, the median over the turns of the simulated P99s against that of the live ones."""
     turns = len(runs["no drop"])
     fits = [turn_fit(runs, turn) for turn in range(turns)]
+    slices = [slice_scale(runs, turn) for turn in range(turns)]
     for turn, (base, exchanged) in enumerate(fits):
         fitted = sim_config(base, rtt_ms, True, exchanged)
+        member = (f" (x{slices[turn]:.2f} on a server hosting a slice, as the turn's static pipeline measured it)"
+                  if slices[turn] is not None else "")
         speeds = (f"iteration {fitted.step_ms:.0f} ms + {fitted.decode_token_ms:.1f} ms per decoding request + "
-                  f"{fitted.prefill_token_ms:.2f} ms per prompt token, the machine's other work weighing "
+                  f"{fitted.prefill_token_ms:.2f} ms per prompt token{member}, the machine's other work weighing "
                   f"{fitted.other_work_weight:.2f}x its CPU")
         if turn:
             print(f"  turn {turn + 1}'s fit: {speeds}, a token's delay beyond the work {fitted.round_trip_ms:.0f} ms, "
@@ -923,7 +943,8 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
               f"{SIM_JITTER_S * 1000:.0f} ms) and their 10-90%:")
     report_untracked(runs)
     report_live_spread(runs)
-    # each reading: its heading, and the scale it takes from the arm's own run into `sim_p99_ttft`'s keyword
+    # each reading: its heading, and the scale it takes from the arm's own run into `sim_p99_ttft`'s keyword (the
+    # turn's fit takes a member's from the turn's static pipeline, `slice_scale`, and shows it in its heading)
     readings: tuple[tuple[str, Callable[[ArmRun, ArmRun], float | None] | None, str], ...] = (
         ("", None, ""),
         ("  the same, a group's prompt token at what the arm's own servers measured while they hosted a slice, "
@@ -942,7 +963,9 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
                 scale = scale_of(base, run) if scale_of is not None else None
                 if not run.served or (scale_of is not None and scale is None):
                     continue
-                scaled = {keyword: scale} if scale is not None else {}
+                scaled: dict[str, float] = {keyword: scale} if scale is not None else {}
+                if scale_of is None and slices[turn] is not None:
+                    scaled["member_scale"] = slices[turn]
                 replays = np.array(sim_p99_ttft(base, rtt_ms, arm, exchanged, **scaled))
                 low, sim, high = np.percentile(replays, [10, 50, 90])
                 lives.append(pct(run.ttft(), 99))
@@ -953,7 +976,7 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
             if len(lives) > 1:
                 sim_line(f"{arm}, median", statistics.median(lives), statistics.median(sims))
         print(f"  {within} of {compared} runs within {TARGET_SIM:.0%}")
-    report_sensitivity(rtt_ms, runs, fits)
+    report_sensitivity(rtt_ms, runs, fits, slices)
 
 
 def same_arrivals(runs: Sequence[ArmRun]) -> bool:
@@ -988,7 +1011,7 @@ def report_live_spread(runs: dict[str, list[ArmRun]]) -> None:
 
 
 def report_sensitivity(rtt_ms: float, runs: dict[str, list[ArmRun]],
-                       fits: list[tuple[ArmRun, list[ArmRun]]]) -> None:
+                       fits: list[tuple[ArmRun, list[ArmRun]]], slices: Sequence[float | None]) -> None:
     """Prints how far the simulated P99 TTFT moves when every compute cost of the servers is `SENSITIVITY` lower or
     higher (the arrivals as recorded): how closely the simulator must know this machine's speed for its P99 to be
     within the target, against how far that speed moves between arms (`ArmRun.batch_cpu`)."""
@@ -998,8 +1021,9 @@ def report_sensitivity(rtt_ms: float, runs: dict[str, list[ArmRun]],
         if not runs.get(arm):
             continue
         cells = []
-        for base, exchanged in fits[:len(runs[arm])]:
-            low, fitted, high = (sim_p99_ttft(base, rtt_ms, arm, exchanged, cost_scale=scale, replays=1)[0]
+        for (base, exchanged), member_scale in zip(fits[:len(runs[arm])], slices, strict=False):
+            low, fitted, high = (sim_p99_ttft(base, rtt_ms, arm, exchanged, member_scale, cost_scale=scale,
+                                              replays=1)[0]
                                  for scale in (1 - SENSITIVITY, 1.0, 1 + SENSITIVITY))
             moved = max(abs(low - fitted), abs(high - fitted)) / fitted
             cells.append(f"{low:6.2f} | {fitted:6.2f} | {high:6.2f} s (moves {moved:.0%})")
