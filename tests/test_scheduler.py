@@ -71,6 +71,29 @@ def scenario(body: Callable[[], object]) -> None:
     asyncio.run(main())
 
 
+def hold_each_block(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Makes every forward pass wait before each of its blocks until the test sets `release` (the second event);
+    the first is set once a pass waits."""
+    started, release = threading.Event(), threading.Event()
+    advance = ForwardPass.advance
+
+    def held_advance(self: ForwardPass) -> None:
+        started.set()
+        release.wait(30)
+        advance(self)
+
+    monkeypatch.setattr(ForwardPass, "advance", held_advance)
+    return started, release
+
+
+async def until_set(event: threading.Event) -> None:
+    """Returns once `event` is set (a batch waits on its thread), within 10 s."""
+    for _ in range(1000):
+        if event.is_set():
+            return
+        await asyncio.sleep(0.01)
+
+
 def test_ready_steps_of_many_sessions_compute_in_one_forward_pass(tiny_llama: Path) -> None:
     async def body() -> None:
         engine = Engine(tiny_llama, pages=64, max_batch_tokens=64)
@@ -210,10 +233,7 @@ def test_a_session_closed_while_its_batch_computes_gets_its_pages_back_after_it(
         closing, staying = engine.open("closing"), engine.open("staying")
         closed_result, _ = engine.submit(closing, 20)
         staying_result, expected = engine.submit(staying, 20)
-        for _ in range(1000):
-            if started.is_set():
-                break
-            await asyncio.sleep(0.01)
+        await until_set(started)
         assert engine.scheduler.computing
         held = engine.pool.owners()
         engine.sessions.close("closing")
@@ -258,10 +278,7 @@ def test_a_stopped_prompt_ends_where_its_batch_ends_and_runs_again_exact_from_th
         queued.running = Step(queued, "0", queued_step, queued_result)
         engine.scheduler.submit(queued.running)
         engine.scheduler.start()
-        for _ in range(1000):
-            if started.is_set():
-                break
-            await asyncio.sleep(0.01)
+        await until_set(started)
         assert engine.scheduler.computing  # short's 6 tokens and long's first 10 (the budget's 16)
         assert all(engine.scheduler.stop_step(session) for session in (short, long, queued))
         release.set()
@@ -325,23 +342,12 @@ def test_a_step_that_arrives_while_a_batch_computes_joins_it_between_two_blocks(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def body() -> None:
-        started, release = threading.Event(), threading.Event()
-        advance = ForwardPass.advance
-
-        def held_advance(self: ForwardPass) -> None:  # the first block waits until the test has sent more steps
-            started.set()
-            release.wait(30)
-            advance(self)
-
-        monkeypatch.setattr(ForwardPass, "advance", held_advance)
+        started, release = hold_each_block(monkeypatch)
         engine = Engine(tiny_llama, pages=64, max_batch_tokens=64)
         engine.scheduler.start()
         first, late, too_big = engine.open("first"), engine.open("late"), engine.open("too-big")
         computing, computing_expected = engine.submit(first, 3)
-        for _ in range(1000):
-            if started.is_set():
-                break
-            await asyncio.sleep(0.01)
+        await until_set(started)
         joining, joining_expected = engine.submit(late, 2)  # fits the budget: joins at the next block boundary
         waiting, waiting_expected = engine.submit(too_big, 70)  # does not: a chunk of it joins, the rest waits
         release.set()
@@ -363,26 +369,15 @@ def test_a_prompt_that_joins_a_computing_batch_leaves_room_for_the_other_session
     """A budget of 10 tokens: a 3-token step computes; a 30-token prompt arrives and joins with 6 tokens, not 7, since
     another session decodes; that session's decode step then joins too instead of waiting for the next batch."""
     async def body() -> None:
-        started, release = threading.Event(), threading.Event()
-        advance = ForwardPass.advance
-
-        def held_advance(self: ForwardPass) -> None:
-            started.set()
-            release.wait(30)
-            advance(self)
-
         engine = Engine(tiny_llama, pages=64, max_batch_tokens=10)
         engine.scheduler.start()
         decoding, first, long = engine.open("decoding"), engine.open("first"), engine.open("long")
         result, expected = engine.submit(decoding, 2)  # active: it stepped within the last second
         await result
         check(result, expected)
-        monkeypatch.setattr(ForwardPass, "advance", held_advance)
+        started, release = hold_each_block(monkeypatch)
         computing, computing_expected = engine.submit(first, 3)
-        for _ in range(1000):
-            if started.is_set():
-                break
-            await asyncio.sleep(0.01)
+        await until_set(started)
         prompt, prompt_expected = engine.submit(long, 30)
         step, step_expected = engine.submit(decoding, 1)
         release.set()
@@ -404,23 +399,12 @@ def test_a_prompt_waits_for_a_computing_decode_batch_instead_of_holding_its_rows
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def body() -> None:
-        started, release = threading.Event(), threading.Event()
-        advance = ForwardPass.advance
-
-        def held_advance(self: ForwardPass) -> None:
-            started.set()
-            release.wait(30)
-            advance(self)
-
-        monkeypatch.setattr(ForwardPass, "advance", held_advance)
+        started, release = hold_each_block(monkeypatch)
         engine = Engine(tiny_llama, pages=64, max_batch_tokens=64)
         engine.scheduler.start()
         decoding, long = engine.open("decoding"), engine.open("long")
         step, step_expected = engine.submit(decoding, 1)
-        for _ in range(1000):
-            if started.is_set():
-                break
-            await asyncio.sleep(0.01)
+        await until_set(started)
         prompt, prompt_expected = engine.submit(long, 20)  # the budget has room, but the batch computes no chunk
         release.set()
         for result, expected in ((step, step_expected), (prompt, prompt_expected)):
@@ -474,14 +458,6 @@ def test_a_decode_step_that_cannot_join_a_chunks_batch_counts_its_wait_before_th
     """The wait that `info` reports as `beside_prefill_beyond_its_batch`: a decode step that arrives while a prompt's
     chunk fills the whole budget waits for the batch after it, beside the next chunk, and that wait is counted."""
     async def body() -> None:
-        started, release = threading.Event(), threading.Event()
-        advance = ForwardPass.advance
-
-        def held_advance(self: ForwardPass) -> None:
-            started.set()
-            release.wait(30)
-            advance(self)
-
         engine = Engine(tiny_llama, pages=64, max_batch_tokens=10)
         engine.scheduler.start()
         decoding, long = engine.open("decoding"), engine.open("long")
@@ -489,12 +465,9 @@ def test_a_decode_step_that_cannot_join_a_chunks_batch_counts_its_wait_before_th
         await result
         check(result, expected)
         monkeypatch.setattr("server.scheduler.RECENT_WINDOW_S", 0.0)  # no room kept for decode steps in a chunk
-        monkeypatch.setattr(ForwardPass, "advance", held_advance)
+        started, release = hold_each_block(monkeypatch)
         prefill, prefill_expected = engine.submit(long, 30)  # a chunk of all 10 tokens computes first
-        for _ in range(1000):
-            if started.is_set():
-                break
-            await asyncio.sleep(0.01)
+        await until_set(started)
         step, step_expected = engine.submit(decoding, 1)  # the budget is full: it waits for the next batch
         await asyncio.sleep(0.05)
         release.set()
