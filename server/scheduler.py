@@ -157,21 +157,21 @@ class StepScheduler:
         A prompt's chunk joins only a batch that computes a chunk already: in a decode batch it would hold every
         decode row until the chunk is done (on this CPU about 250 ms for 128 tokens through 15 blocks, against a
         decode batch's 60-80 ms), where waiting costs the prompt at most that decode batch. And it leaves a token of
-        the budget for every other active session, as in `_next_batch`: a prompt that took the rows kept for them
-        left their decode steps (7-12 in such a batch in a replay of r42's static pipeline) to wait for the batch's
-        end and then ride the next chunk's batch, 1.5 batches in all."""
+        the budget for every active session not in the batch, as in `_next_batch` (`_room`): a prompt that took the
+        rows kept for them left their decode steps (7-12 in such a batch in a replay of r42's static pipeline) to
+        wait for the batch's end and then ride the next chunk's batch, 1.5 batches in all."""
         if step.session.closed or step.stopping:
             return
         if not self._worth_joining(running):
             return
-        room = self.max_batch_tokens - running.tokens
+        left = self.max_batch_tokens - running.tokens
         if step.tokens > 1:
             if not running.prefill:
                 return
             with running.lock:
-                in_pass = [*running.items, *((joined, take) for joined, take, _, _ in running.joining), (step, 0)]
-            room -= self._expected_decode_rows(in_pass)
-        take = min(step.remaining, room // step.rows)
+                in_pass = [*running.items, *((joined, take) for joined, take, _, _ in running.joining)]
+            left = self._room(step, left, in_pass)
+        take = min(step.remaining, left // step.rows)
         if take < 1:
             return
         try:
@@ -294,10 +294,7 @@ class StepScheduler:
             if step.stopping:
                 self._stopped(step)
                 continue
-            room = budget
-            if step.tokens > 1:
-                room -= self._expected_decode_rows(batch)
-            take = min(step.remaining, room // step.rows)
+            take = min(step.remaining, self._room(step, budget, batch) // step.rows)
             if take < 1:
                 if batch:
                     continue
@@ -312,6 +309,14 @@ class StepScheduler:
             if budget <= 0:
                 break
         return batch
+
+    def _room(self, step: Step, left: int, batch: list[tuple[Step, int]]) -> int:
+        """Gives the tokens of the budget's `left` that `step` may take in a batch holding `batch`: a decode step all
+        of them, a prompt's chunk all but a token for every active session not in the batch, whose decode step may
+        arrive while it computes and join it (its own session counted too, as the simulator's `_reserved_batch`)."""
+        if step.tokens == 1:
+            return left
+        return left - self._expected_decode_rows(batch)
 
     def _expected_decode_rows(self, batch: list[tuple[Step, int]]) -> int:
         """Gives the rows of the other active sessions, whose decode steps may arrive while a batch computes."""

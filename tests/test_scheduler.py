@@ -366,8 +366,9 @@ def test_a_step_that_arrives_while_a_batch_computes_joins_it_between_two_blocks(
 def test_a_prompt_that_joins_a_computing_batch_leaves_room_for_the_other_sessions_decode_steps(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A budget of 10 tokens: a 3-token step computes; a 30-token prompt arrives and joins with 6 tokens, not 7, since
-    another session decodes; that session's decode step then joins too instead of waiting for the next batch."""
+    """A budget of 10 tokens: a 3-token step computes; a 30-token prompt arrives and joins leaving a token for each
+    other active session (the decoding one; its own, as in a batch's forming), not with all 7; the decoding session's
+    step then joins too instead of waiting for the next batch."""
     async def body() -> None:
         engine = Engine(tiny_llama, pages=64, max_batch_tokens=10)
         engine.scheduler.start()
@@ -388,7 +389,7 @@ def test_a_prompt_that_joins_a_computing_batch_leaves_room_for_the_other_session
             await result
             check(result, expected)
         stats = engine.scheduler.stats
-        assert stats.joined == 2  # the prompt's first 6 tokens and the decode step
+        assert stats.joined == 2  # the prompt's first 5 tokens and the decode step
         assert stats.to_wire()["decode_step_ms"]["beside_prefill_beyond_its_batch"]["max_ms"] == 0  # type: ignore[index]
         await engine.scheduler.stop()
 
