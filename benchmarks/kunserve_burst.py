@@ -70,6 +70,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from benchmarks.client_work import ClientWork, Round
 from benchmarks.client_work import measure as measure_client_work
+from benchmarks.link_crossing import LinkCrossing
+from benchmarks.link_crossing import measure as measure_link_crossing
 from benchmarks.machine_cpu import CpuSampler, UntrackedCpu, fit_untracked, read_samples
 from benchmarks.mell_live import replica_memory
 from benchmarks.mell_live_monitor import spawn_monitor
@@ -391,7 +393,9 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     (`cores`: the report runs where the arms ran), so work that starts while more of them compute than there are
     cores runs slower. A group's members batch on their own, as the live servers do (`member_batching`). A prompt's
     hidden states (float32, as the client sends them) cross the client's emulated link, up to the first member and,
-    through a group, down and up again between members, one prompt after another. How fast victims' KV crosses
+    through a group, down and up again between members, one prompt after another, each message with what one of its
+    size took beyond its bytes on this run's links (`link_crossing_extra`; runs kept before it: none). How fast
+    victims' KV crosses
     between members: what the servers of the runs that dropped (`exchanged`) measured of their KV moves
     (`exchange_bytes_per_s`), else the link's rate; until a victim's KV has crossed, it takes pages on both members,
     as the live servers hold them back from new sessions (`exchange_transient`). Runs whose servers counted their
@@ -446,6 +450,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
         placement="fewest_hops", cores=os.cpu_count() or 1, member_batching=True,
         client_gang_wait_s=MAX_GANG_WAIT_S, join_prefill=True, exchange_transient=True, reserve_decode_rows=True,
         client_link_bytes_per_s=MBIT * 1e6 / 8, hidden_bytes_per_token=hidden_size() * WIRE_BYTES,
+        client_link_extra_s=link_crossing_extra(base.workdir and base.workdir.parent, rtt_ms),
     )
     if cpu is None:
         return config
@@ -545,6 +550,7 @@ def exchange_bytes_per_s(runs: Sequence[ArmRun]) -> float | None:
 
 CLIENT_WORK_FILE = "client_work.json"  # in the run's workdir: the report reads it again
 REFUSED_TRIES_FILE = "refused_tries.json"  # in the run's workdir: the report reads it again
+LINK_CROSSING_FILE = "link_crossing_{rtt}.json"  # in the run's workdir, per RTT: the report reads it again
 REFUSED_TRIES_KV_PAGES = 3  # KV pages per block of the servers that measure a refused round (full either way)
 CLIENT_WORK_SESSIONS = 8  # sessions whose tokens share the client's passes when its work is measured (the most the
 # dropped arms run at once)
@@ -574,6 +580,25 @@ def client_work(workdir: Path | None) -> ClientWork:
 def _measured_client_work() -> ClientWork:
     return measure_client_work(server_flags("no drop", "a", CLIENT_WORK_SESSIONS)[1],
                                max_length=MAX_PROMPT + MAX_OUTPUT, sessions=CLIENT_WORK_SESSIONS)
+
+
+def link_crossing_extra(workdir: Path | None, rtt_ms: float) -> tuple[tuple[int, float], ...]:
+    """Gives what a prompt's message took on the emulated link at `rtt_ms` beyond its bytes at the link's rate, by
+    size in bytes (`benchmarks.link_crossing`: two hosts of an emulated network as the arms', a message sent right
+    after another and one coming back as a reply, their mean: as the client relays a prompt between members). Measured
+    once per run and RTT before its arms (needs root) and kept in `workdir`; a run kept without it, reported where it
+    cannot be measured, gives none (every message at the link's rate)."""
+    name = LINK_CROSSING_FILE.format(rtt=f"{rtt_ms:g}")
+    if os.geteuid() != 0 and not (workdir is not None and (workdir / name).is_file()):
+        return ()
+    reading = kept_reading(workdir, name, lambda: dataclasses.asdict(_measured_link_crossing(rtt_ms)))
+    return tuple((size, max(0.0, (busy + down) / 2 - size * 8 / (MBIT * 1e6)))
+                 for size, busy, down in zip(reading["sizes"], reading["busy_s"], reading["down_s"], strict=True))
+
+
+@functools.cache
+def _measured_link_crossing(rtt_ms: float) -> LinkCrossing:
+    return measure_link_crossing(rtt_ms)  # its sizes: prompts of 16-256 tokens, the burst's longest (MAX_PROMPT)
 
 
 def refused_try_cpu_ms(workdir: Path | None) -> float:
@@ -1123,6 +1148,10 @@ def main(argv: list[str] | None = None) -> int:
         root = args.workdir or Path(tmp)
         for rtt_ms in args.rtt:
             runs: dict[str, list[ArmRun]] = {arm: [] for arm in args.arms}
+            extra = link_crossing_extra(root, rtt_ms)
+            print("a prompt's message beyond its bytes at the link's rate: " + ", ".join(
+                f"{size // (hidden_size() * WIRE_BYTES)} tokens {seconds * 1000:.0f} ms" for size, seconds in extra),
+                flush=True)
             for turn in range(args.repeats):  # in turns, so that the machine's drift reaches every arm alike
                 rate, pool = sized_burst(args, rtt_ms, arm_dir(root, rtt_ms, "calibration", turn))
                 requests = burst_requests(args, rate)

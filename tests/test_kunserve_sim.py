@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from orchestrator.sim.kunserve_sim import KunServeSimConfig, SimRequest, _Running, _Sim, simulate
+from orchestrator.sim.kunserve_sim import KunServeSimConfig, SimRequest, _Running, _Sim, link_extra_s, simulate
 
 # 4 replicas of 8 blocks; 100 pages each, 40 of parameters: 60 KV pages, 7 requests of 64 tokens (8 pages) each.
 CONFIG = KunServeSimConfig(
@@ -330,6 +330,29 @@ def test_a_prompts_hidden_states_cross_the_clients_link_once_to_a_replica_and_th
     free, limited = simulate(config, together), simulate(dataclasses.replace(config, **link), together)
     assert sorted(limited.ttft_s - free.ttft_s) == pytest.approx([crossing_s, 2 * crossing_s])
 
+
+
+def test_a_prompt_message_takes_its_measured_extra_beyond_its_bytes_without_holding_the_link() -> None:
+    # 1000 bytes a token, 1 MB/s: a 16-token prompt's 16 kB cross in 16 ms, and a message of 16 kB waits 10 ms more;
+    # a 32 kB one 30 ms (the last point holds beyond it)
+    link = {"client_link_bytes_per_s": 1e6, "hidden_bytes_per_token": 1000}
+    extra = {"client_link_extra_s": ((16_000, 0.010), (32_000, 0.030))}
+    calm = [SimRequest(1.0 * i, 16, 48) for i in range(10)]
+    for groups, crossings in ((1, 1), (2, 3)):
+        config = dataclasses.replace(CONFIG, dropping=False, static_groups=groups, member_batching=True, **link)
+        plain, waited = simulate(config, calm), simulate(dataclasses.replace(config, **extra), calm)
+        assert waited.ttft_s - plain.ttft_s == pytest.approx(np.full(10, crossings * 0.010))
+    # two prompts together: the second's bytes follow the first's, but not its extra
+    together = [SimRequest(0.0, 16, 4), SimRequest(0.0, 16, 4)]
+    config = dataclasses.replace(CONFIG, dropping=False, replicas=2, **link)
+    plain, waited = simulate(config, together), simulate(dataclasses.replace(config, **extra), together)
+    assert sorted(waited.ttft_s - plain.ttft_s) == pytest.approx([0.010, 0.010])
+    assert link_extra_s(extra["client_link_extra_s"], 8_000) == pytest.approx(0.005)
+    assert link_extra_s(extra["client_link_extra_s"], 24_000) == pytest.approx(0.020)
+    assert link_extra_s(extra["client_link_extra_s"], 64_000) == pytest.approx(0.030)
+    assert link_extra_s((), 64_000) == 0.0
+    with pytest.raises(ValueError, match="client_link_extra_s"):
+        dataclasses.replace(config, client_link_extra_s=((32_000, 0.03), (16_000, 0.01)))
 
 def test_decode_steps_join_a_prompt_chunk_computing_on_their_member_and_end_with_it() -> None:
     # one replica: a request decoding, its steps 15 ms away between tokens, then a 1000-token prompt (four

@@ -32,7 +32,9 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
 - With `client_link_bytes_per_s`, a prompt's hidden states cross the client's link: up to its unit's first member
   at admission (and again when a drop or a restore starts its pass over), and, between members batching on their
   own, down to the client and up to the next member; prompts cross each way one after another, and the hops'
-  propagation comes on top. A decode step's hidden state is a few kilobytes and queues behind no prompt [chosen].
+  propagation comes on top, with what a message of its size took beyond its bytes (`client_link_extra_s`, a
+  flow's window: it occupies no link). A decode step's hidden state is a few kilobytes and queues behind no prompt
+  [chosen].
 - A request's KV is reserved at admission for its whole length (prompt + output, `blocks` x ceil(tokens /
   `tokens_per_page`) pages), as servers with `--kv-headroom-tokens` at least the output admit, on the unit with the
   fewest requests per member among those with room for it (`_place`); with `placement` "fewest_hops", as a swarm's
@@ -189,6 +191,12 @@ class KunServeSimConfig:
     # few kilobytes queue behind no prompt, as the links' flows share them]
     client_link_bytes_per_s: float = 0.0
     hidden_bytes_per_token: int = 0
+    # What a prompt pass's message takes beyond its bytes at `client_link_bytes_per_s`, by its size: (bytes, s)
+    # points, rising sizes, between them linear, from (0, 0) up and at the largest one's beyond it. It delays the
+    # message's arrival and occupies no link [chosen: as measured (`benchmarks/link_crossing.py`): from ~128 tokens
+    # on, a message sent right after another or coming back as a reply took half to most of a round trip more than
+    # its bytes, a wait on a flow's window while other flows go on]
+    client_link_extra_s: tuple[tuple[int, float], ...] = ()
     # A prompt token's cost through all blocks in a group of more than one member, None: `prefill_token_ms`. Live,
     # members of a pipeline computed a prompt token 0.72-1.55x as long per block as the no-drop arm's whole replicas
     # did (r20-r22), which the whole replicas' costs do not show [chosen: measured per arm, not modelled]
@@ -220,6 +228,9 @@ class KunServeSimConfig:
                self.client_gang_wait_s, self.client_link_bytes_per_s, self.hidden_bytes_per_token) < 0:
             raise ValueError("lookup_s, records_max_age_s, open_s, refused_try_cpu_ms, token_cpu_ms, "
                              "client_gang_wait_s, client_link_bytes_per_s and hidden_bytes_per_token must be >= 0")
+        sizes = [size for size, _ in self.client_link_extra_s]
+        if sizes != sorted(set(sizes)) or any(size <= 0 or extra < 0 for size, extra in self.client_link_extra_s):
+            raise ValueError("client_link_extra_s must hold rising sizes > 0 with extras >= 0")
         if self.member_prefill_token_ms is not None and self.member_prefill_token_ms < 0:
             raise ValueError("member_prefill_token_ms must be >= 0 (or None)")
         if self.cores is not None and self.cores < 1:
@@ -499,13 +510,13 @@ class _Sim:
 
     def _cross(self, way: str, running: _Running, at_s: float) -> float:
         """Gives when the hidden states of `running`'s prompt pass, queued at `at_s` on `way` ("up" or "down") of
-        the client's link, have crossed it; `at_s` without a limit."""
+        the client's link, have crossed it (and its `client_link_extra_s` has passed); `at_s` without a limit."""
         c = self.config
         if c.client_link_bytes_per_s <= 0:
             return at_s
-        seconds = (running.request.prompt - running.prefilled) * c.hidden_bytes_per_token / c.client_link_bytes_per_s
-        self.client_link_free_s[way] = max(at_s, self.client_link_free_s[way]) + seconds
-        return self.client_link_free_s[way]
+        size = (running.request.prompt - running.prefilled) * c.hidden_bytes_per_token
+        self.client_link_free_s[way] = max(at_s, self.client_link_free_s[way]) + size / c.client_link_bytes_per_s
+        return self.client_link_free_s[way] + link_extra_s(c.client_link_extra_s, size)
 
     def _place(self, pages: int) -> _Unit | None:
         """Gives the unit a request of `pages` goes to: among those with room for it, the one running the fewest
@@ -985,3 +996,12 @@ def _peer(member: int) -> str:
 def _even_slice(blocks: int, members: int, index: int) -> tuple[int, int]:
     """Gives the blocks the `index`-th of `members` members keeps when they tile `blocks` evenly."""
     return blocks * index // members, blocks * (index + 1) // members
+
+
+def link_extra_s(points: Sequence[tuple[int, float]], size: int) -> float:
+    """Gives what a message of `size` bytes takes beyond its bytes at the link's rate, by `points` (`KunServeSimConfig.
+    client_link_extra_s`): linear between them, from (0, 0), at the largest one's beyond it; 0 without points."""
+    if not points:
+        return 0.0
+    sizes, extras = zip(*((0, 0.0), *points), strict=True)
+    return float(np.interp(size, sizes, extras))
