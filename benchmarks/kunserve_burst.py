@@ -368,50 +368,48 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     """Gives the simulator the live swarm's geometry (from the servers' records) and speeds measured in the no-drop arm
     (`base`). What occupies a server: a decode iteration's fixed compute and, for each decoding request, the records'
     growth of a decode step with the batch, so that a batch of one costs the records' lone decode step through all
-    blocks (before r31's report the fixed part was the whole lone step, which priced a lone step a row too high),
-    both scaled by what lone steps took the loaded servers against their start-up timing (`loaded_block_ms`); a
-    prompt token, what the servers' counters measured beyond that fixed step (`prefill_token_ms_under_load`); prompts
-    in chunks of the servers' `--max-batch-tokens`, a chunk leaving a token of them for every other session of its
-    server, as their scheduler does (`reserve_decode_rows`). What occupies the client: its CPU per head pass and per
-    token, on this machine (`client_work`): the tokens of one iteration share a pass, as the client's sessions on one
-    chain share a head pass, a pass waits for the chain's steps on their way (`MAX_GANG_WAIT_S`), and passes follow
-    each other, as one Python process serves every request. Decode steps join a prompt chunk's batch
-    (`join_prefill`), as the CPU servers' schedulers have them. What only delays a token: the rest of the 10th
-    percentile of the requests' TBT (the least loaded) beyond the compute and a lone token's client work, at least
-    the network's round trip (the emulated links, the p2pd daemons and the RPC layers on either side). A group's
-    extra member adds a half round trip (the pushed hop), which the simulator counts in a micro-batch's time. A
-    client's try before it is admitted or backs off, as the no-drop arm's clients took it (`client_tries_of`): a DHT
-    lookup unless a try looked one up within the client's `records_max_age_s`, then an `open` call on each server of
-    its chain (the reports up to r38's gave every try the median round, lookup and opens, 0.2 s: the simulated
-    prompts of a pipeline reached their first member up to 0.15 s after the live ones, which then shared its batches
-    with the prompt before them). What the machine's other processes spend (the p2pd daemons, the delay fabric, the
-    DHT nodes: `benchmarks.machine_cpu`), per token and per refused round, fitted on the CPU sampled in the no-drop
-    arm (`ArmRun.untracked_cpu`), counts against the shared cores; runs recorded without the sampler: a refused
-    round's cost measured on loopback (`refused_try_cpu_ms`), and nothing per token. Where a session goes: as the
-    live clients route without an orchestrator, by latency over records that do not show load, to the same whole
-    replica until it refuses them (`placement` "fewest_hops"). The servers and the client share this machine's cores
-    (`cores`: the report runs where the arms ran), so work that starts while more of them compute than there are
-    cores runs slower. A group's members batch on their own, as the live servers do (`member_batching`). A prompt's
-    hidden states (float32, as the client sends them) cross the client's emulated link, up to the first member and,
-    through a group, down and up again between members, one prompt after another, each message with what one of its
-    size took beyond its bytes on this run's links (`link_crossing_extra`; runs kept before it: none). How fast
-    victims' KV crosses
-    between members: what the servers of the runs that dropped (`exchanged`) measured of their KV moves
-    (`exchange_bytes_per_s`), else the link's rate; until a victim's KV has crossed, it takes pages on both members,
-    as the live servers hold them back from new sessions (`exchange_transient`). Runs whose servers counted their
-    batches' CPU time (`ArmRun.batch_cpu`, from r33 on): a prompt token at its CPU time rather than its wall time
-    under load (which carries the no-drop crowd's contention, 1.2-1.4x, into every arm), the contention left to the
-    simulator's sharing, whose weight of the machine's other work (`other_work_weight`) is fitted so the simulated
-    no-drop servers' batches stretch as the live ones' did. The lone decode step stays at its wall time: lone steps
-    run mostly while the machine is quiet. With the weight fitted, a token's delay outside the simulated work is
-    fitted on all of the no-drop requests rather than the least loaded (`loaded_round_trip_ms`): so that they decode,
-    summed from first token to last, as long as the live ones did. With the least loaded requests' figure the live
-    no-drop requests decoded 11-22% longer than the simulated ones (r33-r34), held their pages longer, and the live
-    crowd drained later: the simulated P99 TTFT came out 17-31% low. The live requests' steps show where the time
-    goes: the client's head and its loop between steps took 31 ms a step against the simulated 25 (r33), and the
-    simulated servers' decode batches stretched less than their prompt batches (taken at their start), where live
-    both stretched alike. The weight need not be fitted again after it: the simulated stretch stays within 3% of the
-    live one (r33-r36)."""
+    blocks (before r31's report the fixed part was the whole lone step, which priced a lone step a row too high), both
+    scaled by what lone steps took the loaded servers against their start-up timing (`loaded_block_ms`); a prompt token,
+    what the servers' counters measured beyond that fixed step (`prefill_token_ms_under_load`); prompts in chunks of the
+    servers' `--max-batch-tokens`, a chunk leaving a token of them for every other session of its server, as their
+    scheduler does (`reserve_decode_rows`). What occupies the client: its CPU per head pass and per token, on this
+    machine (`client_work`): the tokens of one iteration share a pass, as the client's sessions on one chain share a
+    head pass, a pass waits for the chain's steps on their way (`MAX_GANG_WAIT_S`), and passes follow each other, as one
+    Python process serves every request. Decode steps join a prompt chunk's batch (`join_prefill`), as the CPU servers'
+    schedulers have them. What only delays a token: the rest of the 10th percentile of the requests' TBT (the least
+    loaded) beyond the compute and a lone token's client work, at least the network's round trip (the emulated links,
+    the p2pd daemons and the RPC layers on either side). A group's extra member adds a half round trip (the pushed hop),
+    which the simulator counts in a micro-batch's time. A client's try before it is admitted or backs off, as the
+    no-drop arm's clients took it (`client_tries_of`): a DHT lookup unless a try looked one up within the client's
+    `records_max_age_s`, then an `open` call on each server of its chain (the reports up to r38's gave every try the
+    median round, lookup and opens, 0.2 s: the simulated prompts of a pipeline reached their first member up to 0.15 s
+    after the live ones, which then shared its batches with the prompt before them). What the machine's other processes
+    spend (the p2pd daemons, the delay fabric, the DHT nodes: `benchmarks.machine_cpu`), per token and per refused
+    round, fitted on the CPU sampled in the no-drop arm (`ArmRun.untracked_cpu`), counts against the shared cores; runs
+    recorded without the sampler: a refused round's cost measured on loopback (`refused_try_cpu_ms`), and nothing per
+    token. Where a session goes: as the live clients route without an orchestrator, by latency over records that do not
+    show load, to the same whole replica until it refuses them (`placement` "fewest_hops"). The servers and the client
+    share this machine's cores (`cores`: the report runs where the arms ran), so work that starts while more of them
+    compute than there are cores runs slower. A group's members batch on their own, as the live servers do
+    (`member_batching`). A prompt's hidden states (float32, as the client sends them) cross the client's emulated link,
+    up to the first member and, through a group, down and up again between members, one prompt after another, each
+    message with what one of its size took beyond its bytes on this run's links (`link_crossing_extra`; none for runs
+    kept without that reading). How fast victims' KV crosses between members: what the servers of the runs that dropped
+    (`exchanged`) measured of their KV moves (`exchange_bytes_per_s`), else the link's rate; until a victim's KV has
+    crossed, it takes pages on both members, as the live servers hold them back from new sessions
+    (`exchange_transient`). Runs whose servers counted their batches' CPU time (`ArmRun.batch_cpu`, from r33 on): a
+    prompt token at its CPU time rather than its wall time under load (which carries the no-drop crowd's contention,
+    1.2-1.4x, into every arm), the contention left to the simulator's sharing, whose weight of the machine's other work
+    (`other_work_weight`) is fitted so the simulated no-drop servers' batches stretch as the live ones' did. The lone
+    decode step stays at its wall time: lone steps run mostly while the machine is quiet. With the weight fitted, a
+    token's delay outside the simulated work is fitted on all of the no-drop requests rather than the least loaded
+    (`loaded_round_trip_ms`): so that they decode, summed from first token to last, as long as the live ones did. With
+    the least loaded requests' figure the live no-drop requests decoded 11-22% longer than the simulated ones (r33-r34),
+    held their pages longer, and the live crowd drained later: the simulated P99 TTFT came out 17-31% low. The live
+    requests' steps show where the time goes: the client's head and its loop between steps took 31 ms a step against the
+    simulated 25 (r33), and the simulated servers' decode batches stretched less than their prompt batches (taken at
+    their start), where live both stretched alike. The weight need not be fitted again after it: the simulated stretch
+    stays within 3% of the live one (r33-r36)."""
     first = min(base.polls, key=lambda row: row["t"])
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
     widest = max(decode, default=1)
