@@ -580,23 +580,18 @@ def _measured_client_work() -> ClientWork:
                                max_length=MAX_PROMPT + MAX_OUTPUT, sessions=CLIENT_WORK_SESSIONS)
 
 
-def link_crossing_extra(workdir: Path | None, rtt_ms: float) -> tuple[tuple[int, float], ...]:
+def link_crossing_extra(workdir: Path | None, rtt_ms: float, measure: bool = False) -> tuple[tuple[int, float], ...]:
     """Gives what a prompt's message took on the emulated link at `rtt_ms` beyond its bytes at the link's rate, by
-    size in bytes (`benchmarks.link_crossing`: two hosts of an emulated network as the arms', a message sent right
-    after another and one coming back as a reply, their mean: as the client relays a prompt between members). Measured
-    once per run and RTT before its arms (needs root) and kept in `workdir`; a run kept without it, reported where it
-    cannot be measured, gives none (every message at the link's rate)."""
+    size in bytes (`benchmarks.link_crossing`: two hosts of an emulated network as the arms', `LinkCrossing.
+    relayed_extra_s`), as kept in `workdir`. With `measure` (the live run, once per RTT before its arms; needs root),
+    the rig takes it where none is kept; without, as the simulator's fit asks, a run kept without it gives none
+    (every message at the link's rate)."""
     name = LINK_CROSSING_FILE.format(rtt=f"{rtt_ms:g}")
-    if os.geteuid() != 0 and not (workdir is not None and (workdir / name).is_file()):
+    if not measure and not (workdir is not None and (workdir / name).is_file()):
         return ()
-    reading = kept_reading(workdir, name, lambda: dataclasses.asdict(_measured_link_crossing(rtt_ms)))
-    return tuple((size, max(0.0, (busy + down) / 2 - size * 8 / (MBIT * 1e6)))
-                 for size, busy, down in zip(reading["sizes"], reading["busy_s"], reading["down_s"], strict=True))
-
-
-@functools.cache
-def _measured_link_crossing(rtt_ms: float) -> LinkCrossing:
-    return measure_link_crossing(rtt_ms)  # its sizes: prompts of 16-256 tokens, the burst's longest (MAX_PROMPT)
+    reading = kept_reading(workdir, name, lambda: dataclasses.asdict(measure_link_crossing(rtt_ms)))
+    reading.pop("measured")
+    return LinkCrossing(**reading).relayed_extra_s()
 
 
 def refused_try_cpu_ms(workdir: Path | None) -> float:
@@ -1146,7 +1141,7 @@ def main(argv: list[str] | None = None) -> int:
         root = args.workdir or Path(tmp)
         for rtt_ms in args.rtt:
             runs: dict[str, list[ArmRun]] = {arm: [] for arm in args.arms}
-            extra = link_crossing_extra(root, rtt_ms)
+            extra = link_crossing_extra(root, rtt_ms, measure=True)
             print("a prompt's message beyond its bytes at the link's rate: " + ", ".join(
                 f"{size // (hidden_size() * WIRE_BYTES)} tokens {seconds * 1000:.0f} ms" for size, seconds in extra),
                 flush=True)

@@ -59,6 +59,12 @@ class LinkCrossing:
     down_s: tuple[float, ...]
     small_call_s: float
 
+    def relayed_extra_s(self) -> tuple[tuple[int, float], ...]:
+        """Gives, per size, what a relayed message took beyond its bytes at the rig's rate (`MBIT`): the mean of one
+        sent right after another and one coming back as a reply, as a client relays a prompt between servers."""
+        return tuple((size, max(0.0, (busy + down) / 2 - size * 8 / (MBIT * 1e6)))
+                     for size, busy, down in zip(self.sizes, self.busy_s, self.down_s, strict=True))
+
 
 def measure(rtt_ms: float, tokens: Sequence[int] = TOKENS) -> LinkCrossing:
     """Runs the rig at `rtt_ms` and gives its reading."""

@@ -14,6 +14,7 @@ from benchmarks.client_work import Round, split_cost
 from benchmarks.kunserve_burst import (
     CLIENT_WORK_FILE,
     COMPUTE_SHARE,
+    LINK_CROSSING_FILE,
     REFUSED_TRIES_FILE,
     TRACE,
     ArmRun,
@@ -195,6 +196,20 @@ def test_the_fitted_simulator_prices_a_lone_decode_step_at_what_the_loaded_serve
     assert (config.client_pass_ms, config.client_token_ms, config.refused_try_cpu_ms) == (10.0, 5.0, 40.0)
     assert config.blocks == 30 and config.params_pages == 420 and config.pages_total == 480
 
+
+
+def test_the_fit_takes_the_links_crossing_kept_with_the_run_and_measures_none_itself(tmp_path: Path) -> None:
+    polls = [fit_poll(peer, t, {"prefill_tokens": 100 * t, "prefill_batches": t, "prefill_batch_ms": 424.0 * t,
+                                "batches": 0, "compute_ms": 0.0}) for peer in "ab" for t in (0, 1, 2)]
+    run = fit_run(tmp_path, polls, lambda n: 0.1)
+    assert sim_config(run, 20.0, dropping=False).client_link_extra_s == ()  # none kept: every message at line rate
+    # kept: 100 Mbit/s is 80 us a kB; a 100 kB message sent after another 9 ms, returned 11 ms: 2 ms beyond 8 ms
+    (tmp_path / LINK_CROSSING_FILE.format(rtt="20")).write_text(json.dumps({
+        "rtt_ms": 20.0, "sizes": [1000, 100_000], "idle_s": [0.0, 0.008], "busy_s": [0.0, 0.009],
+        "down_s": [0.0, 0.011], "small_call_s": 0.021, "measured": "2026-12-05T22:18:11"}))
+    extra = sim_config(run, 20.0, dropping=False).client_link_extra_s
+    assert [size for size, _ in extra] == [1000, 100_000]
+    assert [seconds for _, seconds in extra] == pytest.approx([0.0, 0.002])
 
 def test_a_clients_try_is_fitted_as_a_dht_lookup_where_its_route_made_one_and_an_open_call_per_server() -> None:
     # three rounds: one routed on fresh records (1 ms), two looked the DHT up (0.13 and 0.15 s); opens of 20-30 ms,

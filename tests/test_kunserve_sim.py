@@ -331,7 +331,6 @@ def test_a_prompts_hidden_states_cross_the_clients_link_once_to_a_replica_and_th
     assert sorted(limited.ttft_s - free.ttft_s) == pytest.approx([crossing_s, 2 * crossing_s])
 
 
-
 def test_a_prompt_message_takes_its_measured_extra_beyond_its_bytes_without_holding_the_link() -> None:
     # 1000 bytes a token, 1 MB/s: a 16-token prompt's 16 kB cross in 16 ms, and a message of 16 kB waits 10 ms more;
     # a 32 kB one 30 ms (the last point holds beyond it)
@@ -353,6 +352,7 @@ def test_a_prompt_message_takes_its_measured_extra_beyond_its_bytes_without_hold
     assert link_extra_s((), 64_000) == 0.0
     with pytest.raises(ValueError, match="client_link_extra_s"):
         dataclasses.replace(config, client_link_extra_s=((32_000, 0.03), (16_000, 0.01)))
+
 
 def test_decode_steps_join_a_prompt_chunk_computing_on_their_member_and_end_with_it() -> None:
     # one replica: a request decoding, its steps 15 ms away between tokens, then a 1000-token prompt (four
