@@ -79,10 +79,10 @@ from benchmarks.refused_tries import RefusedTries
 from benchmarks.refused_tries import measure as measure_refused_tries
 from benchmarks.table1_client import run_replay
 from client.batched_head import MAX_GANG_WAIT_S
-from client.inference import BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S
 from client.swarm_client import ClientConfig
 from netem.network import EmulatedNetwork
 from netem.topology import constant
+from orchestrator.admission import BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S
 from orchestrator.sim.kunserve_sim import KunServeSimConfig, KunServeSimResult, SimRequest, simulate
 from orchestrator.sim.workload import Trace, load_azure_trace
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS
@@ -440,6 +440,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
         kv_bytes_per_token_block=first["kv_bytes_per_token"],
         prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping,
         retry_backoff_s=(BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S), refused_window_s=REFUSED_WINDOW_S,
+        retry_hint=servers_name_room(base.workdir and base.workdir.parent),
         lookup_s=tries.lookup_s, open_s=tries.open_s,
         records_max_age_s=ClientConfig().records_max_age_s,
         refused_try_cpu_ms=(refused_round_ms if refused_round_ms is not None
@@ -549,6 +550,7 @@ def exchange_bytes_per_s(runs: Sequence[ArmRun]) -> float | None:
 CLIENT_WORK_FILE = "client_work.json"  # in the run's workdir: the report reads it again
 REFUSED_TRIES_FILE = "refused_tries.json"  # in the run's workdir: the report reads it again
 LINK_CROSSING_FILE = "link_crossing_{rtt}.json"  # in the run's workdir, per RTT: the report reads it again
+ROOM_NAMED_FILE = "servers_name_room"  # in the run's workdir: its servers named when room comes (`servers_name_room`)
 REFUSED_TRIES_KV_PAGES = 3  # KV pages per block of the servers that measure a refused round (full either way)
 CLIENT_WORK_SESSIONS = 8  # sessions whose tokens share the client's passes when its work is measured (the most the
 # dropped arms run at once)
@@ -592,6 +594,12 @@ def link_crossing_extra(workdir: Path | None, rtt_ms: float, measure: bool = Fal
     reading = kept_reading(workdir, name, lambda: dataclasses.asdict(measure_link_crossing(rtt_ms)))
     reading.pop("measured")
     return LinkCrossing(**reading).relayed_extra_s()
+
+
+def servers_name_room(workdir: Path | None) -> bool:
+    """Gives whether the run kept in `workdir` had servers that, when full, named when their sessions' ends make
+    room (`ServerBusy.retry_after_s`, `SessionTable.room_in_s`); runs recorded before they did (r46-r49) had not."""
+    return workdir is not None and (workdir / ROOM_NAMED_FILE).is_file()
 
 
 def refused_try_cpu_ms(workdir: Path | None) -> float:
@@ -1141,6 +1149,8 @@ def main(argv: list[str] | None = None) -> int:
         root = args.workdir or Path(tmp)
         for rtt_ms in args.rtt:
             runs: dict[str, list[ArmRun]] = {arm: [] for arm in args.arms}
+            root.mkdir(parents=True, exist_ok=True)
+            (root / ROOM_NAMED_FILE).touch()  # this run's servers name when room comes (`servers_name_room`)
             extra = link_crossing_extra(root, rtt_ms, measure=True)
             print("a prompt's message beyond its bytes at the link's rate: " + ", ".join(
                 f"{size // (hidden_size() * WIRE_BYTES)} tokens {seconds * 1000:.0f} ms" for size, seconds in extra),

@@ -22,6 +22,7 @@ from client.chain_lease import ChainLease
 from client.routing import Span
 from client.swarm_client import SwarmClient
 from client.verification import CheckStats, SpotChecker
+from orchestrator.admission import BUSY_BACKOFF_FIRST_S, busy_retry_wait
 from swarm.errors import (
     BlocksDropped,
     BlocksNotHosted,
@@ -49,8 +50,6 @@ log = logging.getLogger(__name__)
 
 PUSH_WAIT_MARGIN_MS = 500.0
 MAX_MOVES_PER_STEP = 8  # a session that keeps moving while one step waits is failed over instead
-BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S = 0.5, 4.0  # waiting for room while every server answers busy
-MIN_RETRY_S = 0.05  # the soonest a client asks again when a busy server named a time (`ServerBusy.retry_after_s`)
 
 # Errors after which another server may succeed; anything else (bad input, max length) goes to the caller.
 RECOVERABLE = (
@@ -62,15 +61,6 @@ RECOVERABLE = (
 NOT_THE_SERVERS_FAULT = (ServerBusy, SessionMoved, BlocksDropped, ChainChanged, StepStopped)
 # When opening a session, a stale record (blocks no longer hosted) or a lower --max-length also means: try another.
 RECOVERABLE_AT_OPEN = (*RECOVERABLE, BlocksNotHosted, MaxLengthExceeded)
-
-
-def busy_retry_wait(backoff_s: float, soon_s: float | None) -> tuple[float, float]:
-    """Gives how long a client that every server refused waits before it asks again, and its backoff after that:
-    its backoff, doubling up to `BUSY_BACKOFF_MAX_S`; or, if a server said when it expects room (`soon_s`: pages a
-    drop frees as its blocks unload), that time if sooner (at least `MIN_RETRY_S`), with the backoff kept as it is."""
-    if soon_s is None:
-        return backoff_s, min(BUSY_BACKOFF_MAX_S, 2 * backoff_s)
-    return min(backoff_s, max(MIN_RETRY_S, soon_s)), backoff_s
 
 
 @dataclass

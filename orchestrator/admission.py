@@ -61,6 +61,68 @@ class KVPolicy:
         return max(0, pages_free - reserve) // max(1, pages_per_session)
 
 
+@dataclass(frozen=True)
+class SessionEnd:
+    """A running session's expected end on one server: in how many seconds, and the pages its close gives back
+    (those it holds, and the growth it no longer reserves)."""
+
+    in_s: float
+    pages_held: int
+    growth_pages: int = 0
+
+
+STEP_INTERVAL_WEIGHT = 0.25  # the weight of a session's latest step interval in its running average
+
+
+def averaged_interval(average_s: float | None, interval_s: float) -> float:
+    """Gives a session's running average of the time between its steps, `average_s` (None: no step yet) with
+    `interval_s` added."""
+    if average_s is None:
+        return interval_s
+    return (1 - STEP_INTERVAL_WEIGHT) * average_s + STEP_INTERVAL_WEIGHT * interval_s
+
+
+def session_end_in_s(*, tokens_left: int, step_interval_s: float | None) -> float | None:
+    """Gives in how many seconds a session with `tokens_left` tokens to its max_length is expected to end, at its
+    step interval (None: not known yet, e.g. its prompt is computing)."""
+    if step_interval_s is None:
+        return None
+    return max(0, tokens_left) * step_interval_s
+
+
+def room_in_s(
+    policy: KVPolicy, *, pages_free: int, reserve: int, new_session_pages: int, ending: Iterable[SessionEnd],
+    ahead_pages: int = 0,
+) -> float | None:
+    """Gives in how many seconds `policy` is expected to admit a session of `new_session_pages`, once sessions that
+    asked before it (`ahead_pages`, what they would take) are in: as the running sessions end, soonest first, each
+    giving back its pages. 0: it would now; None: their expected ends never make that room (some ends unknown, or
+    pages held elsewhere)."""
+    free, reserve = pages_free, reserve
+    if policy.admits(pages_free=free, reserve=reserve, new_session_pages=new_session_pages + ahead_pages):
+        return 0.0
+    for end in sorted(ending, key=lambda end: end.in_s):
+        free, reserve = free + end.pages_held, reserve - end.growth_pages
+        if policy.admits(pages_free=free, reserve=reserve, new_session_pages=new_session_pages + ahead_pages):
+            return end.in_s
+    return None
+
+
+BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S = 0.5, 4.0  # a client waiting for room while every server answers busy
+MIN_RETRY_S = 0.05  # the soonest a client asks again when a busy server named a time
+
+
+def busy_retry_wait(backoff_s: float, soon_s: float | None) -> tuple[float, float]:
+    """Gives how long a client that every server refused waits before it asks again, and its backoff after that:
+    its backoff, doubling up to `BUSY_BACKOFF_MAX_S`; or, if a server named a sooner time for room (`soon_s`: pages
+    a drop frees as its blocks unload, or its sessions' expected ends), that time (at least `MIN_RETRY_S`), with the
+    backoff kept as it is. A named time later than the backoff does not hold the client back: a drop may make room
+    before it."""
+    if soon_s is None or soon_s >= backoff_s:
+        return backoff_s, min(BUSY_BACKOFF_MAX_S, 2 * backoff_s)
+    return max(MIN_RETRY_S, soon_s), backoff_s
+
+
 DEFAULT_CLIENT_MAX_SESSIONS = 32
 DEFAULT_CLIENT_KV_SHARE = 0.5
 

@@ -522,6 +522,7 @@ class StepScheduler:
         session.position += step.tokens
         session.last_step_id, session.last_result = step.step_id, StepResult(output, step.compute_ms, len(step.outputs))
         session.last_active_s = time.monotonic()
+        session.note_committed(step.tokens, session.last_active_s)
         session.running = None
 
     def _finish(self, steps: list[Step]) -> None:

@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from orchestrator.admission import ClientQuota, KVPolicy, SessionKV
+from orchestrator.admission import (
+    ClientQuota,
+    KVPolicy,
+    SessionEnd,
+    SessionKV,
+    averaged_interval,
+    room_in_s,
+    session_end_in_s,
+)
 from swarm.errors import (
     BlocksNotHosted,
     Hop,
@@ -77,6 +85,10 @@ class Session:
     # Resolved (and replaced) whenever a step is admitted, for requests waiting for a pushed step.
     admitted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     last_active_s: float = field(default_factory=time.monotonic)
+    # The time between its committed decode steps here (a running average: its client's time per token, as this
+    # server sees it), None until two have committed; and when the last one did
+    step_interval_s: float | None = None
+    last_commit_s: float | None = None
     opener: str = ""  # the peer that opened it (its client), also after it migrated here
     prompt_tokens: int = 0  # the tokens its client said its first step brings (its expected growth starts there)
     lease_id: str | None = None  # the orchestrator's lease its client runs it under, if any
@@ -98,6 +110,13 @@ class Session:
     @property
     def blocks(self) -> int:
         return self.end - self.start
+
+    def note_committed(self, tokens: int, now: float) -> None:
+        """Notes that a step of `tokens` tokens committed at `now`: a decode step after another one updates
+        `step_interval_s`."""
+        if tokens == 1 and self.last_commit_s is not None:
+            self.step_interval_s = averaged_interval(self.step_interval_s, now - self.last_commit_s)
+        self.last_commit_s = now
 
     @property
     def waits_for_exchange(self) -> bool:
@@ -173,7 +192,8 @@ class SessionTable:
         self._closing: dict[str, Session] = {}  # closed while a batch computes with them; freed when it ends
         self._evicted: OrderedDict[str, tuple[float, SwarmError]] = OrderedDict()  # id -> (when, what its steps get)
         # a waiting session's key (its client's `wait_id`, else its id) -> (when, pages) of opens refused for room
-        self._refused: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        # (its latest refusal, pages, its first refusal)
+        self._refused: OrderedDict[str, tuple[float, int, float]] = OrderedDict()
         self._opened: OrderedDict[str, float] = OrderedDict()  # such a key -> when a session with it opened here
         # Pages a drop holds back from new sessions for the KV its group-mates' victims bring (`hold_for_exchange`):
         # how many are left, how long the hold lasts without an import, and when one last ran.
@@ -313,14 +333,18 @@ class SessionTable:
             coming = self.pages_coming()
             soon = coming > 0 and self.policy.admits(pages_free=pages_free + coming, reserve=reserve,
                                                      new_session_pages=expected)
+            room_s = None if soon else self.room_in_s(wait_id or session_id, pages_free=pages_free, reserve=reserve,
+                                                      new_session_pages=expected)
+            retry_after_ms = SOON_RETRY_MS if soon else None if room_s is None else max(1, round(room_s * 1000))
             raise ServerBusy(
                 f"no room for a session of {end - start} blocks x {batch} row(s): it is expected to take {expected} "
                 f"pages, {pages_free} are free and the {len(self)} open session(s) are expected to take "
                 f"{reserve - (0 if moved_in else held)} more as they grow"
                 + (f"; {held} are held for the KV a drop's exchange brings" if held and not moved_in else "")
                 + (f"; {coming} more return as dropped blocks unload: ask again in {SOON_RETRY_MS} ms" if soon
+                   else f"; its open sessions' ends are expected to make room in {room_s:.2f} s" if room_s is not None
                    else ""),
-                {"retry_after_ms": SOON_RETRY_MS} if soon else None,
+                {"retry_after_ms": retry_after_ms} if retry_after_ms is not None else None,
             )
         if moved_in and held:
             self._held_for_exchange = max(0, held - expected)
@@ -495,7 +519,9 @@ class SessionTable:
         return list(self._opened)
 
     def _note_refused(self, session_id: str, pages: int) -> None:
-        self._refused[session_id] = (time.monotonic(), pages)
+        now = time.monotonic()
+        earlier = self._refused.get(session_id)
+        self._refused[session_id] = (now, pages, earlier[2] if earlier is not None else now)
         self._refused.move_to_end(session_id)
         while len(self._refused) > MAX_REMEMBERED:
             self._refused.popitem(last=False)
@@ -514,7 +540,29 @@ class SessionTable:
         now = time.monotonic()
         while self._refused and now - next(iter(self._refused.values()))[0] > window_s:
             self._refused.popitem(last=False)
-        return {session_id: pages for session_id, (_, pages) in self._refused.items()}
+        return {session_id: pages for session_id, (_, pages, _) in self._refused.items()}
+
+    def room_in_s(self, key: str, *, pages_free: int, reserve: int, new_session_pages: int) -> float | None:
+        """Gives in how many seconds a session of `new_session_pages` that was just refused (its key: a `wait_id`,
+        else its id) is expected to find room here: once the waits refused before it are in, as the open sessions
+        reach their max_length at their step intervals (a session with none yet at the open ones' median); None if
+        no session has an interval yet, or their ends make no room (`orchestrator.admission.room_in_s`)."""
+        sessions = list(self._sessions.values())
+        intervals = sorted(s.step_interval_s for s in sessions if s.step_interval_s is not None)
+        if not intervals:
+            return None
+        typical_s = intervals[len(intervals) // 2]
+        ending = []
+        for session in sessions:
+            interval_s = session.step_interval_s if session.step_interval_s is not None else typical_s
+            in_s = session_end_in_s(tokens_left=session.max_length - session.position, step_interval_s=interval_s)
+            assert in_s is not None
+            ending.append(SessionEnd(in_s, session.pages_held, self._kv_of(session).growth_pages))
+        self.refused()  # forgets the waits that ended
+        since = self._refused[key][2] if key in self._refused else time.monotonic()
+        ahead = sum(pages for other, (_, pages, first) in self._refused.items() if other != key and first < since)
+        return room_in_s(self.policy, pages_free=pages_free, reserve=reserve, new_session_pages=new_session_pages,
+                         ending=ending, ahead_pages=ahead)
 
     def evict(self, session_id: str, error: SwarmError) -> bool:
         """Closes a session the server can no longer serve (as `close`), and answers its later steps with `error`

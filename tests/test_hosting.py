@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from client.inference import BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S, MIN_RETRY_S, busy_retry_wait
+from orchestrator.admission import BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S, MIN_RETRY_S, busy_retry_wait
 from server.hosting import Hosting
 from server.scheduler import StepScheduler
 from server.sessions import SOON_RETRY_MS, Session, SessionTable, Step, StepResult

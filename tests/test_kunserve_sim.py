@@ -523,3 +523,18 @@ def test_a_step_ready_soon_does_not_wait_for_a_stalled_victims_later_wake() -> N
     # each of its steps starts when its token's round trip ends, not when the victim wakes
     assert result.ttft_s[0] < 0.2 and result.tbt_s[0] < 0.2
     assert result.tbt_s[1] > 5.0 / 3  # the victim's three tokens came after 5 s
+
+
+def test_a_refused_client_asks_again_when_the_unit_names_its_room_if_sooner_than_its_backoff() -> None:
+    # one replica with room for one request of 48 pages at a time: the first decodes 170 tokens at about 10 ms each
+    config = dataclasses.replace(CONFIG, replicas=1, dropping=False, retry_backoff_s=(0.5, 4.0))
+    requests = [SimRequest(0.0, 200, 170), SimRequest(0.0, 200, 4)]
+    plain = simulate(config, requests)
+    first_end_s = plain.ttft_s[0] + 169 * plain.tbt_s[0]
+    assert 1.5 < first_end_s < 3.5
+    # refused at 0 (no interval known yet), 0.5 and 1.5 s: its backoff has it back at 3.5 s
+    assert plain.ttft_s[1] > 3.5
+    hinted = simulate(dataclasses.replace(config, retry_hint=True), requests)
+    assert hinted.ttft_s[0] == pytest.approx(plain.ttft_s[0])
+    # at 0.5 s the replica names the first's end: the second asks again then (at most one more short wait)
+    assert first_end_s < hinted.ttft_s[1] < first_end_s + 0.1

@@ -11,8 +11,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from client.inference import BUSY_BACKOFF_MAX_S
-from orchestrator.admission import ClientQuota, KVPolicy, SessionKV
+from orchestrator.admission import (
+    BUSY_BACKOFF_MAX_S,
+    ClientQuota,
+    KVPolicy,
+    SessionEnd,
+    SessionKV,
+    averaged_interval,
+    room_in_s,
+    session_end_in_s,
+)
 from server.sessions import REFUSED_WINDOW_S, SessionTable
 from swarm.errors import (
     BlocksNotHosted,
@@ -401,3 +409,67 @@ def test_a_quota_needs_a_share_in_0_to_1_and_no_negative_session_cap() -> None:
             ClientQuota(**bad)
     assert ClientQuota(max_sessions=0, kv_share=1.0).page_cap(100) is None
     assert not ClientQuota(max_sessions=0).refuses_session(10_000)
+
+
+def test_room_comes_as_the_soonest_ending_sessions_give_back_their_pages_after_the_waits_before() -> None:
+    policy = KVPolicy(TOKENS_PER_PAGE)
+    ending = [SessionEnd(3.0, 4, 2), SessionEnd(1.0, 2), SessionEnd(2.0, 3)]
+    assert room_in_s(policy, pages_free=5, reserve=0, new_session_pages=5, ending=ending) == 0.0
+    # 2 free beside 4 reserved: the first end (1 s) frees 2, the second (2 s) 3 more: 7 - 4 >= 3
+    assert room_in_s(policy, pages_free=2, reserve=4, new_session_pages=3, ending=ending) == 2.0
+    # a wait before it asks 3 pages: the third end (3 s) gives back 4 held pages and its 2 reserved
+    assert room_in_s(policy, pages_free=2, reserve=4, new_session_pages=3, ending=ending, ahead_pages=3) == 3.0
+    assert room_in_s(policy, pages_free=2, reserve=4, new_session_pages=20, ending=ending) is None
+    assert room_in_s(policy, pages_free=0, reserve=0, new_session_pages=1, ending=[]) is None
+    assert session_end_in_s(tokens_left=10, step_interval_s=0.2) == pytest.approx(2.0)
+    assert session_end_in_s(tokens_left=-3, step_interval_s=0.2) == 0.0  # past its max_length: any moment
+    assert session_end_in_s(tokens_left=10, step_interval_s=None) is None
+    assert averaged_interval(None, 0.4) == 0.4 and averaged_interval(0.4, 0.8) == pytest.approx(0.5)
+
+
+@given(st.lists(st.tuples(st.floats(0, 60), st.integers(0, 8), st.integers(0, 4)), max_size=8),
+       st.integers(0, 16), st.integers(0, 16), st.integers(1, 16), st.integers(0, 16))
+def test_room_never_comes_sooner_for_a_wait_with_more_waits_before_it(
+    ends: list[tuple[float, int, int]], free: int, reserve: int, need: int, ahead: int
+) -> None:
+    policy, ending = KVPolicy(TOKENS_PER_PAGE), [SessionEnd(*end) for end in ends]
+    first = room_in_s(policy, pages_free=free, reserve=reserve, new_session_pages=need, ending=ending)
+    later = room_in_s(policy, pages_free=free, reserve=reserve, new_session_pages=need, ending=ending,
+                      ahead_pages=ahead)
+    if later is not None:
+        assert first is not None and first <= later
+        assert later == 0.0 or any(end.in_s == later for end in ending)
+
+
+def test_a_full_server_names_when_its_sessions_ends_make_room_and_a_later_wait_a_later_time() -> None:
+    async def scenario() -> None:
+        sessions = table(16, headroom_tokens=0)
+        # two sessions of 4 blocks x 2 rows (8 pages each) fill the pool: "a" has 20 tokens to go, "b" 60
+        a = sessions.open("a", 0, 4, batch=2, max_length=30)
+        b = sessions.open("b", 0, 4, batch=2, max_length=70)
+        for session in (a, b):
+            session.position = 10
+        with pytest.raises(ServerBusy) as unknown:
+            sessions.open("c", 0, 4, batch=2, max_length=30, wait_id="wait-c")
+        assert unknown.value.retry_after_s is None  # no session has stepped twice: no time to name
+        for session, interval_s in ((a, 0.1), (b, 0.05)):
+            session.note_committed(10, 100.0)  # a prompt: no interval yet
+            session.note_committed(1, 100.0 + interval_s)
+        assert a.step_interval_s == pytest.approx(0.1) and b.step_interval_s == pytest.approx(0.05)
+        with pytest.raises(ServerBusy, match="expected to make room") as first:
+            sessions.open("c2", 0, 4, batch=2, max_length=30, wait_id="wait-c")
+        assert first.value.retry_after_s == pytest.approx(2.0)  # "a": 20 tokens at 0.1 s
+        with pytest.raises(ServerBusy) as second:
+            sessions.open("d", 0, 4, batch=2, max_length=30, wait_id="wait-d")
+        assert second.value.retry_after_s == pytest.approx(3.0)  # after "c": "b" too, 60 tokens at 0.05 s
+        with pytest.raises(ServerBusy) as again:  # the first wait asks again: still first in line
+            sessions.open("c3", 0, 4, batch=2, max_length=30, wait_id="wait-c")
+        assert again.value.retry_after_s == pytest.approx(2.0)
+        sessions.close("a")
+        sessions.open("c4", 0, 4, batch=2, max_length=30, wait_id="wait-c")
+        with pytest.raises(ServerBusy) as after:  # "c" is in: "d" is first now, and "c" has no interval yet
+            sessions.open("d2", 0, 4, batch=2, max_length=30, wait_id="wait-d")
+        assert after.value.retry_after_s == pytest.approx(1.5)  # "c" at the median ("b"'s): 30 tokens at 0.05 s
+        sessions.pool.check_invariants()
+
+    run(scenario)

@@ -85,6 +85,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from orchestrator.admission import KVPolicy, SessionEnd, averaged_interval, busy_retry_wait, room_in_s
 from orchestrator.buddy import (
     RESTORE_CALM_S,
     SegmentReplica,
@@ -142,6 +143,11 @@ class KunServeSimConfig:
     # servers' `kv_demand_pages`, which count it until its longest backoff has passed); None: one FCFS queue that
     # admits its head as soon as it fits.
     retry_backoff_s: tuple[float, float] | None = None
+    # With `retry_backoff_s`: a refusal names when the unit expects room, as the swarm's servers' do
+    # (`SessionTable.room_in_s`): the waits refused before it in, as its requests end at their intervals between
+    # tokens (a request with none yet at the unit's median); a request asks again then if that is sooner than its
+    # backoff (`orchestrator.admission.busy_retry_wait`)
+    retry_hint: bool = False
     refused_window_s: float = 5.0
     # A client's try (with `retry_backoff_s`), as a live client's: a DHT lookup (`lookup_s`) unless a try began one
     # at most `records_max_age_s` before and it has ended (the client routes on those records: live, half the rounds
@@ -262,6 +268,8 @@ class _Running:
     in_flight: bool = False  # in a batch computing now
     at_client: bool = False  # its token waits at the client for a head pass (`client_gang_wait_s`)
     closing: bool = False  # its last token is on its way to the client, whose close frees its pages
+    interval_s: float | None = None  # its time between tokens at the client (a running average), once it has one
+    last_seen_s: float = 0.0  # when the client saw its latest token
     stage: int = 0  # the member (index in its unit's members) its step waits at or computes on
     pass_done: int = 0  # prompt tokens of its current pass computed at `stage` (before the last member's)
 
@@ -346,6 +354,7 @@ class _Sim:
             self._add_unit(tuple(range(start, start + k)))
         self.queue: deque[int] = deque()
         self.backing_off: dict[int, tuple[float, float]] = {}  # request -> (its next backoff s, last refusal s)
+        self.first_refused: dict[int, float] = {}  # a request backing off -> when it was first refused
         self.events: list[tuple[float, int, str, int, _Batch | None]] = []
         self.sequence = 0
         self.ttft = np.full(len(self.requests), math.nan)
@@ -460,6 +469,7 @@ class _Sim:
         unit = self._place(pages)
         if unit is not None:
             self.backing_off.pop(index, None)
+            self.first_refused.pop(index, None)
             unit.running.append(self._admitted(index, pages, self.now + c.open_s * len(unit.members)))
             self._start(unit)
             return
@@ -467,8 +477,32 @@ class _Sim:
             self.refused_tries.append(self.now)
         first, longest = c.retry_backoff_s
         backoff = self.backing_off.get(index, (first, 0.0))[0]
-        self.backing_off[index] = (min(longest, 2 * backoff), self.now)
-        self._push(self.now + c.open_s * len(self.units) + backoff, "arrive", index)
+        self.first_refused.setdefault(index, self.now)
+        soon_s = self._room_in_s(index, pages) if c.retry_hint else None
+        wait_s, next_backoff = busy_retry_wait(backoff, soon_s)
+        self.backing_off[index] = (min(longest, next_backoff), self.now)
+        self._push(self.now + c.open_s * len(self.units) + wait_s, "arrive", index)
+
+    def _room_in_s(self, index: int, pages: int) -> float | None:
+        """Gives the soonest a unit expects room for refused request `index` of `pages`, as a swarm server names it
+        (`retry_hint`), None if none does."""
+        since = self.first_refused[index]
+        ahead = sum(self.config.pages_of(self.requests[other]) for other, first in self.first_refused.items()
+                    if other != index and first < since)
+        policy = KVPolicy(self.config.tokens_per_page)
+        soonest = None
+        for unit in self.units.values():
+            intervals = sorted(r.interval_s for r in unit.running if r.interval_s is not None)
+            if not intervals:
+                continue
+            typical_s = intervals[len(intervals) // 2]
+            ending = [SessionEnd((r.request.output - r.produced) * (r.interval_s or typical_s), r.pages)
+                      for r in unit.running]
+            room_s = room_in_s(policy, pages_free=unit.free, reserve=0, new_session_pages=pages, ending=ending,
+                               ahead_pages=ahead)
+            if room_s is not None and (soonest is None or room_s < soonest):
+                soonest = room_s
+        return soonest
 
     def _dispatch(self) -> None:
         c = self.config
@@ -829,6 +863,9 @@ class _Sim:
         for running in tokens:
             request = running.request
             running.at_client = False
+            if running.produced >= 1:
+                running.interval_s = averaged_interval(running.interval_s, seen_s - running.last_seen_s)
+            running.last_seen_s = seen_s
             running.produced += 1
             running.ready_s = max(running.ready_s, seen_s)  # its next step is on its way
             if running.first_token_s is None:
