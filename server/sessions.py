@@ -545,7 +545,8 @@ class SessionTable:
     def room_in_s(self, key: str, *, pages_free: int, reserve: int, new_session_pages: int) -> float | None:
         """Gives in how many seconds a session of `new_session_pages` that was just refused (its key: a `wait_id`,
         else its id) is expected to find room here: once the waits refused before it are in, as the open sessions
-        reach their max_length at their step intervals (a session with none yet at the open ones' median); None if
+        reach their max_length at their step intervals (a session with none yet at the open ones' median, its
+        announced prompt counted as one step); None if
         no session has an interval yet, or their ends make no room (`orchestrator.admission.room_in_s`)."""
         sessions = list(self._sessions.values())
         intervals = sorted(s.step_interval_s for s in sessions if s.step_interval_s is not None)
@@ -555,7 +556,9 @@ class SessionTable:
         ending = []
         for session in sessions:
             interval_s = session.step_interval_s if session.step_interval_s is not None else typical_s
-            in_s = session_end_in_s(tokens_left=session.max_length - session.position, step_interval_s=interval_s)
+            # the tokens it still generates: its announced prompt is one step, not a step per token
+            tokens_left = session.max_length - max(session.position, session.prompt_tokens)
+            in_s = session_end_in_s(tokens_left=tokens_left, step_interval_s=interval_s)
             assert in_s is not None
             ending.append(SessionEnd(in_s, session.pages_held, self._kv_of(session).growth_pages))
         self.refused()  # forgets the waits that ended

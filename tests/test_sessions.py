@@ -11,16 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orchestrator.admission import (
-    BUSY_BACKOFF_MAX_S,
-    ClientQuota,
-    KVPolicy,
-    SessionEnd,
-    SessionKV,
-    averaged_interval,
-    room_in_s,
-    session_end_in_s,
-)
+from orchestrator import admission
+from orchestrator.admission import BUSY_BACKOFF_MAX_S, ClientQuota, KVPolicy, SessionEnd, SessionKV, room_in_s
 from server.sessions import REFUSED_WINDOW_S, SessionTable
 from swarm.errors import (
     BlocksNotHosted,
@@ -421,10 +413,11 @@ def test_room_comes_as_the_soonest_ending_sessions_give_back_their_pages_after_t
     assert room_in_s(policy, pages_free=2, reserve=4, new_session_pages=3, ending=ending, ahead_pages=3) == 3.0
     assert room_in_s(policy, pages_free=2, reserve=4, new_session_pages=20, ending=ending) is None
     assert room_in_s(policy, pages_free=0, reserve=0, new_session_pages=1, ending=[]) is None
-    assert session_end_in_s(tokens_left=10, step_interval_s=0.2) == pytest.approx(2.0)
-    assert session_end_in_s(tokens_left=-3, step_interval_s=0.2) == 0.0  # past its max_length: any moment
-    assert session_end_in_s(tokens_left=10, step_interval_s=None) is None
-    assert averaged_interval(None, 0.4) == 0.4 and averaged_interval(0.4, 0.8) == pytest.approx(0.5)
+    assert admission.session_end_in_s(tokens_left=10, step_interval_s=0.2) == pytest.approx(2.0)
+    assert admission.session_end_in_s(tokens_left=-3, step_interval_s=0.2) == 0.0  # past its max_length: any moment
+    assert admission.session_end_in_s(tokens_left=10, step_interval_s=None) is None
+    assert admission.averaged_interval(None, 0.4) == 0.4
+    assert admission.averaged_interval(0.4, 0.8) == pytest.approx(0.5)
 
 
 @given(st.lists(st.tuples(st.floats(0, 60), st.integers(0, 8), st.integers(0, 4)), max_size=8),
@@ -470,6 +463,12 @@ def test_a_full_server_names_when_its_sessions_ends_make_room_and_a_later_wait_a
         with pytest.raises(ServerBusy) as after:  # "c" is in: "d" is first now, and "c" has no interval yet
             sessions.open("d2", 0, 4, batch=2, max_length=30, wait_id="wait-d")
         assert after.value.retry_after_s == pytest.approx(1.5)  # "c" at the median ("b"'s): 30 tokens at 0.05 s
+        sessions.close("c4")
+        # a session that announced its prompt has that many tokens fewer to go: its prompt is one step
+        sessions.open("e", 0, 4, batch=2, max_length=22, prompt_tokens=12)
+        with pytest.raises(ServerBusy) as prompted:
+            sessions.open("d3", 0, 4, batch=2, max_length=30, wait_id="wait-d")
+        assert prompted.value.retry_after_s == pytest.approx(0.5)  # "e": 10 tokens at 0.05 s
         sessions.pool.check_invariants()
 
     run(scenario)
