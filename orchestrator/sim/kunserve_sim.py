@@ -354,7 +354,10 @@ class _Sim:
             self._add_unit(tuple(range(start, start + k)))
         self.queue: deque[int] = deque()
         self.backing_off: dict[int, tuple[float, float]] = {}  # request -> (its next backoff s, last refusal s)
-        self.first_refused: dict[int, float] = {}  # a request backing off -> when it was first refused
+        # per member: the requests its unit refused (a unit refuses at its first member, as a pair's first server
+        # does), request -> (its latest refusal s, its first), until it opens on that unit or `refused_window_s`
+        # has passed since its latest refusal, as a live server remembers its refused waits (`SessionTable.refused`)
+        self.refused: dict[int, dict[int, tuple[float, float]]] = {}
         self.events: list[tuple[float, int, str, int, _Batch | None]] = []
         self.sequence = 0
         self.ttft = np.full(len(self.requests), math.nan)
@@ -409,6 +412,9 @@ class _Sim:
                     self._push(self.now + route_s, "try", subject)
                 else:
                     self._try(subject)
+            elif kind == "retry":  # after a backoff the live client looks up afresh, whatever records it has
+                self.lookups.append(self.now)
+                self._push(self.now + self.config.lookup_s, "try", subject)
             elif kind == "try":
                 self._try(subject)
             elif kind == "arrive":
@@ -469,7 +475,7 @@ class _Sim:
         unit = self._place(pages)
         if unit is not None:
             self.backing_off.pop(index, None)
-            self.first_refused.pop(index, None)
+            self.refused.get(unit.members[0], {}).pop(index, None)
             unit.running.append(self._admitted(index, pages, self.now + c.open_s * len(unit.members)))
             self._start(unit)
             return
@@ -477,21 +483,28 @@ class _Sim:
             self.refused_tries.append(self.now)
         first, longest = c.retry_backoff_s
         backoff = self.backing_off.get(index, (first, 0.0))[0]
-        self.first_refused.setdefault(index, self.now)
+        for unit in self.units.values():
+            waits = self.refused.setdefault(unit.members[0], {})
+            waits[index] = (self.now, waits.get(index, (0.0, self.now))[1])
         soon_s = self._room_in_s(index, pages) if c.retry_hint else None
         wait_s, next_backoff = busy_retry_wait(backoff, soon_s)
         self.backing_off[index] = (min(longest, next_backoff), self.now)
-        self._push(self.now + c.open_s * len(self.units) + wait_s, "arrive", index)
+        self._push(self.now + c.open_s * len(self.units) + wait_s, "retry", index)
 
     def _room_in_s(self, index: int, pages: int) -> float | None:
         """Gives the soonest a unit expects room for refused request `index` of `pages`, as a swarm server names it
-        (`retry_hint`), None if none does."""
-        since = self.first_refused[index]
-        ahead = sum(self.config.pages_of(self.requests[other]) for other, first in self.first_refused.items()
-                    if other != index and first < since)
-        policy = KVPolicy(self.config.tokens_per_page)
+        (`retry_hint`): after the requests it refused before this one and still remembers (those that opened on
+        another unit meanwhile too: a server does not know), None if none does."""
+        c = self.config
+        policy = KVPolicy(c.tokens_per_page)
         soonest = None
         for unit in self.units.values():
+            waits = self.refused[unit.members[0]]
+            for other in [other for other, (last, _) in waits.items() if self.now - last > c.refused_window_s]:
+                del waits[other]
+            since = waits[index][1]
+            ahead = sum(c.pages_of(self.requests[other]) for other, (_, first) in waits.items()
+                        if other != index and first < since)
             intervals = sorted(r.interval_s for r in unit.running if r.interval_s is not None)
             if not intervals:
                 continue
