@@ -82,14 +82,6 @@ def averaged_interval(average_s: float | None, interval_s: float) -> float:
     return (1 - STEP_INTERVAL_WEIGHT) * average_s + STEP_INTERVAL_WEIGHT * interval_s
 
 
-def session_end_in_s(*, tokens_left: int, step_interval_s: float | None) -> float | None:
-    """Gives in how many seconds a session with `tokens_left` tokens to its max_length is expected to end, at its
-    step interval (None: not known yet, e.g. its prompt is computing)."""
-    if step_interval_s is None:
-        return None
-    return max(0, tokens_left) * step_interval_s
-
-
 def room_in_s(
     policy: KVPolicy, *, pages_free: int, reserve: int, new_session_pages: int, ending: Iterable[SessionEnd],
     ahead_pages: int = 0,
@@ -98,7 +90,7 @@ def room_in_s(
     asked before it (`ahead_pages`, what they would take) are in: as the running sessions end, soonest first, each
     giving back its pages. 0: it would now; None: their expected ends never make that room (some ends unknown, or
     pages held elsewhere)."""
-    free, reserve = pages_free, reserve
+    free = pages_free
     if policy.admits(pages_free=free, reserve=reserve, new_session_pages=new_session_pages + ahead_pages):
         return 0.0
     for end in sorted(ending, key=lambda end: end.in_s):

@@ -24,7 +24,6 @@ from orchestrator.admission import (
     SessionKV,
     averaged_interval,
     room_in_s,
-    session_end_in_s,
 )
 from swarm.errors import (
     BlocksNotHosted,
@@ -191,8 +190,8 @@ class SessionTable:
         self._sessions: dict[str, Session] = {}
         self._closing: dict[str, Session] = {}  # closed while a batch computes with them; freed when it ends
         self._evicted: OrderedDict[str, tuple[float, SwarmError]] = OrderedDict()  # id -> (when, what its steps get)
-        # a waiting session's key (its client's `wait_id`, else its id) -> (when, pages) of opens refused for room
-        # (its latest refusal, pages, its first refusal)
+        # a waiting session's key (its client's `wait_id`, else its id) -> (its latest refusal, pages, its first
+        # refusal) of opens refused for room
         self._refused: OrderedDict[str, tuple[float, int, float]] = OrderedDict()
         self._opened: OrderedDict[str, float] = OrderedDict()  # such a key -> when a session with it opened here
         # Pages a drop holds back from new sessions for the KV its group-mates' victims bring (`hold_for_exchange`):
@@ -546,8 +545,8 @@ class SessionTable:
         """Gives in how many seconds a session of `new_session_pages` that was just refused (its key: a `wait_id`,
         else its id) is expected to find room here: once the waits refused before it are in, as the open sessions
         reach their max_length at their step intervals (a session with none yet at the open ones' median, its
-        announced prompt counted as one step); None if
-        no session has an interval yet, or their ends make no room (`orchestrator.admission.room_in_s`)."""
+        announced prompt counted as one step); None if no session has an interval yet, or their ends make no room
+        (`orchestrator.admission.room_in_s`)."""
         sessions = list(self._sessions.values())
         intervals = sorted(s.step_interval_s for s in sessions if s.step_interval_s is not None)
         if not intervals:
@@ -557,10 +556,8 @@ class SessionTable:
         for session in sessions:
             interval_s = session.step_interval_s if session.step_interval_s is not None else typical_s
             # the tokens it still generates: its announced prompt is one step, not a step per token
-            tokens_left = session.max_length - max(session.position, session.prompt_tokens)
-            in_s = session_end_in_s(tokens_left=tokens_left, step_interval_s=interval_s)
-            assert in_s is not None
-            ending.append(SessionEnd(in_s, session.pages_held, self._kv_of(session).growth_pages))
+            tokens_left = max(0, session.max_length - max(session.position, session.prompt_tokens))
+            ending.append(SessionEnd(tokens_left * interval_s, session.pages_held, self._kv_of(session).growth_pages))
         self.refused()  # forgets the waits that ended
         since = self._refused[key][2] if key in self._refused else time.monotonic()
         ahead = sum(pages for other, (_, pages, first) in self._refused.items() if other != key and first < since)

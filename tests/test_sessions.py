@@ -413,9 +413,6 @@ def test_room_comes_as_the_soonest_ending_sessions_give_back_their_pages_after_t
     assert room_in_s(policy, pages_free=2, reserve=4, new_session_pages=3, ending=ending, ahead_pages=3) == 3.0
     assert room_in_s(policy, pages_free=2, reserve=4, new_session_pages=20, ending=ending) is None
     assert room_in_s(policy, pages_free=0, reserve=0, new_session_pages=1, ending=[]) is None
-    assert admission.session_end_in_s(tokens_left=10, step_interval_s=0.2) == pytest.approx(2.0)
-    assert admission.session_end_in_s(tokens_left=-3, step_interval_s=0.2) == 0.0  # past its max_length: any moment
-    assert admission.session_end_in_s(tokens_left=10, step_interval_s=None) is None
     assert admission.averaged_interval(None, 0.4) == 0.4
     assert admission.averaged_interval(0.4, 0.8) == pytest.approx(0.5)
 
