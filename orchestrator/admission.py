@@ -15,7 +15,7 @@ Pure: counts in, counts out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from swarm.memory import kv_pages_for
@@ -62,11 +62,13 @@ class KVPolicy:
 
 
 @dataclass(frozen=True)
-class SessionEnd:
-    """A running session's expected end on one server: in how many seconds, and the pages its close gives back
-    (those it holds, and the growth it no longer reserves)."""
+class SessionPace:
+    """A running session on one server: the tokens it still generates, the time between its steps (a running
+    average, `averaged_interval`; None: none yet), and the pages its close gives back (those it holds, and the growth
+    it no longer reserves)."""
 
-    in_s: float
+    tokens_left: int
+    step_interval_s: float | None
     pages_held: int
     growth_pages: int = 0
 
@@ -83,20 +85,28 @@ def averaged_interval(average_s: float | None, interval_s: float) -> float:
 
 
 def room_in_s(
-    policy: KVPolicy, *, pages_free: int, reserve: int, new_session_pages: int, ending: Iterable[SessionEnd],
+    policy: KVPolicy, *, pages_free: int, reserve: int, new_session_pages: int, running: Sequence[SessionPace],
     ahead_pages: int = 0,
 ) -> float | None:
     """Gives in how many seconds `policy` is expected to admit a session of `new_session_pages`, once sessions that
-    asked before it (`ahead_pages`, what they would take) are in: as the running sessions end, soonest first, each
-    giving back its pages. 0: it would now; None: their expected ends never make that room (some ends unknown, or
-    pages held elsewhere)."""
-    free = pages_free
-    if policy.admits(pages_free=free, reserve=reserve, new_session_pages=new_session_pages + ahead_pages):
+    asked before it (`ahead_pages`, what they would take) are in: as the `running` sessions end, soonest first, each
+    giving back its pages, a session ending when its tokens left have come at its step interval (one with none yet at
+    the median of the others'). 0: it would now; None: no session has an interval yet, or their ends never make that
+    room."""
+    need = new_session_pages + ahead_pages
+    if policy.admits(pages_free=pages_free, reserve=reserve, new_session_pages=need):
         return 0.0
-    for end in sorted(ending, key=lambda end: end.in_s):
-        free, reserve = free + end.pages_held, reserve - end.growth_pages
-        if policy.admits(pages_free=free, reserve=reserve, new_session_pages=new_session_pages + ahead_pages):
-            return end.in_s
+    intervals = sorted(s.step_interval_s for s in running if s.step_interval_s is not None)
+    if not intervals:
+        return None
+    typical_s = intervals[len(intervals) // 2]
+    ends = sorted(((max(0, s.tokens_left) * (s.step_interval_s if s.step_interval_s is not None else typical_s), s)
+                   for s in running), key=lambda end: end[0])
+    free = pages_free
+    for in_s, session in ends:
+        free, reserve = free + session.pages_held, reserve - session.growth_pages
+        if policy.admits(pages_free=free, reserve=reserve, new_session_pages=need):
+            return in_s
     return None
 
 

@@ -20,8 +20,8 @@ import torch
 from orchestrator.admission import (
     ClientQuota,
     KVPolicy,
-    SessionEnd,
     SessionKV,
+    SessionPace,
     averaged_interval,
     room_in_s,
 )
@@ -544,25 +544,18 @@ class SessionTable:
     def room_in_s(self, key: str, *, pages_free: int, reserve: int, new_session_pages: int) -> float | None:
         """Gives in how many seconds a session of `new_session_pages` that was just refused (its key: a `wait_id`,
         else its id) is expected to find room here: once the waits refused before it are in, as the open sessions
-        reach their max_length at their step intervals (a session with none yet at the open ones' median, its
-        announced prompt counted as one step); None if no session has an interval yet, or their ends make no room
-        (`orchestrator.admission.room_in_s`)."""
-        sessions = list(self._sessions.values())
-        intervals = sorted(s.step_interval_s for s in sessions if s.step_interval_s is not None)
-        if not intervals:
-            return None
-        typical_s = intervals[len(intervals) // 2]
-        ending = []
-        for session in sessions:
-            interval_s = session.step_interval_s if session.step_interval_s is not None else typical_s
-            # the tokens it still generates: its announced prompt is one step, not a step per token
-            tokens_left = max(0, session.max_length - max(session.position, session.prompt_tokens))
-            ending.append(SessionEnd(tokens_left * interval_s, session.pages_held, self._kv_of(session).growth_pages))
+        reach their max_length at their step intervals (`orchestrator.admission.room_in_s`; a session's announced
+        prompt counts as one step, not a step per token)."""
+        running = [
+            SessionPace(session.max_length - max(session.position, session.prompt_tokens), session.step_interval_s,
+                        session.pages_held, self._kv_of(session).growth_pages)
+            for session in self._sessions.values()
+        ]
         self.refused()  # forgets the waits that ended
         since = self._refused[key][2] if key in self._refused else time.monotonic()
         ahead = sum(pages for other, (_, pages, first) in self._refused.items() if other != key and first < since)
         return room_in_s(self.policy, pages_free=pages_free, reserve=reserve, new_session_pages=new_session_pages,
-                         ending=ending, ahead_pages=ahead)
+                         running=running, ahead_pages=ahead)
 
     def evict(self, session_id: str, error: SwarmError) -> bool:
         """Closes a session the server can no longer serve (as `close`), and answers its later steps with `error`

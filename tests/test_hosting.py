@@ -277,12 +277,14 @@ def test_the_leaving_blocks_of_a_range_change_promise_no_room_soon_since_they_wa
 
 def test_a_refused_client_asks_again_when_the_server_expects_room_and_keeps_its_backoff() -> None:
     backoff_s, waits = BUSY_BACKOFF_FIRST_S, []
-    for soon_s in (None, None, SOON_RETRY_MS / 1000, SOON_RETRY_MS / 1000, None, None, None, 0.0, 60.0):
+    for soon_s in (None, 0.8, SOON_RETRY_MS / 1000, SOON_RETRY_MS / 1000, None, None, None, 0.0, 60.0):
         wait_s, backoff_s = busy_retry_wait(backoff_s, soon_s)
         waits.append(wait_s)
-    # doubling from 0.5 s to at most 4 s; a named time is kept to (never below MIN_RETRY_S, never past the backoff)
+    # doubling from 0.5 s to at most 4 s; a named time sooner than the backoff is kept to (never below MIN_RETRY_S)
     # and does not double the backoff
-    assert waits == [0.5, 1.0, 0.25, 0.25, 2.0, 4.0, 4.0, MIN_RETRY_S, BUSY_BACKOFF_MAX_S]
+    assert waits == [0.5, 0.8, 0.25, 0.25, 1.0, 2.0, 4.0, MIN_RETRY_S, BUSY_BACKOFF_MAX_S]
+    # a named time later than the backoff: the backoff, doubled after it
+    assert busy_retry_wait(0.5, 0.8) == (0.5, 1.0)
 
 
 def test_a_restore_into_scattered_free_pages_moves_kv_pages_aside_and_the_sessions_compute_on_exactly(

@@ -85,7 +85,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.admission import KVPolicy, SessionEnd, averaged_interval, busy_retry_wait, room_in_s
+from orchestrator.admission import KVPolicy, SessionPace, averaged_interval, busy_retry_wait, room_in_s
 from orchestrator.buddy import (
     RESTORE_CALM_S,
     SegmentReplica,
@@ -483,10 +483,12 @@ class _Sim:
             self.refused_tries.append(self.now)
         first, longest = c.retry_backoff_s
         backoff = self.backing_off.get(index, (first, 0.0))[0]
-        for unit in self.units.values():
-            waits = self.refused.setdefault(unit.members[0], {})
-            waits[index] = (self.now, waits.get(index, (0.0, self.now))[1])
-        soon_s = self._room_in_s(index, pages) if c.retry_hint else None
+        soon_s = None
+        if c.retry_hint:
+            for unit in self.units.values():
+                waits = self.refused.setdefault(unit.members[0], {})
+                waits[index] = (self.now, waits.get(index, (0.0, self.now))[1])
+            soon_s = self._room_in_s(index, pages)
         wait_s, next_backoff = busy_retry_wait(backoff, soon_s)
         self.backing_off[index] = (min(longest, next_backoff), self.now)
         self._push(self.now + c.open_s * len(self.units) + wait_s, "retry", index)
@@ -505,13 +507,8 @@ class _Sim:
             since = waits[index][1]
             ahead = sum(c.pages_of(self.requests[other]) for other, (_, first) in waits.items()
                         if other != index and first < since)
-            intervals = sorted(r.interval_s for r in unit.running if r.interval_s is not None)
-            if not intervals:
-                continue
-            typical_s = intervals[len(intervals) // 2]
-            ending = [SessionEnd((r.request.output - r.produced) * (r.interval_s or typical_s), r.pages)
-                      for r in unit.running]
-            room_s = room_in_s(policy, pages_free=unit.free, reserve=0, new_session_pages=pages, ending=ending,
+            running = [SessionPace(r.request.output - r.produced, r.interval_s, r.pages) for r in unit.running]
+            room_s = room_in_s(policy, pages_free=unit.free, reserve=0, new_session_pages=pages, running=running,
                                ahead_pages=ahead)
             if room_s is not None and (soonest is None or room_s < soonest):
                 soonest = room_s
