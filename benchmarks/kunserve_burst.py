@@ -440,7 +440,8 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
         kv_bytes_per_token_block=first["kv_bytes_per_token"],
         prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping,
         retry_backoff_s=(BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S), refused_window_s=REFUSED_WINDOW_S,
-        retry_hint=servers_name_room(base.workdir and base.workdir.parent),
+        retry_hint=run_marked(base.workdir and base.workdir.parent, ROOM_NAMED_FILE),
+        keep_named=run_marked(base.workdir and base.workdir.parent, ROOM_KEPT_FILE),
         lookup_s=tries.lookup_s, open_s=tries.open_s,
         records_max_age_s=ClientConfig().records_max_age_s,
         refused_try_cpu_ms=(refused_round_ms if refused_round_ms is not None
@@ -550,7 +551,9 @@ def exchange_bytes_per_s(runs: Sequence[ArmRun]) -> float | None:
 CLIENT_WORK_FILE = "client_work.json"  # in the run's workdir: the report reads it again
 REFUSED_TRIES_FILE = "refused_tries.json"  # in the run's workdir: the report reads it again
 LINK_CROSSING_FILE = "link_crossing_{rtt}.json"  # in the run's workdir, per RTT: the report reads it again
-ROOM_NAMED_FILE = "servers_name_room"  # in the run's workdir: its servers named when room comes (`servers_name_room`)
+# Markers in a run's workdir of what its servers did (`run_marked`): named when their sessions' ends make room (from
+# r50), and kept that room for the wait they named it to (from r54)
+ROOM_NAMED_FILE, ROOM_KEPT_FILE = "servers_name_room", "servers_keep_named_room"
 REFUSED_TRIES_KV_PAGES = 3  # KV pages per block of the servers that measure a refused round (full either way)
 CLIENT_WORK_SESSIONS = 8  # sessions whose tokens share the client's passes when its work is measured (the most the
 # dropped arms run at once)
@@ -596,10 +599,11 @@ def link_crossing_extra(workdir: Path | None, rtt_ms: float, measure: bool = Fal
     return LinkCrossing(**reading).relayed_extra_s()
 
 
-def servers_name_room(workdir: Path | None) -> bool:
-    """Gives whether the run kept in `workdir` had servers that, when full, named when their sessions' ends make
-    room (`ServerBusy.retry_after_s`, `SessionTable.room_in_s`); runs recorded before they did (r46-r49) had not."""
-    return workdir is not None and (workdir / ROOM_NAMED_FILE).is_file()
+def run_marked(workdir: Path | None, marker: str) -> bool:
+    """Gives whether the run kept in `workdir` was recorded with `marker`: with servers that, when full, named when
+    their sessions' ends make room (`ROOM_NAMED_FILE`: `ServerBusy.retry_after_s`, `SessionTable.room_in_s`), and kept
+    it for the wait they named it to (`ROOM_KEPT_FILE`: `SessionTable.kept_for_named`)."""
+    return workdir is not None and (workdir / marker).is_file()
 
 
 def refused_try_cpu_ms(workdir: Path | None) -> float:
@@ -1150,7 +1154,8 @@ def main(argv: list[str] | None = None) -> int:
         for rtt_ms in args.rtt:
             runs: dict[str, list[ArmRun]] = {arm: [] for arm in args.arms}
             root.mkdir(parents=True, exist_ok=True)
-            (root / ROOM_NAMED_FILE).touch()  # this run's servers name when room comes (`servers_name_room`)
+            for marker in (ROOM_NAMED_FILE, ROOM_KEPT_FILE):  # what this run's servers do (`run_marked`)
+                (root / marker).touch()
             extra = link_crossing_extra(root, rtt_ms, measure=True)
             print("a prompt's message beyond its bytes at the link's rate: " + ", ".join(
                 f"{size // (hidden_size() * WIRE_BYTES)} tokens {seconds * 1000:.0f} ms" for size, seconds in extra),

@@ -20,9 +20,11 @@ import torch
 from orchestrator.admission import (
     ClientQuota,
     KVPolicy,
+    NamedWait,
     SessionKV,
     SessionPace,
     averaged_interval,
+    pages_kept_for_named,
     room_in_s,
 )
 from swarm.errors import (
@@ -61,6 +63,19 @@ class StepResult:
     output: torch.Tensor
     compute_ms: float
     batches: int = 1
+
+
+@dataclass
+class RefusedWait:
+    """A wait this server refused for room (a client's `wait_id` across its tries, else one session): its latest and
+    first refusal, the pages it would take, and, if the latest refusal named a time for room, when that is and whose
+    wait it is (`orchestrator.admission.pages_kept_for_named`)."""
+
+    last_s: float
+    pages: int
+    first_s: float
+    room_at_s: float | None = None
+    client: str = ""
 
 
 @dataclass
@@ -178,21 +193,22 @@ class SessionTable:
 
     def __init__(
         self, *, block_start: int, block_end: int, pool: PagePool, tokens_per_page: int, max_length: int,
-        headroom_tokens: int, quota: ClientQuota | None = None,
+        headroom_tokens: int, quota: ClientQuota | None = None, clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`quota`: what one client may hold here (`orchestrator.admission.ClientQuota`; None: no cap)."""
+        """`quota`: what one client may hold here (`orchestrator.admission.ClientQuota`; None: no cap). `clock`: the
+        seconds the refused waits, the holds and the evictions are timed by (a session's activity: `time.monotonic`)."""
         self.block_start, self.block_end = block_start, block_end
         self.pool = pool
         self.tokens_per_page = tokens_per_page
         self.max_length = max_length
         self.policy = KVPolicy(tokens_per_page, headroom_tokens)
         self.quota = quota or ClientQuota(max_sessions=0, kv_share=1.0)
+        self.clock = clock
         self._sessions: dict[str, Session] = {}
         self._closing: dict[str, Session] = {}  # closed while a batch computes with them; freed when it ends
         self._evicted: OrderedDict[str, tuple[float, SwarmError]] = OrderedDict()  # id -> (when, what its steps get)
-        # a waiting session's key (its client's `wait_id`, else its id) -> (its latest refusal, pages, its first
-        # refusal) of opens refused for room
-        self._refused: OrderedDict[str, tuple[float, int, float]] = OrderedDict()
+        # a waiting session's key (its client's `wait_id`, else its id) -> its wait, of opens refused for room
+        self._refused: OrderedDict[str, RefusedWait] = OrderedDict()
         self._opened: OrderedDict[str, float] = OrderedDict()  # such a key -> when a session with it opened here
         # Pages a drop holds back from new sessions for the KV its group-mates' victims bring (`hold_for_exchange`):
         # how many are left, how long the hold lasts without an import, and when one last ran.
@@ -217,13 +233,13 @@ class SessionTable:
         Each session imported meanwhile takes its pages out of the hold; the rest lapses once no import has run for
         `idle_s` (the victims' servers stop waiting for room after as long). 0 ends the hold."""
         self._held_for_exchange, self._hold_idle_s = max(0, pages), idle_s
-        self._hold_active_s = time.monotonic()
+        self._hold_active_s = self.clock()
 
     def held_for_exchange(self) -> int:
         """Gives the pages still held back for a drop's exchange (0 once the hold lapsed)."""
         if not self._held_for_exchange:
             return 0
-        now = time.monotonic()
+        now = self.clock()
         if any(session.importing_from is not None for session in self._sessions.values()):
             self._hold_active_s = now
         elif now - self._hold_active_s > self._hold_idle_s:
@@ -270,7 +286,8 @@ class SessionTable:
             tokens=0, max_length=self.max_length, sequences=self.block_end - self.block_start
         )
         return self.policy.sessions_fit(
-            pages_free=self.pool.pages_free, reserve=self.growth_reserve() + self.held_for_exchange(),
+            pages_free=self.pool.pages_free,
+            reserve=self.growth_reserve() + self.held_for_exchange() + self.kept_for_named(),
             pages_per_session=per_session,
         )
 
@@ -323,23 +340,30 @@ class SessionTable:
             expected = self.policy.expected_pages(tokens=max(tokens - 1, prompt_tokens), max_length=max_length,
                                                   sequences=sequences)
             reserve = self.growth_reserve() + held
+        key = wait_id or session_id
+        # the room named to the waits before this one, about their time (a moved session's place was chosen for it)
+        kept = 0 if moved_in or kv_elsewhere else self.kept_for_named(key)
         pages_free = self.pool.pages_free
         # A lent victim takes no page now, and its KV comes only into room (`grow_block`): refusing it would keep
         # the lender's dropped blocks in use, whose pages are the room its group-mates' victims wait for
-        if not kv_elsewhere and not self.policy.admits(pages_free=pages_free, reserve=reserve,
+        if not kv_elsewhere and not self.policy.admits(pages_free=pages_free, reserve=reserve + kept,
                                                        new_session_pages=expected):
-            self._note_refused(wait_id or session_id, expected)
+            wait = self._note_refused(key, expected, opener)
             coming = self.pages_coming()
-            soon = coming > 0 and self.policy.admits(pages_free=pages_free + coming, reserve=reserve,
+            soon = coming > 0 and self.policy.admits(pages_free=pages_free + coming, reserve=reserve + kept,
                                                      new_session_pages=expected)
-            room_s = None if soon else self.room_in_s(wait_id or session_id, pages_free=pages_free, reserve=reserve,
+            # (the waits before it count in its room time, kept or not)
+            room_s = None if soon else self.room_in_s(key, pages_free=pages_free, reserve=reserve,
                                                       new_session_pages=expected)
+            wait.room_at_s = None if room_s is None else wait.last_s + room_s
             retry_after_ms = SOON_RETRY_MS if soon else None if room_s is None else max(1, round(room_s * 1000))
             raise ServerBusy(
                 f"no room for a session of {end - start} blocks x {batch} row(s): it is expected to take {expected} "
                 f"pages, {pages_free} are free and the {len(self)} open session(s) are expected to take "
                 f"{reserve - (0 if moved_in else held)} more as they grow"
                 + (f"; {held} are held for the KV a drop's exchange brings" if held and not moved_in else "")
+                + (f"; {kept} are kept for waits refused before it, whose named time for room is about now"
+                   if kept else "")
                 + (f"; {coming} more return as dropped blocks unload: ask again in {SOON_RETRY_MS} ms" if soon
                    else f"; its open sessions' ends are expected to make room in {room_s:.2f} s" if room_s is not None
                    else ""),
@@ -347,10 +371,10 @@ class SessionTable:
             )
         if moved_in and held:
             self._held_for_exchange = max(0, held - expected)
-            self._hold_active_s = time.monotonic()
+            self._hold_active_s = self.clock()
         session = Session(session_id, start, end, batch, max_length, opener=opener, prompt_tokens=prompt_tokens)
         self._sessions[session_id] = session
-        self._note_opened(wait_id or session_id)  # it holds pages now: no longer a demand beside them
+        self._note_opened(key)  # it holds pages now: no longer a demand beside them
         if kv_elsewhere:
             return session
         try:
@@ -388,7 +412,7 @@ class SessionTable:
         self._take(session, block, needed, missing)
         held = self.held_for_exchange()
         if held:  # the victim's KV is what the hold was for
-            self._held_for_exchange, self._hold_active_s = max(0, held - missing), time.monotonic()
+            self._held_for_exchange, self._hold_active_s = max(0, held - missing), self.clock()
         return True
 
     def _grow(self, session: Session, tokens: int) -> None:
@@ -496,7 +520,7 @@ class SessionTable:
         session = self._sessions.get(session_id)
         if session is None:
             evicted = self._evicted.get(session_id)
-            if evicted is not None and time.monotonic() - evicted[0] < EVICTED_TTL_S:
+            if evicted is not None and self.clock() - evicted[0] < EVICTED_TTL_S:
                 error = evicted[1]
                 raise type(error)(error.message)
             raise SessionNotFound(f"session {session_id!r} is not open on this server (unknown, closed or timed out)")
@@ -504,7 +528,7 @@ class SessionTable:
 
     def _note_opened(self, key: str) -> None:
         self._refused.pop(key, None)
-        self._opened[key] = time.monotonic()
+        self._opened[key] = self.clock()
         self._opened.move_to_end(key)
         while len(self._opened) > MAX_REMEMBERED:
             self._opened.popitem(last=False)
@@ -512,18 +536,20 @@ class SessionTable:
     def opened(self, window_s: float = REFUSED_WINDOW_S) -> list[str]:
         """Gives the keys (`wait_id`s, else ids) of the sessions that opened here in the last `window_s`, oldest
         first: a segment's leader no longer counts another member's refusal of one of them as demand."""
-        now = time.monotonic()
+        now = self.clock()
         while self._opened and now - next(iter(self._opened.values())) > window_s:
             self._opened.popitem(last=False)
         return list(self._opened)
 
-    def _note_refused(self, session_id: str, pages: int) -> None:
-        now = time.monotonic()
-        earlier = self._refused.get(session_id)
-        self._refused[session_id] = (now, pages, earlier[2] if earlier is not None else now)
-        self._refused.move_to_end(session_id)
+    def _note_refused(self, key: str, pages: int, client: str) -> RefusedWait:
+        now = self.clock()
+        earlier = self._refused.get(key)
+        wait = self._refused[key] = RefusedWait(now, pages, earlier.first_s if earlier is not None else now,
+                                                client=client)
+        self._refused.move_to_end(key)
         while len(self._refused) > MAX_REMEMBERED:
             self._refused.popitem(last=False)
+        return wait
 
     def kv_demand_pages(self, window_s: float = REFUSED_WINDOW_S) -> int:
         """Gives the KV pages asked of this server beyond what its sessions hold: what they are expected to take as
@@ -536,10 +562,10 @@ class SessionTable:
     def refused(self, window_s: float = REFUSED_WINDOW_S) -> dict[str, int]:
         """Gives the sessions refused for room in the last `window_s` that did not open here since: id -> the pages
         each would have taken."""
-        now = time.monotonic()
-        while self._refused and now - next(iter(self._refused.values()))[0] > window_s:
+        now = self.clock()
+        while self._refused and now - next(iter(self._refused.values())).last_s > window_s:
             self._refused.popitem(last=False)
-        return {session_id: pages for session_id, (_, pages, _) in self._refused.items()}
+        return {key: wait.pages for key, wait in self._refused.items()}
 
     def room_in_s(self, key: str, *, pages_free: int, reserve: int, new_session_pages: int) -> float | None:
         """Gives in how many seconds a session of `new_session_pages` that was just refused (its key: a `wait_id`,
@@ -552,10 +578,24 @@ class SessionTable:
             for session in self._sessions.values()
         ]
         self.refused()  # forgets the waits that ended
-        since = self._refused[key][2] if key in self._refused else time.monotonic()
-        ahead = sum(pages for other, (_, pages, first) in self._refused.items() if other != key and first < since)
+        since = self._refused[key].first_s if key in self._refused else self.clock()
+        ahead = sum(wait.pages for other, wait in self._refused.items() if other != key and wait.first_s < since)
         return room_in_s(self.policy, pages_free=pages_free, reserve=reserve, new_session_pages=new_session_pages,
                          running=running, ahead_pages=ahead)
+
+    def kept_for_named(self, key: str | None = None) -> int:
+        """Gives the free pages a new session of wait `key` (a `wait_id`, else its id; None: a wait not refused here
+        yet) may not take now: the room this server named to the waits refused before it, from shortly before their
+        named time until their clients have had time to come back (`orchestrator.admission.pages_kept_for_named`), at
+        most one client's page quota for one client's waits."""
+        self.refused()  # forgets the waits that ended
+        now = self.clock()
+        since = self._refused[key].first_s if key is not None and key in self._refused else now
+        named = [NamedWait(wait.first_s, wait.room_at_s, wait.pages, wait.client)
+                 for other, wait in self._refused.items()
+                 if other != key and wait.room_at_s is not None]
+        return pages_kept_for_named(named, now_s=now, since_s=since,
+                                    client_cap=self.quota.page_cap(self.pool.pages_for_kv))
 
     def evict(self, session_id: str, error: SwarmError) -> bool:
         """Closes a session the server can no longer serve (as `close`), and answers its later steps with `error`
@@ -565,7 +605,7 @@ class SessionTable:
             return False
         session.evicted = error
         self.close(session_id)
-        self._evicted[session_id] = (time.monotonic(), error)
+        self._evicted[session_id] = (self.clock(), error)
         self._evicted.move_to_end(session_id)
         while len(self._evicted) > MAX_REMEMBERED:
             self._evicted.popitem(last=False)
@@ -605,7 +645,7 @@ class SessionTable:
 
     def close_idle(self, idle_timeout_s: float) -> list[str]:
         """Closes the sessions idle for longer than `idle_timeout_s` and not running a step; gives their ids."""
-        now = time.monotonic()
+        now = time.monotonic()  # as the sessions' `last_active_s`
         expired = [
             s.session_id for s in list(self._sessions.values())
             if s.running is None and now - s.last_active_s > idle_timeout_s

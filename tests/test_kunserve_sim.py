@@ -539,3 +539,21 @@ def test_a_refused_client_asks_again_when_the_unit_names_its_room_if_sooner_than
     assert hinted.ttft_s[0] == pytest.approx(plain.ttft_s[0])
     # at 0.5 s the replica names the first's end: the second asks again then (at most one more short wait)
     assert first_end_s < hinted.ttft_s[1] < first_end_s + 0.1
+
+
+def test_a_unit_keeps_the_room_it_named_for_an_earlier_wait_from_a_later_arrival() -> None:
+    # one replica with room for one request at a time, a DHT lookup of 0.3 s before every try: the first decodes
+    # until about 2.03 s; the second, refused from 0.2 s on, is named that end and comes back after its lookup
+    config = dataclasses.replace(CONFIG, replicas=1, dropping=False, retry_backoff_s=(0.5, 4.0), lookup_s=0.3,
+                                 retry_hint=True, keep_named=True)
+    end_s = 2.0269
+    for later_s in (end_s - 0.25, end_s - 0.1):  # the third's first try comes between the room and the second's
+        requests = [SimRequest(0.0, 200, 170), SimRequest(0.2, 200, 170), SimRequest(later_s, 200, 170)]
+        result = simulate(config, requests)
+        first_end_s = result.ttft_s[0] + 169 * result.tbt_s[0]
+        assert first_end_s == pytest.approx(end_s, abs=1e-3)
+        second_s, third_s = (requests[i].arrival_s + result.ttft_s[i] for i in (1, 2))
+        assert first_end_s < second_s < first_end_s + 0.5  # its named room was kept until it came
+        assert third_s > second_s + 169 * result.tbt_s[1]  # the later arrival waits its turn
+        unkept = simulate(dataclasses.replace(config, keep_named=False), requests)
+        assert unkept.ttft_s[2] + requests[2].arrival_s < first_end_s + 0.5  # without the keep it takes the room

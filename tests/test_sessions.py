@@ -4,6 +4,7 @@ them even if they close meanwhile."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -12,7 +13,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from orchestrator import admission
-from orchestrator.admission import BUSY_BACKOFF_MAX_S, ClientQuota, KVPolicy, SessionKV, SessionPace, room_in_s
+from orchestrator.admission import (
+    BUSY_BACKOFF_MAX_S,
+    NAMED_ROOM_GRACE_S,
+    NAMED_ROOM_LEAD_S,
+    ClientQuota,
+    KVPolicy,
+    NamedWait,
+    SessionKV,
+    SessionPace,
+    pages_kept_for_named,
+    room_in_s,
+)
 from server.sessions import REFUSED_WINDOW_S, SessionTable
 from swarm.errors import (
     BlocksNotHosted,
@@ -471,6 +483,69 @@ def test_a_full_server_names_when_its_sessions_ends_make_room_and_a_later_wait_a
         with pytest.raises(ServerBusy) as prompted:
             sessions.open("d3", 0, 4, batch=2, max_length=30, wait_id="wait-d")
         assert prompted.value.retry_after_s == pytest.approx(0.5)  # "e": 10 tokens at 0.05 s
+        sessions.pool.check_invariants()
+
+    run(scenario)
+
+
+def test_the_room_named_to_a_wait_is_kept_from_later_waits_about_its_time_and_one_clients_keep_is_capped() -> None:
+    first = NamedWait(first_s=10.0, room_at_s=20.0, pages=4, client="alice")
+    second = NamedWait(first_s=11.0, room_at_s=25.0, pages=3, client="bob")
+    waits = [first, second]
+    # a new wait (first refused now) is behind both; only the one whose named time is about now keeps its room
+    assert pages_kept_for_named(waits, now_s=20.0, since_s=20.0) == 4
+    assert pages_kept_for_named(waits, now_s=20.0 - NAMED_ROOM_LEAD_S, since_s=30.0) == 4
+    assert pages_kept_for_named(waits, now_s=20.0 - NAMED_ROOM_LEAD_S - 0.01, since_s=30.0) == 0  # room came early
+    assert pages_kept_for_named(waits, now_s=20.0 + NAMED_ROOM_GRACE_S + 0.01, since_s=30.0) == 0  # it did not come
+    assert pages_kept_for_named(waits, now_s=24.5, since_s=30.0) == 3
+    # a wait ahead of them in line has nothing kept from it; the second has only the first's
+    assert pages_kept_for_named(waits, now_s=20.0, since_s=10.0) == 0
+    assert pages_kept_for_named([first, dataclasses.replace(second, room_at_s=20.5)], now_s=20.0, since_s=11.0) == 4
+    # one client's waits keep at most its cap; waits of unknown clients are not capped together
+    many = [NamedWait(first_s=float(i), room_at_s=20.0, pages=4, client="alice") for i in range(5)]
+    assert pages_kept_for_named(many, now_s=20.0, since_s=30.0, client_cap=6) == 6
+    assert pages_kept_for_named([*many, second], now_s=24.5, since_s=30.0, client_cap=6) == 3
+    anonymous = [dataclasses.replace(wait, client="") for wait in many]
+    assert pages_kept_for_named(anonymous, now_s=20.0, since_s=30.0, client_cap=6) == 20
+
+
+def test_a_full_server_keeps_the_room_it_named_for_the_first_wait_until_its_client_is_back_or_late() -> None:
+    async def scenario() -> None:
+        now = [100.0]
+        sessions = SessionTable(block_start=0, block_end=4, pool=PagePool(16 * 1024, 1024),
+                                tokens_per_page=TOKENS_PER_PAGE, max_length=128, headroom_tokens=0,
+                                clock=lambda: now[0])
+        # two sessions of 4 blocks x 2 rows fill the pool; "a" ends in 2 s (20 tokens at 0.1 s), "b" in 6 s
+        a = sessions.open("a", 0, 4, batch=2, max_length=30)
+        b = sessions.open("b", 0, 4, batch=2, max_length=70)
+        for session, interval_s in ((a, 0.1), (b, 0.1)):
+            session.position = 10
+            session.note_committed(10, 50.0)
+            session.note_committed(1, 50.0 + interval_s)
+        with pytest.raises(ServerBusy) as named:
+            sessions.open("c", 0, 4, batch=2, max_length=30, wait_id="wait-c", opener="alice")
+        assert named.value.retry_after_s == pytest.approx(2.0)
+        now[0] += 1.9
+        sessions.close("a")  # its room comes a little before the named time
+        with pytest.raises(ServerBusy, match="kept for waits refused before it") as later:
+            sessions.open("d", 0, 4, batch=2, max_length=30, wait_id="wait-d", opener="bob")
+        assert later.value.retry_after_s is not None  # d is told when room comes for it, after c
+        now[0] += 0.4  # c's client is back after its lookup: the room is there
+        sessions.open("c2", 0, 4, batch=2, max_length=30, wait_id="wait-c", opener="alice")
+        sessions.close("c2")
+        # d is first in line now; its room is there
+        sessions.open("d2", 0, 4, batch=2, max_length=30, wait_id="wait-d", opener="bob")
+        # a wait whose client opened elsewhere keeps its named room only until its grace has passed
+        with pytest.raises(ServerBusy) as other:  # d2 has no interval yet: at b's, 30 tokens at 0.1 s
+            sessions.open("f", 0, 4, batch=2, max_length=30, wait_id="wait-f", opener="carol")
+        assert other.value.retry_after_s == pytest.approx(3.0)
+        room_at = now[0] + 3.0
+        sessions.close("d2")
+        now[0] = room_at
+        with pytest.raises(ServerBusy, match="kept for waits"):
+            sessions.open("g", 0, 4, batch=2, max_length=30, wait_id="wait-g", opener="dave")
+        now[0] = room_at + NAMED_ROOM_GRACE_S + 0.01
+        sessions.open("g2", 0, 4, batch=2, max_length=30, wait_id="wait-g", opener="dave")
         sessions.pool.check_invariants()
 
     run(scenario)

@@ -85,7 +85,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchestrator.admission import KVPolicy, SessionPace, averaged_interval, busy_retry_wait, room_in_s
+from orchestrator.admission import (
+    KVPolicy,
+    NamedWait,
+    SessionPace,
+    averaged_interval,
+    busy_retry_wait,
+    pages_kept_for_named,
+    room_in_s,
+)
 from orchestrator.buddy import (
     RESTORE_CALM_S,
     SegmentReplica,
@@ -148,6 +156,9 @@ class KunServeSimConfig:
     # tokens (a request with none yet at the unit's median); a request asks again then if that is sooner than its
     # backoff (`orchestrator.admission.busy_retry_wait`)
     retry_hint: bool = False
+    # With `retry_hint`: a unit keeps the room it named from the tries of later waits about that time, as the swarm's
+    # servers do (`SessionTable.kept_for_named`)
+    keep_named: bool = False
     refused_window_s: float = 5.0
     # A client's try (with `retry_backoff_s`), as a live client's: a DHT lookup (`lookup_s`) unless a try began one
     # at most `records_max_age_s` before and it has ended (the client routes on those records: live, half the rounds
@@ -355,9 +366,10 @@ class _Sim:
         self.queue: deque[int] = deque()
         self.backing_off: dict[int, tuple[float, float]] = {}  # request -> (its next backoff s, last refusal s)
         # per member: the requests its unit refused (a unit refuses at its first member, as a pair's first server
-        # does), request -> (its latest refusal s, its first), until it opens on that unit or `refused_window_s`
-        # has passed since its latest refusal, as a live server remembers its refused waits (`SessionTable.refused`)
-        self.refused: dict[int, dict[int, tuple[float, float]]] = {}
+        # does), request -> (its latest refusal s, its first, when its latest refusal named room to come or None),
+        # until it opens on that unit or `refused_window_s` has passed since its latest refusal, as a live server
+        # remembers its refused waits (`SessionTable.refused`)
+        self.refused: dict[int, dict[int, tuple[float, float, float | None]]] = {}
         self.events: list[tuple[float, int, str, int, _Batch | None]] = []
         self.sequence = 0
         self.ttft = np.full(len(self.requests), math.nan)
@@ -472,7 +484,7 @@ class _Sim:
         c = self.config
         assert c.retry_backoff_s is not None
         pages = c.pages_of(self.requests[index])
-        unit = self._place(pages)
+        unit = self._place(pages, index)
         if unit is not None:
             self.backing_off.pop(index, None)
             self.refused.get(unit.members[0], {}).pop(index, None)
@@ -487,7 +499,7 @@ class _Sim:
         if c.retry_hint:
             for unit in self.units.values():
                 waits = self.refused.setdefault(unit.members[0], {})
-                waits[index] = (self.now, waits.get(index, (0.0, self.now))[1])
+                waits[index] = (self.now, waits.get(index, (0.0, self.now, None))[1], None)
             soon_s = self._room_in_s(index, pages)
         wait_s, next_backoff = busy_retry_wait(backoff, soon_s)
         self.backing_off[index] = (min(longest, next_backoff), self.now)
@@ -496,23 +508,39 @@ class _Sim:
     def _room_in_s(self, index: int, pages: int) -> float | None:
         """Gives the soonest a unit expects room for refused request `index` of `pages`, as a swarm server names it
         (`retry_hint`): after the requests it refused before this one and still remembers (those that opened on
-        another unit meanwhile too: a server does not know), None if none does."""
+        another unit meanwhile too: a server does not know), None if none does. Each unit keeps its time for the
+        request's wait (`_kept`)."""
         c = self.config
         policy = KVPolicy(c.tokens_per_page)
         soonest = None
         for unit in self.units.values():
-            waits = self.refused[unit.members[0]]
-            for other in [other for other, (last, _) in waits.items() if self.now - last > c.refused_window_s]:
-                del waits[other]
-            since = waits[index][1]
-            ahead = sum(c.pages_of(self.requests[other]) for other, (_, first) in waits.items()
+            waits = self._waits(unit)
+            last, since, _ = waits[index]
+            ahead = sum(c.pages_of(self.requests[other]) for other, (_, first, _) in waits.items()
                         if other != index and first < since)
             running = [SessionPace(r.request.output - r.produced, r.interval_s, r.pages) for r in unit.running]
             room_s = room_in_s(policy, pages_free=unit.free, reserve=0, new_session_pages=pages, running=running,
                                ahead_pages=ahead)
+            waits[index] = (last, since, None if room_s is None else self.now + room_s)
             if room_s is not None and (soonest is None or room_s < soonest):
                 soonest = room_s
         return soonest
+
+    def _waits(self, unit: _Unit) -> dict[int, tuple[float, float, float | None]]:
+        """Gives the waits `unit` refused and still remembers (`refused`), forgetting those past `refused_window_s`."""
+        waits = self.refused.setdefault(unit.members[0], {})
+        for other in [other for other, (last, _, _) in waits.items() if self.now - last > self.config.refused_window_s]:
+            del waits[other]
+        return waits
+
+    def _kept(self, unit: _Unit, index: int) -> int:
+        """Gives the free pages of `unit` that request `index` may not take now (`keep_named`): the room it named to
+        the waits it refused before, about their time, as a swarm server keeps it (`SessionTable.kept_for_named`)."""
+        waits = self._waits(unit)
+        since = waits[index][1] if index in waits else self.now
+        named = [NamedWait(first, room_at, self.config.pages_of(self.requests[other]))
+                 for other, (_, first, room_at) in waits.items() if other != index and room_at is not None]
+        return pages_kept_for_named(named, now_s=self.now, since_s=since)
 
     def _dispatch(self) -> None:
         c = self.config
@@ -562,14 +590,17 @@ class _Sim:
         self.client_link_free_s[way] = max(at_s, self.client_link_free_s[way]) + size / c.client_link_bytes_per_s
         return self.client_link_free_s[way] + link_extra_s(c.client_link_extra_s, size)
 
-    def _place(self, pages: int) -> _Unit | None:
+    def _place(self, pages: int, index: int | None = None) -> _Unit | None:
         """Gives the unit a request of `pages` goes to: among those with room for it, the one running the fewest
         requests per member (ties: the most free pages); None if none has room. [chosen: KunServe's dispatcher
         re-balances load after a drop so that a group's freed memory does not queue the burst on its members'
         compute (Sec. 4.3); placing by free pages alone sent every arrival to the newest group, whose prefill then
         queued for seconds while the whole replicas computed less.] With `placement` "fewest_hops": the unit of
-        fewest members with room, the oldest first, whatever its load (swarm clients' latency routing)."""
-        fits = [unit for unit in self.units.values() if unit.free >= pages]
+        fewest members with room, the oldest first, whatever its load (swarm clients' latency routing). A client's try
+        (`index`) does not take the room a unit named to the waits before it (`_kept`, with `keep_named`)."""
+        kept = ({uid: self._kept(unit, index) for uid, unit in self.units.items()}
+                if index is not None and self.config.retry_hint and self.config.keep_named else {})
+        fits = [unit for unit in self.units.values() if unit.free - kept.get(unit.uid, 0) >= pages]
         if self.config.placement == "fewest_hops":
             return min(fits, key=lambda u: (len(u.members), u.uid), default=None)
         return min(fits, key=lambda u: (len(u.running) / len(u.members), -u.free, u.uid), default=None)
