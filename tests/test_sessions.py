@@ -497,14 +497,14 @@ def test_the_room_named_to_a_wait_is_kept_from_later_waits_about_its_time_and_on
     assert pages_kept_for_named(waits, now_s=20.0 - NAMED_ROOM_LEAD_S, since_s=30.0) == 4
     assert pages_kept_for_named(waits, now_s=20.0 - NAMED_ROOM_LEAD_S - 0.01, since_s=30.0) == 0  # room came early
     assert pages_kept_for_named(waits, now_s=20.0 + NAMED_ROOM_GRACE_S + 0.01, since_s=30.0) == 0  # it did not come
-    assert pages_kept_for_named(waits, now_s=24.5, since_s=30.0) == 3
+    assert pages_kept_for_named(waits, now_s=25.0 - NAMED_ROOM_LEAD_S, since_s=30.0) == 3
     # a wait ahead of them in line has nothing kept from it; the second has only the first's
     assert pages_kept_for_named(waits, now_s=20.0, since_s=10.0) == 0
     assert pages_kept_for_named([first, dataclasses.replace(second, room_at_s=20.5)], now_s=20.0, since_s=11.0) == 4
     # one client's waits keep at most its cap; waits of unknown clients are not capped together
     many = [NamedWait(first_s=float(i), room_at_s=20.0, pages=4, client="alice") for i in range(5)]
     assert pages_kept_for_named(many, now_s=20.0, since_s=30.0, client_cap=6) == 6
-    assert pages_kept_for_named([*many, second], now_s=24.5, since_s=30.0, client_cap=6) == 3
+    assert pages_kept_for_named([*many, second], now_s=25.0, since_s=30.0, client_cap=6) == 3
     anonymous = [dataclasses.replace(wait, client="") for wait in many]
     assert pages_kept_for_named(anonymous, now_s=20.0, since_s=30.0, client_cap=6) == 20
 
