@@ -82,7 +82,7 @@ from client.batched_head import MAX_GANG_WAIT_S
 from client.swarm_client import ClientConfig
 from netem.network import EmulatedNetwork
 from netem.topology import constant
-from orchestrator.admission import BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S
+from orchestrator.admission import BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S, NAMED_ROOM_GRACE_S, NAMED_ROOM_LEAD_S
 from orchestrator.sim.kunserve_sim import KunServeSimConfig, KunServeSimResult, SimRequest, simulate
 from orchestrator.sim.workload import Trace, load_azure_trace
 from server.scheduler import DEFAULT_MAX_BATCH_TOKENS
@@ -441,7 +441,8 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
         prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping,
         retry_backoff_s=(BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S), refused_window_s=REFUSED_WINDOW_S,
         retry_hint=run_marked(base.workdir and base.workdir.parent, ROOM_NAMED_FILE),
-        keep_named=run_marked(base.workdir and base.workdir.parent, ROOM_KEPT_FILE),
+        keep_named=kept_window(base.workdir and base.workdir.parent) is not None,
+        keep_window_s=kept_window(base.workdir and base.workdir.parent) or (NAMED_ROOM_LEAD_S, NAMED_ROOM_GRACE_S),
         lookup_s=tries.lookup_s, open_s=tries.open_s,
         records_max_age_s=ClientConfig().records_max_age_s,
         refused_try_cpu_ms=(refused_round_ms if refused_round_ms is not None
@@ -551,8 +552,8 @@ def exchange_bytes_per_s(runs: Sequence[ArmRun]) -> float | None:
 CLIENT_WORK_FILE = "client_work.json"  # in the run's workdir: the report reads it again
 REFUSED_TRIES_FILE = "refused_tries.json"  # in the run's workdir: the report reads it again
 LINK_CROSSING_FILE = "link_crossing_{rtt}.json"  # in the run's workdir, per RTT: the report reads it again
-# Markers in a run's workdir of what its servers did (`run_marked`): named when their sessions' ends make room (from
-# r50), and kept that room for the wait they named it to (from r54)
+# Markers in a run's workdir of what its servers did: named when their sessions' ends make room (from r50,
+# `run_marked`), and kept that room for the wait they named it to (from r54, `kept_window`)
 ROOM_NAMED_FILE, ROOM_KEPT_FILE = "servers_name_room", "servers_keep_named_room"
 REFUSED_TRIES_KV_PAGES = 3  # KV pages per block of the servers that measure a refused round (full either way)
 CLIENT_WORK_SESSIONS = 8  # sessions whose tokens share the client's passes when its work is measured (the most the
@@ -600,10 +601,25 @@ def link_crossing_extra(workdir: Path | None, rtt_ms: float, measure: bool = Fal
 
 
 def run_marked(workdir: Path | None, marker: str) -> bool:
-    """Gives whether the run kept in `workdir` was recorded with `marker`: with servers that, when full, named when
-    their sessions' ends make room (`ROOM_NAMED_FILE`: `ServerBusy.retry_after_s`, `SessionTable.room_in_s`), and kept
-    it for the wait they named it to (`ROOM_KEPT_FILE`: `SessionTable.kept_for_named`)."""
+    """Gives whether the run kept in `workdir` was recorded with `marker` (`ROOM_NAMED_FILE`: with servers that, when
+    full, named when their sessions' ends make room, `ServerBusy.retry_after_s`, `SessionTable.room_in_s`)."""
     return workdir is not None and (workdir / marker).is_file()
+
+
+R54_KEEP_WINDOW_S = (1.0, 1.0)  # the window of the first run whose servers kept named room (its marker is empty)
+
+
+def kept_window(workdir: Path | None) -> tuple[float, float] | None:
+    """Gives how long before and after a named time the servers of the run kept in `workdir` kept the room they had
+    named (`ROOM_KEPT_FILE`, `SessionTable.kept_for_named`); None if they did not keep it (runs before r54)."""
+    if not run_marked(workdir, ROOM_KEPT_FILE):
+        return None
+    assert workdir is not None
+    text = (workdir / ROOM_KEPT_FILE).read_text().strip()
+    if not text:
+        return R54_KEEP_WINDOW_S
+    window = json.loads(text)
+    return float(window["lead_s"]), float(window["grace_s"])
 
 
 def refused_try_cpu_ms(workdir: Path | None) -> float:
@@ -1154,8 +1170,8 @@ def main(argv: list[str] | None = None) -> int:
         for rtt_ms in args.rtt:
             runs: dict[str, list[ArmRun]] = {arm: [] for arm in args.arms}
             root.mkdir(parents=True, exist_ok=True)
-            for marker in (ROOM_NAMED_FILE, ROOM_KEPT_FILE):  # what this run's servers do (`run_marked`)
-                (root / marker).touch()
+            (root / ROOM_NAMED_FILE).touch()  # what this run's servers do (`run_marked`, `kept_window`)
+            (root / ROOM_KEPT_FILE).write_text(json.dumps({"lead_s": NAMED_ROOM_LEAD_S, "grace_s": NAMED_ROOM_GRACE_S}))
             extra = link_crossing_extra(root, rtt_ms, measure=True)
             print("a prompt's message beyond its bytes at the link's rate: " + ", ".join(
                 f"{size // (hidden_size() * WIRE_BYTES)} tokens {seconds * 1000:.0f} ms" for size, seconds in extra),

@@ -132,15 +132,16 @@ class NamedWait:
 
 
 def pages_kept_for_named(
-    waits: Iterable[NamedWait], *, now_s: float, since_s: float, client_cap: int | None = None
+    waits: Iterable[NamedWait], *, now_s: float, since_s: float, client_cap: int | None = None,
+    window_s: tuple[float, float] = (NAMED_ROOM_LEAD_S, NAMED_ROOM_GRACE_S),
 ) -> int:
     """Gives the free pages a wait first refused at `since_s` (now, for a new one) may not take now: the room named
-    to the waits ahead of it in line whose time is about now (`NAMED_ROOM_LEAD_S` before it to `NAMED_ROOM_GRACE_S`
-    after), at most `client_cap` pages for one client's waits (None: no cap), so that no client keeps a server's room
-    by waiting."""
+    to the waits ahead of it in line whose time is about now (`window_s`: from so long before it to so long after), at
+    most `client_cap` pages for one client's waits (None: no cap), so that no client keeps a server's room by
+    waiting."""
     kept: dict[str, int] = {}
     for wait in waits:
-        about_now = wait.room_at_s - NAMED_ROOM_LEAD_S <= now_s <= wait.room_at_s + NAMED_ROOM_GRACE_S
+        about_now = wait.room_at_s - window_s[0] <= now_s <= wait.room_at_s + window_s[1]
         if wait.first_s < since_s and about_now:
             kept[wait.client] = kept.get(wait.client, 0) + wait.pages
     return sum(pages if client_cap is None or not client else min(pages, client_cap) for client, pages in kept.items())

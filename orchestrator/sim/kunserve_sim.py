@@ -86,6 +86,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from orchestrator.admission import (
+    NAMED_ROOM_GRACE_S,
+    NAMED_ROOM_LEAD_S,
     KVPolicy,
     NamedWait,
     SessionPace,
@@ -157,8 +159,9 @@ class KunServeSimConfig:
     # backoff (`orchestrator.admission.busy_retry_wait`)
     retry_hint: bool = False
     # With `retry_hint`: a unit keeps the room it named from the tries of later waits about that time, as the swarm's
-    # servers do (`SessionTable.kept_for_named`)
+    # servers do (`SessionTable.kept_for_named`), from `keep_window_s` before the time to after it
     keep_named: bool = False
+    keep_window_s: tuple[float, float] = (NAMED_ROOM_LEAD_S, NAMED_ROOM_GRACE_S)
     refused_window_s: float = 5.0
     # A client's try (with `retry_backoff_s`), as a live client's: a DHT lookup (`lookup_s`) unless a try began one
     # at most `records_max_age_s` before and it has ended (the client routes on those records: live, half the rounds
@@ -540,7 +543,7 @@ class _Sim:
         since = waits[index][1] if index in waits else self.now
         named = [NamedWait(first, room_at, self.config.pages_of(self.requests[other]))
                  for other, (_, first, room_at) in waits.items() if other != index and room_at is not None]
-        return pages_kept_for_named(named, now_s=self.now, since_s=since)
+        return pages_kept_for_named(named, now_s=self.now, since_s=since, window_s=self.config.keep_window_s)
 
     def _dispatch(self) -> None:
         c = self.config
