@@ -426,6 +426,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     refused_round_ms = untracked.refused_round_ms if untracked is not None else None
     prefill_ms = prefill_token_ms_under_load(base, fixed)
     tries = client_tries_of(base)
+    keep_window = kept_window(base.workdir and base.workdir.parent)
     cpu = base.batch_cpu()
     if cpu is not None:  # the costs at the servers' CPU time: the simulator's sharing adds what contention took
         prefill_ms /= cpu.prompt_wall_over_cpu
@@ -441,8 +442,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
         prefill_chunk_tokens=DEFAULT_MAX_BATCH_TOKENS["cpu"], dropping=dropping,
         retry_backoff_s=(BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S), refused_window_s=REFUSED_WINDOW_S,
         retry_hint=run_marked(base.workdir and base.workdir.parent, ROOM_NAMED_FILE),
-        keep_named=kept_window(base.workdir and base.workdir.parent) is not None,
-        keep_window_s=kept_window(base.workdir and base.workdir.parent) or (NAMED_ROOM_LEAD_S, NAMED_ROOM_GRACE_S),
+        keep_named=keep_window is not None, keep_window_s=keep_window or (NAMED_ROOM_LEAD_S, NAMED_ROOM_GRACE_S),
         lookup_s=tries.lookup_s, open_s=tries.open_s,
         records_max_age_s=ClientConfig().records_max_age_s,
         refused_try_cpu_ms=(refused_round_ms if refused_round_ms is not None
@@ -606,19 +606,13 @@ def run_marked(workdir: Path | None, marker: str) -> bool:
     return workdir is not None and (workdir / marker).is_file()
 
 
-R54_KEEP_WINDOW_S = (1.0, 1.0)  # the window of the first run whose servers kept named room (its marker is empty)
-
-
 def kept_window(workdir: Path | None) -> tuple[float, float] | None:
     """Gives how long before and after a named time the servers of the run kept in `workdir` kept the room they had
     named (`ROOM_KEPT_FILE`, `SessionTable.kept_for_named`); None if they did not keep it (runs before r54)."""
     if not run_marked(workdir, ROOM_KEPT_FILE):
         return None
     assert workdir is not None
-    text = (workdir / ROOM_KEPT_FILE).read_text().strip()
-    if not text:
-        return R54_KEEP_WINDOW_S
-    window = json.loads(text)
+    window = json.loads((workdir / ROOM_KEPT_FILE).read_text())
     return float(window["lead_s"]), float(window["grace_s"])
 
 

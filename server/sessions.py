@@ -577,9 +577,8 @@ class SessionTable:
                         session.pages_held, self._kv_of(session).growth_pages)
             for session in self._sessions.values()
         ]
-        self.refused()  # forgets the waits that ended
-        since = self._refused[key].first_s if key in self._refused else self.clock()
-        ahead = sum(wait.pages for other, wait in self._refused.items() if other != key and wait.first_s < since)
+        _, before = self._waits_before(key)
+        ahead = sum(wait.pages for wait in before)
         return room_in_s(self.policy, pages_free=pages_free, reserve=reserve, new_session_pages=new_session_pages,
                          running=running, ahead_pages=ahead)
 
@@ -588,14 +587,18 @@ class SessionTable:
         yet) may not take now: the room this server named to the waits refused before it, from shortly before their
         named time until their clients have had time to come back (`orchestrator.admission.pages_kept_for_named`), at
         most one client's page quota for one client's waits."""
-        self.refused()  # forgets the waits that ended
-        now = self.clock()
-        since = self._refused[key].first_s if key is not None and key in self._refused else now
+        since, before = self._waits_before(key)
         named = [NamedWait(wait.first_s, wait.room_at_s, wait.pages, wait.client)
-                 for other, wait in self._refused.items()
-                 if other != key and wait.room_at_s is not None]
-        return pages_kept_for_named(named, now_s=now, since_s=since,
+                 for wait in before if wait.room_at_s is not None]
+        return pages_kept_for_named(named, now_s=self.clock(), since_s=since,
                                     client_cap=self.quota.page_cap(self.pool.pages_for_kv))
+
+    def _waits_before(self, key: str | None) -> tuple[float, list[RefusedWait]]:
+        """Gives when wait `key` was first refused here (now, if it was not) and the waits still remembered that were
+        refused before it: its place in line."""
+        self.refused()  # forgets the waits that ended
+        since = self._refused[key].first_s if key is not None and key in self._refused else self.clock()
+        return since, [wait for other, wait in self._refused.items() if other != key and wait.first_s < since]
 
     def evict(self, session_id: str, error: SwarmError) -> bool:
         """Closes a session the server can no longer serve (as `close`), and answers its later steps with `error`

@@ -259,6 +259,8 @@ class KunServeSimConfig:
             raise ValueError("other_work_weight must be >= 0")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.keep_named and not self.retry_hint:
+            raise ValueError("keep_named keeps the room retry_hint names: it needs retry_hint")
 
     @property
     def params_pages_per_block(self) -> int:
@@ -602,7 +604,7 @@ class _Sim:
         fewest members with room, the oldest first, whatever its load (swarm clients' latency routing). A client's try
         (`index`) does not take the room a unit named to the waits before it (`_kept`, with `keep_named`)."""
         kept = ({uid: self._kept(unit, index) for uid, unit in self.units.items()}
-                if index is not None and self.config.retry_hint and self.config.keep_named else {})
+                if index is not None and self.config.keep_named else {})
         fits = [unit for unit in self.units.values() if unit.free - kept.get(unit.uid, 0) >= pages]
         if self.config.placement == "fewest_hops":
             return min(fits, key=lambda u: (len(u.members), u.uid), default=None)
