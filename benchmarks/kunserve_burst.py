@@ -443,6 +443,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
         retry_backoff_s=(BUSY_BACKOFF_FIRST_S, BUSY_BACKOFF_MAX_S), refused_window_s=REFUSED_WINDOW_S,
         retry_hint=run_marked(base.workdir and base.workdir.parent, ROOM_NAMED_FILE),
         keep_named=keep_window is not None, keep_window_s=keep_window or (NAMED_ROOM_LEAD_S, NAMED_ROOM_GRACE_S),
+        withdraw_waits=run_marked(base.workdir and base.workdir.parent, WAITS_WITHDRAWN_FILE),
         lookup_s=tries.lookup_s, open_s=tries.open_s,
         records_max_age_s=ClientConfig().records_max_age_s,
         refused_try_cpu_ms=(refused_round_ms if refused_round_ms is not None
@@ -552,9 +553,11 @@ def exchange_bytes_per_s(runs: Sequence[ArmRun]) -> float | None:
 CLIENT_WORK_FILE = "client_work.json"  # in the run's workdir: the report reads it again
 REFUSED_TRIES_FILE = "refused_tries.json"  # in the run's workdir: the report reads it again
 LINK_CROSSING_FILE = "link_crossing_{rtt}.json"  # in the run's workdir, per RTT: the report reads it again
-# Markers in a run's workdir of what its servers did: named when their sessions' ends make room (from r50,
-# `run_marked`), and kept that room for the wait they named it to (from r54, `kept_window`)
+# Markers in a run's workdir of what its servers and clients did: named when their sessions' ends make room (from
+# r50, `run_marked`), kept that room for the wait they named it to (from r54, `kept_window`), and withdrew a wait from
+# the servers that had refused it once it opened on another (from r57)
 ROOM_NAMED_FILE, ROOM_KEPT_FILE = "servers_name_room", "servers_keep_named_room"
+WAITS_WITHDRAWN_FILE = "clients_withdraw_waits"
 REFUSED_TRIES_KV_PAGES = 3  # KV pages per block of the servers that measure a refused round (full either way)
 CLIENT_WORK_SESSIONS = 8  # sessions whose tokens share the client's passes when its work is measured (the most the
 # dropped arms run at once)
@@ -1164,7 +1167,8 @@ def main(argv: list[str] | None = None) -> int:
         for rtt_ms in args.rtt:
             runs: dict[str, list[ArmRun]] = {arm: [] for arm in args.arms}
             root.mkdir(parents=True, exist_ok=True)
-            (root / ROOM_NAMED_FILE).touch()  # what this run's servers do (`run_marked`, `kept_window`)
+            (root / ROOM_NAMED_FILE).touch()  # what this run's servers and clients do (`run_marked`, `kept_window`)
+            (root / WAITS_WITHDRAWN_FILE).touch()
             (root / ROOM_KEPT_FILE).write_text(json.dumps({"lead_s": NAMED_ROOM_LEAD_S, "grace_s": NAMED_ROOM_GRACE_S}))
             extra = link_crossing_extra(root, rtt_ms, measure=True)
             print("a prompt's message beyond its bytes at the link's rate: " + ", ".join(

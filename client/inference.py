@@ -148,6 +148,11 @@ class _Follow:
     position: int
 
 
+def _wait_key(wait_id: str, span: Span) -> str:
+    """Gives the key a server remembers a client's wait for `span`'s blocks by (`open`'s `wait_id`)."""
+    return f"{wait_id}:{span.start}:{span.end}"
+
+
 class RemoteInferenceSession:
     """Async core of an inference session; `InferenceSession` is its synchronous face."""
 
@@ -230,6 +235,7 @@ class RemoteInferenceSession:
         soon_s: float | None = None  # the earliest time a server of this round that refused it asked to be tried again
         attempts = self.open_attempts
         wait_id = uuid.uuid4().hex  # this wait, across its tries and rounds: servers count its refusals once
+        refused_by: dict[str, Span] = {}  # the servers that refused this wait for room: it withdraws from them
         servers: dict[str, ServerRecord] | None = None  # this round's records
         if records_max_age_s > 0:
             servers = self.client.recent_servers(records_max_age_s)
@@ -273,6 +279,10 @@ class RemoteInferenceSession:
                     started = time.perf_counter()
                     opened.append(await self.open_span(span, wait_id=wait_id))
                     attempts.append(OpenAttempt("open", started, time.perf_counter(), span.peer_id))
+                on_route = {span.peer_id for span in route}
+                for peer_id, span in refused_by.items():
+                    if peer_id not in on_route:
+                        self.client.withdraw_wait(span.record, _wait_key(wait_id, span))
                 return opened
             except RECOVERABLE_AT_OPEN as error:
                 attempts.append(OpenAttempt("open", started, time.perf_counter(), span.peer_id, type(error).__name__))
@@ -286,6 +296,8 @@ class RemoteInferenceSession:
                 if isinstance(error, ServerBusy | BlocksNotHosted):  # full, or the record it routed on is stale
                     busy.add(span.peer_id)
                     answered_busy |= isinstance(error, ServerBusy)
+                    if isinstance(error, ServerBusy):
+                        refused_by[span.peer_id] = span
                     hint_s = error.retry_after_s if isinstance(error, ServerBusy) else None
                     if hint_s is not None:
                         soon_s = hint_s if soon_s is None else min(soon_s, hint_s)
@@ -322,7 +334,7 @@ class RemoteInferenceSession:
         payload: dict[str, object] = {"session_id": session_id or uuid.uuid4().hex, "blocks": [span.start, span.end],
                                       "max_length": self.max_length, "batch": self.batch}
         if wait_id is not None:
-            payload["wait_id"] = f"{wait_id}:{span.start}:{span.end}"
+            payload["wait_id"] = _wait_key(wait_id, span)
         first_step = max(self.prompt_tokens, self.position)  # the prompt, or what a replay brings
         if first_step:
             payload["prompt_tokens"] = first_step

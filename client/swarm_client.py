@@ -66,6 +66,7 @@ class SwarmClient:
         self.step_frames = StepFrames()  # decode steps of this client's sessions, one frame per server
         self._orchestrator: tuple[OrchestratorRecord | None, float] | None = None  # (record, looked up at)
         self._servers: tuple[dict[str, ServerRecord], float] | None = None  # the last lookup, and when it began
+        self._withdrawals: set[asyncio.Task[None]] = set()  # waits being withdrawn from servers (`withdraw_wait`)
 
     def run(self, coroutine, timeout: float | None = None):  # type: ignore[no-untyped-def]
         """Runs a coroutine on the client's loop and gives its result."""
@@ -212,6 +213,24 @@ class SwarmClient:
             await lease.release(0)
             return None
         return lease
+
+    def withdraw_wait(self, record: ServerRecord, wait_key: str) -> None:
+        """Tells the server of `record`, in the background, that the wait it refused as `wait_key` opened elsewhere,
+        so that it no longer stands in its line: the server would otherwise count it, and keep the room it named to
+        it, until the wait's refusals are `server.sessions.REFUSED_WINDOW_S` old. Must run on the client's loop."""
+        task = asyncio.get_running_loop().create_task(self._withdraw(record, wait_key), name="withdraw-wait")
+        self._withdrawals.add(task)
+        task.add_done_callback(self._withdrawals.discard)
+
+    async def _withdraw(self, record: ServerRecord, wait_key: str) -> None:
+        try:
+            connection = await self.connect(record)
+            try:
+                await connection.call("withdraw", {"wait_id": wait_key}, timeout=self.config.connect_timeout_s)
+            finally:
+                await connection.close()
+        except (SwarmError, OSError, TimeoutError) as error:  # a courtesy: the server forgets the wait in time anyway
+            log.debug("Could not withdraw a wait from %s: %s", record.peer_id, error)
 
     def shutdown(self) -> None:
         """Leaves the DHT and stops the background loop."""

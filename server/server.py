@@ -234,8 +234,8 @@ class SwarmServer:
         p2p = self.p2p = await self.dht.replicate_p2p()
         self.rpc = RpcServer(p2p, max_frame_bytes=self.config.max_frame_bytes)
         methods = {"info": self._info, "open": self._open, "step": self._step, "steps": self._steps, "push": self._push,
-                   "close": self._close, "assign": self._assign, "drop": self._drop, "restore": self._restore,
-                   "migrate": self._migrate,
+                   "close": self._close, "withdraw": self._withdraw, "assign": self._assign, "drop": self._drop,
+                   "restore": self._restore, "migrate": self._migrate,
                    "import_open": self._import_open, "import_kv": self._import_kv, "import_commit": self._import_commit,
                    "import_abort": self._import_abort, "kv_report": self.packing.kv_report,
                    "export": self.exchange.export, "attend_open": self._attend_open, "attend": self.remote.attend,
@@ -554,6 +554,13 @@ class SwarmServer:
         self.sessions.get(session_id)  # raises SessionNotFound for unknown or already closed sessions
         self.sessions.close(session_id)
         return {}
+
+    async def _withdraw(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        """A client whose wait this server refused opened it on another: the wait leaves the line here."""
+        wait_id = field(payload, "wait_id", str)
+        if len(wait_id) > 128:
+            raise MalformedFrame("wait_id is longer than 128 characters")
+        return {"withdrawn": self.sessions.withdraw(wait_id, ctx.peer_id)}
 
     async def _step(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         """Runs a step (or finds it running or done, if a push brought it first) and answers its output.

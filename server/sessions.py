@@ -533,6 +533,16 @@ class SessionTable:
         while len(self._opened) > MAX_REMEMBERED:
             self._opened.popitem(last=False)
 
+    def withdraw(self, key: str, client: str) -> bool:
+        """Forgets the refused wait `key` (a `wait_id`) of `client`, which opened on another server: it no longer
+        stands in line here, nor keeps the room named to it. Gives False if no such wait of that client is remembered
+        (a wait of an unknown client is forgotten by anyone who names it)."""
+        wait = self._refused.get(key)
+        if wait is None or wait.client not in ("", client):
+            return False
+        del self._refused[key]
+        return True
+
     def opened(self, window_s: float = REFUSED_WINDOW_S) -> list[str]:
         """Gives the keys (`wait_id`s, else ids) of the sessions that opened here in the last `window_s`, oldest
         first: a segment's leader no longer counts another member's refusal of one of them as demand."""

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from client import ClientConfig, DistributedModelForCausalLM, SwarmClient, batched_head
 from client.inference import RemoteInferenceSession
 from client.routing import Span
+from server.sessions import REFUSED_WINDOW_S
 from swarm.local_swarm import SwarmProcesses
 from swarm.model import resolve_model
 from tests.reference import ReferenceBlocks
@@ -152,3 +153,52 @@ def test_a_step_that_waits_for_a_route_does_not_hold_up_its_chains_other_session
         assert results[0].tolist() == expected.tolist()
     finally:
         remote.shutdown()
+
+
+def test_a_wait_that_opens_on_one_server_is_withdrawn_from_the_other_that_refused_it(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    """X and Y both full: a session's wait is refused by both and backs off. Y gets room, the session opens there,
+    and X, which refused the same wait, forgets it at once (it would count it in its line, and keep the room it named
+    to it, for `REFUSED_WINDOW_S` after its last refusal otherwise)."""
+    swarm_factory.start_dht()
+    x = swarm_factory.start_server(tiny_llama, "0:8", *POOL, *SMALL_SESSIONS)
+    y = swarm_factory.start_server(tiny_llama, "0:8", *POOL, *SMALL_SESSIONS)
+    source = resolve_model(str(tiny_llama))
+    client = SwarmClient(source.model_id, source.num_blocks, swarm_factory.initial_peers,
+                         ClientConfig(busy_wait_s=30.0, request_timeout_s=30.0))
+    try:
+        records: dict = {}
+        deadline = time.monotonic() + 30.0
+        while {x.peer_id, y.peer_id} - set(records) and time.monotonic() < deadline:
+            records = client.run(client.servers())
+        connections = {peer: client.run(client.connect(records[peer])) for peer in (x.peer_id, y.peer_id)}
+
+        def info(peer: str) -> dict:
+            return client.run(connections[peer].call("info", {}, timeout=30.0))
+
+        fillers = {peer: [client.run(connection.call("open", {"blocks": [0, 8], "max_length": MAX_LENGTH},
+                                                     timeout=30.0)) for _ in range(2)]
+                   for peer, connection in connections.items()}
+        assert all(info(peer)["record"]["pages_free"] < 8 for peer in connections), "the scenario needs both full"
+
+        session = RemoteInferenceSession(client, max_length=MAX_LENGTH)
+        opening = asyncio.run_coroutine_threadsafe(session._open_chain(0, 8), client.background.loop)
+        deadline = time.monotonic() + 20.0
+        while not all(info(peer)["dropping"]["refused"] for peer in connections) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(info(peer)["dropping"]["refused"] for peer in connections), "both servers refused the wait"
+
+        client.run(connections[y.peer_id].call("close", {"session_id": fillers[y.peer_id][0]["session_id"]},
+                                               timeout=30.0))
+        spans = opening.result(timeout=30.0)
+        assert [span.span.peer_id for span in spans] == [y.peer_id]
+        opened_s = time.monotonic()
+        while info(x.peer_id)["dropping"]["refused"] and time.monotonic() - opened_s < REFUSED_WINDOW_S / 2:
+            time.sleep(0.05)
+        assert not info(x.peer_id)["dropping"]["refused"], "X still counts the wait that opened on Y"
+        assert not info(y.peer_id)["dropping"]["refused"]
+        for span_session in spans:
+            client.run(span_session.connection.close())
+    finally:
+        client.shutdown()

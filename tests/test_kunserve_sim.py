@@ -9,6 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
+from orchestrator.admission import NAMED_ROOM_GRACE_S
 from orchestrator.sim.kunserve_sim import KunServeSimConfig, SimRequest, _Running, _Sim, link_extra_s, simulate
 
 # 4 replicas of 8 blocks; 100 pages each, 40 of parameters: 60 KV pages, 7 requests of 64 tokens (8 pages) each.
@@ -557,3 +558,21 @@ def test_a_unit_keeps_the_room_it_named_for_an_earlier_wait_from_a_later_arrival
         assert third_s > second_s + 169 * result.tbt_s[1]  # the later arrival waits its turn
         unkept = simulate(dataclasses.replace(config, keep_named=False), requests)
         assert unkept.ttft_s[2] + requests[2].arrival_s < first_end_s + 0.5  # without the keep it takes the room
+
+
+def test_a_wait_admitted_on_one_unit_is_withdrawn_from_the_others_so_their_kept_room_serves_the_next() -> None:
+    # two replicas with room for one request each, both busy until about 1.8 s; the third, refused by both from
+    # 0.2 s on, is named that end by both and opens on one of them after its 0.1 s lookup; the fourth comes after
+    config = dataclasses.replace(CONFIG, replicas=2, dropping=False, retry_backoff_s=(0.5, 4.0), lookup_s=0.1,
+                                 retry_hint=True, keep_named=True)
+    requests = [SimRequest(0.0, 200, 170), SimRequest(0.01, 200, 170), SimRequest(0.2, 200, 170),
+                SimRequest(2.0, 200, 170)]
+    kept = simulate(config, requests)
+    room_s = max(requests[i].arrival_s + kept.ttft_s[i] + 169 * kept.tbt_s[i] for i in (0, 1))
+    assert 1.5 < room_s < 2.1
+    assert requests[2].arrival_s + kept.ttft_s[2] < room_s + 0.5  # it came back at the named time
+    # kept for the third until its grace ends, the other replica's room turns the fourth away: it backs off
+    assert requests[3].arrival_s + kept.ttft_s[3] > room_s + NAMED_ROOM_GRACE_S
+    withdrawn = simulate(dataclasses.replace(config, withdraw_waits=True), requests)
+    assert withdrawn.ttft_s[2] == pytest.approx(kept.ttft_s[2])
+    assert withdrawn.ttft_s[3] < 0.3  # the room is its own at its first try

@@ -139,6 +139,9 @@ def test_malformed_frame_gets_typed_error_and_stream_keeps_serving(peer: Peer) -
         peer.call("no-such-method", {})
     with pytest.raises(MalformedFrame, match="max_length"):
         peer.call("open", {"blocks": [0, 8]})
+    with pytest.raises(MalformedFrame, match="wait_id"):
+        peer.call("withdraw", {"wait_id": "w" * 129})
+    assert peer.call("withdraw", {"wait_id": "never-refused"}) == {"withdrawn": False}
 
 
 def test_oversized_frame_is_refused_before_reading_it(peer: Peer) -> None:

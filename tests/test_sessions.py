@@ -549,3 +549,40 @@ def test_a_full_server_keeps_the_room_it_named_for_the_first_wait_until_its_clie
         sessions.pool.check_invariants()
 
     run(scenario)
+
+
+def test_a_wait_withdrawn_by_its_client_leaves_the_line_and_its_kept_room_at_once() -> None:
+    async def scenario() -> None:
+        now = [100.0]
+        sessions = SessionTable(block_start=0, block_end=4, pool=PagePool(16 * 1024, 1024),
+                                tokens_per_page=TOKENS_PER_PAGE, max_length=128, headroom_tokens=0,
+                                clock=lambda: now[0])
+        # two sessions of 4 blocks x 2 rows fill the pool; "a" ends in 2 s (20 tokens at 0.1 s), "b" in 6 s
+        a = sessions.open("a", 0, 4, batch=2, max_length=30)
+        b = sessions.open("b", 0, 4, batch=2, max_length=70)
+        for session in (a, b):
+            session.position = 10
+            session.note_committed(10, 50.0)
+            session.note_committed(1, 50.1)
+        with pytest.raises(ServerBusy) as named:
+            sessions.open("c", 0, 4, batch=2, max_length=30, wait_id="wait-c", opener="alice")
+        assert named.value.retry_after_s == pytest.approx(2.0)
+        now[0] += 0.1
+        with pytest.raises(ServerBusy) as behind:
+            sessions.open("d", 0, 4, batch=2, max_length=30, wait_id="wait-d", opener="bob")
+        assert behind.value.retry_after_s == pytest.approx(6.0)  # after c: b's end
+        assert sessions.kv_demand_pages() == 16
+        # only the client that waited may withdraw its wait, and an unknown wait is no error
+        assert not sessions.withdraw("wait-c", "bob") and not sessions.withdraw("wait-x", "alice")
+        assert sessions.withdraw("wait-c", "alice")  # c opened on another server
+        assert sessions.refused() == {"wait-d": 8} and sessions.kv_demand_pages() == 8
+        with pytest.raises(ServerBusy) as first:  # d is first in line now: a's end is its room
+            sessions.open("d2", 0, 4, batch=2, max_length=30, wait_id="wait-d", opener="bob")
+        assert first.value.retry_after_s == pytest.approx(2.0)
+        # the room named to c is no longer kept from d (kept, it would be until c's grace had passed)
+        now[0] += 1.9
+        sessions.close("a")
+        sessions.open("d3", 0, 4, batch=2, max_length=30, wait_id="wait-d", opener="bob")
+        sessions.pool.check_invariants()
+
+    run(scenario)

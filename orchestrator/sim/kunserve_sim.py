@@ -162,6 +162,10 @@ class KunServeSimConfig:
     # servers do (`SessionTable.kept_for_named`), from `keep_window_s` before the time to after it
     keep_named: bool = False
     keep_window_s: tuple[float, float] = (NAMED_ROOM_LEAD_S, NAMED_ROOM_GRACE_S)
+    # With `retry_backoff_s`: a client admitted on one unit withdraws its wait from the others, which forget it (it
+    # no longer stands in their line, nor keeps room there), as the swarm's clients do (`SwarmClient.withdraw_wait`):
+    # once its `open` calls are done and one more call has reached them
+    withdraw_waits: bool = False
     refused_window_s: float = 5.0
     # A client's try (with `retry_backoff_s`), as a live client's: a DHT lookup (`lookup_s`) unless a try began one
     # at most `records_max_age_s` before and it has ended (the client routes on those records: live, half the rounds
@@ -460,6 +464,9 @@ class _Sim:
                     if unit.wake_s is not None and unit.wake_s <= self.now:
                         unit.wake_s = None
                     self._start(unit)
+            elif kind == "withdraw":
+                for waits in self.refused.values():
+                    waits.pop(subject, None)
             elif kind == "copied":
                 self._copied(subject)
             elif kind == "monitor":
@@ -495,6 +502,8 @@ class _Sim:
             self.refused.get(unit.members[0], {}).pop(index, None)
             unit.running.append(self._admitted(index, pages, self.now + c.open_s * len(unit.members)))
             self._start(unit)
+            if c.withdraw_waits:
+                self._push(self.now + c.open_s * (len(unit.members) + 1), "withdraw", index)
             return
         if c.refused_try_cpu_ms > 0 and c.cores is not None:
             self.refused_tries.append(self.now)
