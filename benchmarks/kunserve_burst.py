@@ -156,7 +156,7 @@ class ArmRun:
     t0_wall: float
     workdir: Path | None = None  # where its files are kept
     requests: dict[int, dict] = dataclasses.field(default_factory=dict)  # what it replayed, by id
-    # what the simulator fitted on this no-drop run (`other_work_weight`, `loaded_round_trip_ms`), by name and the
+    # what the simulator fitted on this no-drop run (`other_work_weight`, `crowd_delay_ms`), by name and the
     # round trip it started from
     fits: dict[tuple[str, float], float] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -388,7 +388,10 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     round, fitted on the CPU sampled in the no-drop arm (`ArmRun.untracked_cpu`), counts against the shared cores; runs
     recorded without the sampler: a refused round's cost measured on loopback (`refused_try_cpu_ms`), and nothing per
     token. Where a session goes: as the live clients route without an orchestrator, by latency over records that do not
-    show load, to the same whole replica until it refuses them (`placement` "fewest_hops"). The servers and the client
+    show load and over equal links, to either whole replica with room at random (`placement` "latency", seeded by the
+    replay): of the live arrivals that found one replica busier than the other, half went to each (r50-r58), where
+    the oldest replica first (`fewest_hops`, before r57's report) packed the quiet requests onto one, their decode
+    steps into its prompts' batches. The servers and the client
     share this machine's cores (`cores`: the report runs where the arms ran), so work that starts while more of them
     compute than there are cores runs slower. A group's members batch on their own, as the live servers do
     (`member_batching`). A prompt's hidden states (float32, as the client sends them) cross the client's emulated link,
@@ -402,8 +405,12 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     1.2-1.4x, into every arm), the contention left to the simulator's sharing, whose weight of the machine's other work
     (`other_work_weight`) is fitted so the simulated no-drop servers' batches stretch as the live ones' did. The lone
     decode step stays at its wall time: lone steps run mostly while the machine is quiet. With the weight fitted, a
-    token's delay outside the simulated work is fitted on all of the no-drop requests rather than the least loaded
-    (`loaded_round_trip_ms`): so that they decode, summed from first token to last, as long as the live ones did. With
+    token's delay outside the simulated work keeps the least loaded requests' figure and grows with each other request
+    decoding at once, up to `round_trip_crowd_cap` of them (`crowd_delay_ms`): the growth is fitted on all of the
+    no-drop requests, so that they decode, summed from first token to last, as long as the live ones did [before
+    r57's report one constant was fitted so: it priced a lone request's token at up to twice its live time (r57: 156
+    ms against 82), and the simulated drops came 1-4 s before the live ones (r57, r58), before the prompts the live
+    drops caught on a whole replica]. With
     the least loaded requests' figure the live no-drop requests decoded 11-22% longer than the simulated ones (r33-r34),
     held their pages longer, and the live crowd drained later: the simulated P99 TTFT came out 17-31% low. The live
     requests' steps show where the time goes: the client's head and its loop between steps took 31 ms a step against the
@@ -449,7 +456,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
         refused_try_cpu_ms=(refused_round_ms if refused_round_ms is not None
                             else refused_try_cpu_ms(base.workdir and base.workdir.parent)),
         token_cpu_ms=untracked.token_ms if untracked is not None else 0.0,
-        placement="fewest_hops", cores=os.cpu_count() or 1, member_batching=True,
+        placement="latency", cores=os.cpu_count() or 1, member_batching=True,
         client_gang_wait_s=MAX_GANG_WAIT_S, join_prefill=True, exchange_transient=True, reserve_decode_rows=True,
         client_link_bytes_per_s=MBIT * 1e6 / 8, hidden_bytes_per_token=hidden_size() * WIRE_BYTES,
         client_link_extra_s=link_crossing_extra(base.workdir and base.workdir.parent, rtt_ms),
@@ -457,11 +464,11 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     if cpu is None:
         return config
     config = dataclasses.replace(config, other_work_weight=other_work_weight(base, config, cpu.wall_over_cpu))
-    return dataclasses.replace(config, round_trip_ms=loaded_round_trip_ms(base, config))
+    return dataclasses.replace(config, round_trip_per_decoding_ms=crowd_delay_ms(base, config))
 
 
 WEIGHT_RANGE = (0.0, 8.0)  # where `other_work_weight` searches
-ROUND_TRIP_REACH_MS = 100.0  # how far above the least loaded requests' figure `loaded_round_trip_ms` searches
+CROWD_DELAY_REACH_MS = 150.0  # the most `crowd_delay_ms` gives a token for each other request decoding
 FIT_STEPS = 12  # bisections
 
 
@@ -504,12 +511,18 @@ def other_work_weight(base: ArmRun, config: KunServeSimConfig, wall_over_cpu: fl
                   WEIGHT_RANGE)
 
 
-def loaded_round_trip_ms(base: ArmRun, config: KunServeSimConfig) -> float:
-    """Gives the delay of a token outside the simulated work (`round_trip_ms`) under which the simulated no-drop
-    requests decode as long, summed from first token to last, as `base`'s did (`ArmRun.decode_s`): from `config`'s
-    (the least loaded requests' figure) up to `ROUND_TRIP_REACH_MS` more (`fitted`)."""
-    return fitted(base, "round_trip_ms", config, decoded_s, base.decode_s(),
-                  (config.round_trip_ms, config.round_trip_ms + ROUND_TRIP_REACH_MS))
+def crowd_delay_ms(base: ArmRun, config: KunServeSimConfig) -> float:
+    """Gives the delay a token takes outside the simulated work for each other request decoding
+    (`round_trip_per_decoding_ms`, beside `config`'s `round_trip_ms`: the least loaded requests' figure) under which
+    the simulated no-drop requests decode as long, summed from first token to last, as `base`'s did
+    (`ArmRun.decode_s`), within `CROWD_DELAY_REACH_MS` (`fitted`)."""
+    return fitted(base, "round_trip_per_decoding_ms", config, decoded_s, base.decode_s(), (0.0, CROWD_DELAY_REACH_MS))
+
+
+def delay_text(config: KunServeSimConfig) -> str:
+    """Gives a token's delay outside the simulated work as the report states it."""
+    return (f"{config.round_trip_ms:.0f} ms + {config.round_trip_per_decoding_ms:.1f} ms for each other request "
+            f"decoding (up to {config.round_trip_crowd_cap})")
 
 
 def decoded_s(result: KunServeSimResult, requests: Sequence[SimRequest]) -> float:
@@ -830,7 +843,8 @@ def sim_p99_ttft(base: ArmRun, rtt_ms: float, arm: str, exchanged: Sequence[ArmR
         shift = np.random.default_rng(seed).uniform(-SIM_JITTER_S, SIM_JITTER_S, len(requests)) if seed else None
         sim_requests = [SimRequest(max(0.0, r["at_s"] + (shift[i] if shift is not None else 0.0)), r["prompt_tokens"],
                                    r["output_tokens"]) for i, r in enumerate(requests)]
-        result = simulate(config, sorted(sim_requests, key=lambda request: request.arrival_s))
+        result = simulate(dataclasses.replace(config, placement_seed=seed),
+                          sorted(sim_requests, key=lambda request: request.arrival_s))
         p99s.append(result.percentile(result.ttft_s, 99))
     return p99s
 
@@ -972,16 +986,17 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
                   f"{fitted.prefill_token_ms:.2f} ms per prompt token{member}, the machine's other work weighing "
                   f"{fitted.other_work_weight:.2f}x its CPU")
         if turn:
-            print(f"  turn {turn + 1}'s fit: {speeds}, a token's delay beyond the work {fitted.round_trip_ms:.0f} ms, "
+            print(f"  turn {turn + 1}'s fit: {speeds}, a token's delay beyond the work {delay_text(fitted)}, "
                   f"victims' KV at {fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, {tries_text(fitted)}")
             continue
         each = ", fitted on each turn" if turns > 1 else ""
         print(f"simulator (same requests, the live swarm's geometry and speeds{each}: {speeds}, the client's work "
               f"{fitted.client_pass_ms:.0f} ms a head pass and {fitted.client_token_ms:.0f} ms a token in it, a "
-              f"token's delay beyond the work {fitted.round_trip_ms:.0f} ms, hop {fitted.hop_ms:g} ms, victims' KV at "
+              f"token's delay beyond the work {delay_text(fitted)}, hop {fitted.hop_ms:g} ms, victims' KV at "
               f"{fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, {tries_text(fitted)} and, when refused, "
               f"{fitted.refused_try_cpu_ms:.0f} ms of CPU; "
-              f"sessions to the first whole replica with room, {fitted.cores} cores shared) against live, P99 TTFT: "
+              f"sessions to either whole replica with room at random, {fitted.cores} cores shared) against live, "
+              f"P99 TTFT: "
               f"the median of {SIM_REPLAYS} replays (the arrivals as recorded, and moved by up to "
               f"{SIM_JITTER_S * 1000:.0f} ms) and their 10-90%:")
     report_untracked(runs)

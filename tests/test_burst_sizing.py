@@ -14,6 +14,7 @@ from benchmarks.client_work import Round, split_cost
 from benchmarks.kunserve_burst import (
     CLIENT_WORK_FILE,
     COMPUTE_SHARE,
+    CROWD_DELAY_REACH_MS,
     LINK_CROSSING_FILE,
     REFUSED_TRIES_FILE,
     TRACE,
@@ -26,11 +27,11 @@ from benchmarks.kunserve_burst import (
     burst_requests,
     busiest_share,
     client_tries_of,
+    crowd_delay_ms,
     decoded_s,
     exchange_bytes_per_s,
     kept_repeats,
     loaded_block_ms,
-    loaded_round_trip_ms,
     member_prompt_scale,
     other_work_weight,
     peak_sessions,
@@ -236,7 +237,8 @@ def test_where_the_servers_counted_cpu_the_fit_takes_a_tokens_delay_from_all_of_
     base = fit_run(tmp_path, polls, lambda n: 0.1 if n % 2 else 0.25)
     config = sim_config(base, 20.0, dropping=False)
     assert config.prefill_token_ms == pytest.approx(4.0 / (424 / 400))  # a prompt token at its CPU time
-    assert config.round_trip_ms > 55.0 + 30  # above the least loaded requests' figure
+    # the least loaded requests' figure, and more for each other request decoding
+    assert config.round_trip_ms < 55.0 + 5 and config.round_trip_per_decoding_ms > 5.0
     as_recorded = [SimRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"]) for r in base.requests.values()]
     # as long as the live requests decoded, to the steps of a simulation whose decode time jumps a few percent as its
     # batches fall in and out of step (the least loaded figure: 28.4 s against 35)
@@ -293,7 +295,7 @@ def test_the_other_works_weight_is_fitted_so_the_simulated_no_drop_batches_stret
     assert other_work_weight(ArmRun("no drop", [], [], 0.0, None, requests), config, 0.5) == 0.0
 
 
-def test_the_round_trip_is_fitted_so_the_simulated_no_drop_requests_decode_as_long_as_the_live_ones_did() -> None:
+def test_a_tokens_delay_per_decoding_request_is_fitted_so_simulated_no_drop_requests_decode_as_long_as_live() -> None:
     # two replicas and their client on two cores, with waiting clients' refused tries
     config = KunServeSimConfig(replicas=2, blocks=8, pages_total=100, params_pages=40, tokens_per_page=64,
                                step_ms=10.0, prefill_token_ms=0.5, decode_token_ms=2.0, round_trip_ms=20.0,
@@ -302,22 +304,23 @@ def test_the_round_trip_is_fitted_so_the_simulated_no_drop_requests_decode_as_lo
     requests = {n: {"id": n, "at_s": 0.05 * n, "prompt_tokens": 200, "output_tokens": 100} for n in range(8)}
     as_recorded = [SimRequest(r["at_s"], r["prompt_tokens"], r["output_tokens"]) for r in requests.values()]
 
-    def decoding(round_trip_ms: float) -> float:
-        return decoded_s(simulate(dataclasses.replace(config, round_trip_ms=round_trip_ms), as_recorded), as_recorded)
+    def decoding(per_decoding_ms: float) -> float:
+        return decoded_s(simulate(dataclasses.replace(config, round_trip_per_decoding_ms=per_decoding_ms),
+                                  as_recorded), as_recorded)
 
     def live(decode_s: float) -> ArmRun:  # a no-drop run whose requests decoded that long in all
         return ArmRun("no drop", [{"id": 0, "first_token_s": 0.0, "ended_s": decode_s}], [], 0.0, None, requests)
 
-    assert decoding(20.0) < decoding(45.0) < decoding(120.0)
-    base = live(decoding(45.0))
-    round_trip_ms = loaded_round_trip_ms(base, config)
-    assert round_trip_ms == pytest.approx(45.0, abs=0.5)
-    assert decoding(round_trip_ms) == pytest.approx(decoding(45.0), rel=0.01)
-    assert loaded_round_trip_ms(base, config) == round_trip_ms  # kept on the run
-    assert base.decode_s() == pytest.approx(decoding(45.0))
-    # never below the least loaded requests' figure, at most 100 ms above it
-    assert loaded_round_trip_ms(live(decoding(20.0) / 2), config) == 20.0
-    assert loaded_round_trip_ms(live(decoding(120.0) * 2), config) == 120.0
+    assert decoding(0.0) < decoding(15.0) < decoding(CROWD_DELAY_REACH_MS)
+    base = live(decoding(15.0))
+    per_decoding_ms = crowd_delay_ms(base, config)
+    assert per_decoding_ms == pytest.approx(15.0, abs=0.5)
+    assert decoding(per_decoding_ms) == pytest.approx(decoding(15.0), rel=0.01)
+    assert crowd_delay_ms(base, config) == per_decoding_ms  # kept on the run
+    assert base.decode_s() == pytest.approx(decoding(15.0))
+    # never below the least loaded requests' figure, at most `CROWD_DELAY_REACH_MS` more for each request decoding
+    assert crowd_delay_ms(live(decoding(0.0) / 2), config) == 0.0
+    assert crowd_delay_ms(live(decoding(CROWD_DELAY_REACH_MS) * 2), config) == CROWD_DELAY_REACH_MS
 
 
 def test_a_members_prompt_scale_is_its_cpu_per_token_and_block_over_the_whole_servers_where_both_counted_it() -> None:

@@ -576,3 +576,34 @@ def test_a_wait_admitted_on_one_unit_is_withdrawn_from_the_others_so_their_kept_
     withdrawn = simulate(dataclasses.replace(config, withdraw_waits=True), requests)
     assert withdrawn.ttft_s[2] == pytest.approx(kept.ttft_s[2])
     assert withdrawn.ttft_s[3] < 0.3  # the room is its own at its first try
+
+
+def test_a_tokens_delay_grows_with_the_other_requests_decoding_up_to_the_cap() -> None:
+    # four replicas, a request on each, decoding at once; no shared cores: only the delay differs
+    config = dataclasses.replace(CONFIG, dropping=False)
+    together = [SimRequest(0.0, 16, 200) for _ in range(4)]
+
+    def tbt_ms(requests: list[SimRequest], **changes: float) -> float:
+        return float(np.mean(simulate(dataclasses.replace(config, **changes), requests).tbt_s)) * 1000
+
+    alone = tbt_ms(together[:1], round_trip_per_decoding_ms=5.0)
+    assert alone == pytest.approx(tbt_ms(together[:1]))  # no one else decoding: the round trip alone
+    assert tbt_ms(together, round_trip_per_decoding_ms=5.0) == pytest.approx(alone + 3 * 5.0, abs=0.1)
+    assert tbt_ms(together, round_trip_per_decoding_ms=5.0, round_trip_crowd_cap=2) == pytest.approx(
+        alone + 2 * 5.0, abs=0.1)
+
+
+def test_latency_placement_lands_on_any_unit_with_room_at_random_and_repeats_with_its_seed() -> None:
+    config = dataclasses.replace(CONFIG, replicas=2, dropping=False, placement="latency")
+    pages = config.pages_of(SimRequest(0.0, 16, 48))
+
+    def landings(seed: int) -> list[int]:
+        sim = _Sim(dataclasses.replace(config, placement_seed=seed), [], 3600.0)
+        return [unit.uid for unit in (sim._place(pages) for _ in range(40)) if unit is not None]
+
+    assert set(landings(0)) == {0, 1} and landings(0) == landings(0) and landings(0) != landings(1)
+    sim = _Sim(config, [], 3600.0)
+    sim.units[0].running.extend(_Running(i, SimRequest(0.0, 16, 48), sim.units[0].free) for i in range(1))
+    assert {sim._place(pages).uid for _ in range(20)} == {1}  # the other has no room
+    fewest = _Sim(dataclasses.replace(CONFIG, dropping=False, placement="fewest_hops"), [], 3600.0)
+    assert {fewest._place(pages).uid for _ in range(20)} == {0}  # the oldest, always

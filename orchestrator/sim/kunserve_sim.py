@@ -20,7 +20,8 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
     of it, in two hops (the client relays a prefill's hidden states, as the live client does). With `join_prefill`,
     decode steps that reach a member computing a prompt chunk join that batch, as a CPU server's scheduler has them:
     it waits while they catch up through the part it has done (a lone step's time over it), and they end with it.
-- A token reaches its client `round_trip_ms` after its iteration ends, and the request's next step is ready on the
+- A token reaches its client `round_trip_ms` after its iteration ends (and `round_trip_per_decoding_ms` more for each
+  other request decoding then, at most `round_trip_crowd_cap` of them), and the request's next step is ready on the
   unit then: the network to the client and back takes time but occupies no server, which meanwhile computes the
   other requests' steps. A prompt's chunks follow each other without it. With `client_token_ms` and
   `client_pass_ms`, the client's own work comes first: the tokens of one iteration take one pass of its LM head,
@@ -39,7 +40,9 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   `tokens_per_page`) pages), as servers with `--kv-headroom-tokens` at least the output admit, on the unit with the
   fewest requests per member among those with room for it (`_place`); with `placement` "fewest_hops", as a swarm's
   clients route by latency over records that do not show load, on the unit of fewest members with room, the oldest
-  first: every client takes the same whole replica until it refuses them. The dispatcher keeps one FCFS queue and admits
+  first: every client takes the same whole replica until it refuses them; with "latency", on one of the units of
+  fewest members with room at random (seeded `placement_seed`), as clients whose replicas sit behind equal links land
+  on either by their latency probes' noise. The dispatcher keeps one FCFS queue and admits
   its head as soon as it fits (head-of-line blocking, as Llumnix's dispatcher); with `retry_backoff_s`, as a swarm's
   clients do without an orchestrator, a request that finds no room tries again after its own exponential backoff
   instead; each try takes what a live client's does before it is admitted or backs off: a DHT lookup (`lookup_s`)
@@ -79,6 +82,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -116,7 +120,7 @@ class SimRequest:
     output: int
 
 
-PLACEMENTS = ("least_loaded", "fewest_hops")
+PLACEMENTS = ("least_loaded", "fewest_hops", "latency")
 MICRO_BATCH = -1  # a `_Batch`'s member when a group's micro-batch crosses all of its members
 REFUSED_LOAD_WINDOW_S = 1.0  # a refused try's CPU counts against the cores over this long
 TOKEN_LOAD_WINDOW_S = 1.0  # and a token's (`token_cpu_ms`)
@@ -137,6 +141,13 @@ class KunServeSimConfig:
     decode_token_ms: float  # and per decoding request
     hop_ms: float = 0.0  # one activation hop between group members
     round_trip_ms: float = 0.0  # a token's way to its client and the next step's back, outside the unit
+    # and this much more for each other request decoding when it passes, at most `round_trip_crowd_cap` of them: the
+    # machine's shared cores outside the modelled work (the RPC layers, the p2pd daemons) [chosen: live, a token took
+    # 86-96 ms with one request decoding and 169-197 ms with three or four (r51, r53-r55); one constant fitted on the
+    # whole run overpriced the quiet requests and underpriced the crowd's. Uncapped, the pipelined arms' 8-12 requests
+    # decoding at once priced their TBT P90 at 452-496 ms against 323-445 live]
+    round_trip_per_decoding_ms: float = 0.0
+    round_trip_crowd_cap: int = 3
     client_token_ms: float = 0.0  # the client's own work for each token (its head row, its RPCs)
     client_pass_ms: float = 0.0  # and for each pass of its LM head over the tokens of one iteration
     link_bytes_per_s: float = 12.5e6  # a member's link for the KV exchange
@@ -179,9 +190,13 @@ class KunServeSimConfig:
     # Live exchange (remote attention, spec 3.5): a victim goes on computing while its KV follows; until it has
     # arrived, an iteration holding it pays one round trip between members per block it attends remotely
     live_exchange: bool = False
-    # Where arrivals go: "least_loaded" (a dispatcher that sees every unit's load) or "fewest_hops" (swarm clients
+    # Where arrivals go: "least_loaded" (a dispatcher that sees every unit's load), "fewest_hops" (swarm clients
     # routing by latency over records that do not show load: the unit of fewest members with room, the oldest first)
+    # or "latency" (the same, one of those units at random: replicas behind equal links, as the burst benchmark's,
+    # which its live clients chose by their latency probes' noise: of the arrivals that found one replica busier than
+    # the other, half went to each in r50-r58)
     placement: str = "least_loaded"
+    placement_seed: int = 0  # with "latency": which of the units with room each request lands on
     # The cores that the servers and their client share (a live benchmark on one machine), None: a processor each
     cores: int | None = None
     # With `cores` and `retry_backoff_s`: the CPU a refused try costs that machine (the client's DHT lookups, its RTT
@@ -261,6 +276,8 @@ class KunServeSimConfig:
             raise ValueError("cores must be >= 1 (or None)")
         if self.other_work_weight < 0:
             raise ValueError("other_work_weight must be >= 0")
+        if self.round_trip_per_decoding_ms < 0 or self.round_trip_crowd_cap < 0:
+            raise ValueError("round_trip_per_decoding_ms and round_trip_crowd_cap must be >= 0")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.keep_named and not self.retry_hint:
@@ -367,6 +384,7 @@ def simulate(config: KunServeSimConfig, requests: Sequence[SimRequest], *, horiz
 class _Sim:
     def __init__(self, config: KunServeSimConfig, requests: Sequence[SimRequest], horizon_s: float) -> None:
         self.config, self.requests, self.horizon_s = config, list(requests), horizon_s
+        self.placing = random.Random(config.placement_seed)
         self.next_uid = 0
         k = config.static_groups
         self.units: dict[int, _Unit] = {}
@@ -610,13 +628,18 @@ class _Sim:
         re-balances load after a drop so that a group's freed memory does not queue the burst on its members'
         compute (Sec. 4.3); placing by free pages alone sent every arrival to the newest group, whose prefill then
         queued for seconds while the whole replicas computed less.] With `placement` "fewest_hops": the unit of
-        fewest members with room, the oldest first, whatever its load (swarm clients' latency routing). A client's try
+        fewest members with room, the oldest first, whatever its load (swarm clients' latency routing); "latency": one
+        of those at random, whatever its load. A client's try
         (`index`) does not take the room a unit named to the waits before it (`_kept`, with `keep_named`)."""
         kept = ({uid: self._kept(unit, index) for uid, unit in self.units.items()}
                 if index is not None and self.config.keep_named else {})
         fits = [unit for unit in self.units.values() if unit.free - kept.get(unit.uid, 0) >= pages]
         if self.config.placement == "fewest_hops":
             return min(fits, key=lambda u: (len(u.members), u.uid), default=None)
+        if self.config.placement == "latency":
+            fewest = min((len(unit.members) for unit in fits), default=0)
+            nearest = sorted((unit for unit in fits if len(unit.members) == fewest), key=lambda unit: unit.uid)
+            return self.placing.choice(nearest) if nearest else None
         return min(fits, key=lambda u: (len(u.running) / len(u.members), -u.free, u.uid), default=None)
 
     def _start(self, unit: _Unit) -> None:
@@ -914,7 +937,7 @@ class _Sim:
                 self.tokens_seen.extend([self.now] * len(tokens))
             if self.fluid:  # the members' batches speed up once the client is idle
                 self._push(self.client_free_s, "client idle", 0)
-        seen_s = self.client_free_s + c.round_trip_ms / 1000
+        seen_s = self.client_free_s + self._round_trip_ms() / 1000
         for running in tokens:
             request = running.request
             running.at_client = False
@@ -931,6 +954,16 @@ class _Sim:
                 if request.output > 1:
                     self.tbt[running.index] = (seen_s - running.first_token_s) / (request.output - 1)
                 self._push(seen_s + c.round_trip_ms / 2000, "close", running.index)
+
+    def _round_trip_ms(self) -> float:
+        """Gives a token's delay outside the modelled work now: `round_trip_ms`, and `round_trip_per_decoding_ms` for
+        each other request decoding (at most `round_trip_crowd_cap`)."""
+        c = self.config
+        if not c.round_trip_per_decoding_ms:
+            return c.round_trip_ms
+        decoding = sum(1 for unit in self.units.values() for running in unit.running
+                       if running.produced >= 1 and not running.closing)
+        return c.round_trip_ms + c.round_trip_per_decoding_ms * min(c.round_trip_crowd_cap, max(0, decoding - 1))
 
     def _close(self, index: int) -> None:
         """The client of request `index` closed its session: its pages return to whichever unit holds it now."""
