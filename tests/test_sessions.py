@@ -509,22 +509,27 @@ def test_the_room_named_to_a_wait_is_kept_from_later_waits_about_its_time_and_on
     assert pages_kept_for_named(anonymous, now_s=20.0, since_s=30.0, client_cap=6) == 20
 
 
+def full_table_c_waiting(now: list[float]) -> SessionTable:
+    """A table of 16 pages on the clock `now[0]`, filled by two sessions of 4 blocks x 2 rows 10 tokens in, stepping
+    every 0.1 s: "a" ends in 2 s (20 tokens to go), "b" in 6 s (60); then a wait "wait-c" of client "alice" was refused
+    and named a's end."""
+    sessions = SessionTable(block_start=0, block_end=4, pool=PagePool(16 * 1024, 1024), tokens_per_page=TOKENS_PER_PAGE,
+                            max_length=128, headroom_tokens=0, clock=lambda: now[0])
+    for session_id, max_length in (("a", 30), ("b", 70)):
+        session = sessions.open(session_id, 0, 4, batch=2, max_length=max_length)
+        session.position = 10
+        session.note_committed(10, 50.0)
+        session.note_committed(1, 50.1)
+    with pytest.raises(ServerBusy) as named:
+        sessions.open("c", 0, 4, batch=2, max_length=30, wait_id="wait-c", opener="alice")
+    assert named.value.retry_after_s == pytest.approx(2.0)
+    return sessions
+
+
 def test_a_full_server_keeps_the_room_it_named_for_the_first_wait_until_its_client_is_back_or_late() -> None:
     async def scenario() -> None:
         now = [100.0]
-        sessions = SessionTable(block_start=0, block_end=4, pool=PagePool(16 * 1024, 1024),
-                                tokens_per_page=TOKENS_PER_PAGE, max_length=128, headroom_tokens=0,
-                                clock=lambda: now[0])
-        # two sessions of 4 blocks x 2 rows fill the pool; "a" ends in 2 s (20 tokens at 0.1 s), "b" in 6 s
-        a = sessions.open("a", 0, 4, batch=2, max_length=30)
-        b = sessions.open("b", 0, 4, batch=2, max_length=70)
-        for session, interval_s in ((a, 0.1), (b, 0.1)):
-            session.position = 10
-            session.note_committed(10, 50.0)
-            session.note_committed(1, 50.0 + interval_s)
-        with pytest.raises(ServerBusy) as named:
-            sessions.open("c", 0, 4, batch=2, max_length=30, wait_id="wait-c", opener="alice")
-        assert named.value.retry_after_s == pytest.approx(2.0)
+        sessions = full_table_c_waiting(now)
         now[0] += 1.9
         sessions.close("a")  # its room comes a little before the named time
         with pytest.raises(ServerBusy, match="kept for waits refused before it") as later:
@@ -554,19 +559,7 @@ def test_a_full_server_keeps_the_room_it_named_for_the_first_wait_until_its_clie
 def test_a_wait_withdrawn_by_its_client_leaves_the_line_and_its_kept_room_at_once() -> None:
     async def scenario() -> None:
         now = [100.0]
-        sessions = SessionTable(block_start=0, block_end=4, pool=PagePool(16 * 1024, 1024),
-                                tokens_per_page=TOKENS_PER_PAGE, max_length=128, headroom_tokens=0,
-                                clock=lambda: now[0])
-        # two sessions of 4 blocks x 2 rows fill the pool; "a" ends in 2 s (20 tokens at 0.1 s), "b" in 6 s
-        a = sessions.open("a", 0, 4, batch=2, max_length=30)
-        b = sessions.open("b", 0, 4, batch=2, max_length=70)
-        for session in (a, b):
-            session.position = 10
-            session.note_committed(10, 50.0)
-            session.note_committed(1, 50.1)
-        with pytest.raises(ServerBusy) as named:
-            sessions.open("c", 0, 4, batch=2, max_length=30, wait_id="wait-c", opener="alice")
-        assert named.value.retry_after_s == pytest.approx(2.0)
+        sessions = full_table_c_waiting(now)
         now[0] += 0.1
         with pytest.raises(ServerBusy) as behind:
             sessions.open("d", 0, 4, batch=2, max_length=30, wait_id="wait-d", opener="bob")
