@@ -235,7 +235,7 @@ class RemoteInferenceSession:
         soon_s: float | None = None  # the earliest time a server of this round that refused it asked to be tried again
         attempts = self.open_attempts
         wait_id = uuid.uuid4().hex  # this wait, across its tries and rounds: servers count its refusals once
-        refused_by: dict[str, Span] = {}  # the servers that refused this wait for room: it withdraws from them
+        refused: dict[tuple[str, str], Span] = {}  # (server, wait key) refused for room: withdrawn once it opens
         servers: dict[str, ServerRecord] | None = None  # this round's records
         if records_max_age_s > 0:
             servers = self.client.recent_servers(records_max_age_s)
@@ -279,10 +279,10 @@ class RemoteInferenceSession:
                     started = time.perf_counter()
                     opened.append(await self.open_span(span, wait_id=wait_id))
                     attempts.append(OpenAttempt("open", started, time.perf_counter(), span.peer_id))
-                on_route = {span.peer_id for span in route}
-                for peer_id, span in refused_by.items():
-                    if peer_id not in on_route:
-                        self.client.withdraw_wait(span.record, _wait_key(wait_id, span))
+                opened_at = {(span.peer_id, _wait_key(wait_id, span)) for span in route}  # those forget it themselves
+                for (peer_id, key), span in refused.items():
+                    if (peer_id, key) not in opened_at:
+                        self.client.withdraw_wait(span.record, key)
                 return opened
             except RECOVERABLE_AT_OPEN as error:
                 attempts.append(OpenAttempt("open", started, time.perf_counter(), span.peer_id, type(error).__name__))
@@ -297,7 +297,7 @@ class RemoteInferenceSession:
                     busy.add(span.peer_id)
                     answered_busy |= isinstance(error, ServerBusy)
                     if isinstance(error, ServerBusy):
-                        refused_by[span.peer_id] = span
+                        refused[span.peer_id, _wait_key(wait_id, span)] = span
                     hint_s = error.retry_after_s if isinstance(error, ServerBusy) else None
                     if hint_s is not None:
                         soon_s = hint_s if soon_s is None else min(soon_s, hint_s)
