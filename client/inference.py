@@ -34,6 +34,7 @@ from swarm.errors import (
     NoRouteFound,
     PeerUnreachable,
     PositionMismatch,
+    QuotaExceeded,
     RpcTimeout,
     ServerBusy,
     ServerDraining,
@@ -296,7 +297,7 @@ class RemoteInferenceSession:
                 if isinstance(error, ServerBusy | BlocksNotHosted):  # full, or the record it routed on is stale
                     busy.add(span.peer_id)
                     answered_busy |= isinstance(error, ServerBusy)
-                    if isinstance(error, ServerBusy):
+                    if isinstance(error, ServerBusy) and not isinstance(error, QuotaExceeded):  # a wait for room
                         refused[span.peer_id, _wait_key(wait_id, span)] = span
                     hint_s = error.retry_after_s if isinstance(error, ServerBusy) else None
                     if hint_s is not None:

@@ -535,10 +535,10 @@ class SessionTable:
 
     def withdraw(self, key: str, client: str) -> bool:
         """Forgets the refused wait `key` (a `wait_id`) of `client`, which opened on another server: it no longer
-        stands in line here, nor keeps the room named to it. Gives False if no such wait of that client is remembered
-        (a wait of an unknown client is forgotten by anyone who names it)."""
+        stands in line here, nor keeps the room named to it. Gives False if no such wait of that client is
+        remembered."""
         wait = self._refused.get(key)
-        if wait is None or wait.client not in ("", client):
+        if wait is None or wait.client != client:
             return False
         del self._refused[key]
         return True
