@@ -8,13 +8,14 @@ Each request `{id, at_s, prompt_tokens, output_tokens}` starts `at_s` after the 
 (through the orchestrator's JFFC queue, or by routing over DHT records with Petals' retry and exponential backoff
 while no server has room, its delays stretched by the run's time dilation) and generates exactly `output_tokens`
 greedy tokens. One JSON line per request: `{id, arrival_s, arrival_wall, started_s, first_token_s, ended_s,
-closed_s, tokens, failovers, moves, first_route, open_attempts, route, spans, error}`: waiting = started - arrival,
-service = ended - started (its first token at first_token_s, its last at ended_s; the session closed, its servers
-and lease released, at closed_s); `tokens` the generated ids;
-`first_route` is the chain the session opened on (`open_attempts`: how, as [kind, started_s, ended_s, peer_id,
-outcome] per route, `open` call and back-off), `route` the one it ended on; `spans` the client's timings per
-server (steps, summed round trips, and the compute time of the batches the server reported); `arrival_wall` is the
-arrival by the wall clock. With `--servers-out`, each server's batch statistics at the end.
+closed_s, tokens, failovers, moves, first_route, open_attempts, route, chain_follows, spans, error}`: waiting =
+started - arrival, service = ended - started (its first token at first_token_s, its last at ended_s; the session
+closed, its servers and lease released, at closed_s); `tokens` the generated ids; `first_route` is the chain the
+session opened on (`open_attempts`: how, as [kind, started_s, ended_s, peer_id, outcome] per route, `open` call and
+back-off), `route` the one it ended on (`chain_follows`: [started_s, ended_s, followed] each time a step learned that
+a drop or restore changed it, and followed it or replayed); `spans` the client's timings per server (steps, summed
+round trips, and the compute time of the batches the server reported); `arrival_wall` is the arrival by the wall
+clock. With `--servers-out`, each server's batch statistics at the end.
 Prints `ready` once connected and `done` at the end.
 """
 
@@ -94,6 +95,8 @@ def serve_request(model: DistributedModelForCausalLM, request: dict, started_at:
             record["failovers"] = session.failovers
             record["moves"] = session.moves
             record["route"] = [span.peer_id for span in session.route]
+            record["chain_follows"] = [[f.started_s - started_at, f.ended_s - started_at, f.followed]
+                                       for f in session.chain_follows]
             record["spans"] = [{"peer_id": span.peer_id, "steps": span.steps, "round_trip_ms": span.round_trip_ms,
                                 "compute_ms": span.compute_ms} for span in session.timings()]
             record["client_steps"] = {name: value for name, value in dataclasses.asdict(session.step_times).items()

@@ -81,6 +81,11 @@ class SwarmClient:
             self._servers = (servers, started)
         return dict(servers)
 
+    def known_record(self, peer_id: str) -> ServerRecord | None:
+        """Gives `peer_id`'s record from the latest lookup, whatever its age (None if it had none). Enough to dial the
+        server: its addresses outlive the block ranges its record announces, which a drop or restore changes."""
+        return self._servers[0].get(peer_id) if self._servers is not None else None
+
     def recent_servers(self, max_age_s: float) -> dict[str, ServerRecord] | None:
         """Gives the servers of the latest lookup if it began at most `max_age_s` ago, else None. Servers announce
         their records every few seconds, so a lookup a moment old is about as fresh as one now, and costs nothing:

@@ -53,6 +53,19 @@ def wait_for_ranges(client: SwarmClient, ranges: dict[str, tuple[int, int]]) -> 
     raise AssertionError(f"the DHT did not show the ranges {ranges}")
 
 
+def count_lookups(client: SwarmClient) -> list[float]:
+    """Has `client` note the time of each DHT lookup of its servers in the list it gives."""
+    lookups: list[float] = []
+    looked_up = client.servers
+
+    async def servers() -> dict[str, Any]:
+        lookups.append(time.monotonic())
+        return await looked_up()
+
+    client.servers = servers  # type: ignore[method-assign]
+    return lookups
+
+
 def wait_until_reshaped(client: SwarmClient, peers: list[str]) -> dict[str, dict[str, Any]]:
     """Waits until no exchange or merge runs on `peers`; gives their `info`."""
     deadline = time.monotonic() + TIMEOUT_S
@@ -90,6 +103,7 @@ def test_replicas_drop_half_each_a_running_session_moves_its_kv_through_both_and
         input_ids = prompt(5, 24)
         expected = local.generate(input_ids, max_new_tokens=12, do_sample=False)
         halves: dict[str, tuple[int, int]] = {}
+        lookups = count_lookups(client)
 
         with remote.inference_session(max_length=64) as session:
 
@@ -104,10 +118,14 @@ def test_replicas_drop_half_each_a_running_session_moves_its_kv_through_both_and
                 wait_for_ranges(client, halves)
                 # the victim's KV of blocks 4:8 went to the second server while the client waited here
                 assert wait_until_reshaped(client, peers)[first]["dropping"]["exchange"]["moved"] == 1
+                lookups.clear()
 
             actual = remote.generate(input_ids, session=session, max_new_tokens=12, do_sample=False,
                                      streamer=ActAfterTokens({4: drop_halves}))
             assert (session.failovers, session.moves) == (0, 1)  # no replay: the chain changed with the KV
+            # it followed the new chain on the records it had: the hops name the servers, a lookup adds nothing
+            assert [follow.followed for follow in session.chain_follows] == [True]
+            assert lookups == []
             assert [(span.peer_id, span.start, span.end) for span in session.route] == [
                 (peer, *halves[peer]) for peer in sorted(halves, key=lambda peer: halves[peer])]
         assert actual.tolist() == expected.tolist()
