@@ -416,7 +416,10 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     requests' steps show where the time goes: the client's head and its loop between steps took 31 ms a step against the
     simulated 25 (r33), and the simulated servers' decode batches stretched less than their prompt batches (taken at
     their start), where live both stretched alike. The weight need not be fitted again after it: the simulated stretch
-    stays within 3% of the live one (r33-r36)."""
+    stays within 3% of the live one (r33-r36). A victim's prompt that a drop caught starts over on the group after its
+    client followed the new chain (`chain_follow_ms`), as the servers stop it [before r60's report it kept what its
+    replica had computed and went on at once: r57's remote-attention P99 request, caught so, took 3.56 s live against
+    1.84 s simulated]."""
     first = min(base.polls, key=lambda row: row["t"])
     decode = {timing["batch"]: timing["ms"] for timing in first["block_decode_ms"]}
     widest = max(decode, default=1)
@@ -452,6 +455,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
         keep_named=keep_window is not None, keep_window_s=keep_window or (NAMED_ROOM_LEAD_S, NAMED_ROOM_GRACE_S),
         withdraw_waits=run_marked(base.workdir and base.workdir.parent, WAITS_WITHDRAWN_FILE),
         lookup_s=tries.lookup_s, open_s=tries.open_s,
+        stopped_prompt_follow_ms=chain_follow_ms(exchanged, tries, rtt_ms),
         records_max_age_s=ClientConfig().records_max_age_s,
         refused_try_cpu_ms=(refused_round_ms if refused_round_ms is not None
                             else refused_try_cpu_ms(base.workdir and base.workdir.parent)),
@@ -668,6 +672,18 @@ def client_tries_of(run: ArmRun) -> ClientTries:
             elif kind == "open":
                 opens.append(ended_s - started_s)
     return ClientTries(statistics.median(routes) if routes else 0.0, statistics.median(opens) if opens else 0.0)
+
+
+def chain_follow_ms(exchanged: Sequence[ArmRun], tries: ClientTries, rtt_ms: float) -> float:
+    """Gives how long after a drop stopped a victim's prompt its client sends it again through the group (the
+    simulator's `stopped_prompt_follow_ms`): the victim's part moving to the member that keeps its blocks (two round
+    trips: its open there and the answer), the servers' `ChainChanged` reaching the client (a hop), and the client
+    following it: the median of the follows that the clients of the runs that dropped recorded (`chain_follows`, from
+    r60), else a DHT lookup and a dial (an `open` call's time), as the clients before r60 followed."""
+    follows = [ended_s - started_s for run in exchanged for result in run.results
+               for started_s, ended_s, followed in result.get("chain_follows", ()) if followed]
+    own_s = statistics.median(follows) if follows else tries.lookup_s + tries.open_s
+    return 2.5 * rtt_ms + own_s * 1000
 
 
 def batch_counters(run: ArmRun) -> dict[str, float]:
@@ -993,7 +1009,9 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
         print(f"simulator (same requests, the live swarm's geometry and speeds{each}: {speeds}, the client's work "
               f"{fitted.client_pass_ms:.0f} ms a head pass and {fitted.client_token_ms:.0f} ms a token in it, a "
               f"token's delay beyond the work {delay_text(fitted)}, hop {fitted.hop_ms:g} ms, victims' KV at "
-              f"{fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, {tries_text(fitted)} and, when refused, "
+              f"{fitted.link_bytes_per_s * 8 / 1e6:.0f} Mbit/s, a victim's prompt sent again "
+              f"{fitted.stopped_prompt_follow_ms or 0:.0f} ms after the drop stopped it, {tries_text(fitted)} and, "
+              f"when refused, "
               f"{fitted.refused_try_cpu_ms:.0f} ms of CPU; "
               f"sessions to either whole replica with room at random, {fitted.cores} cores shared) against live, "
               f"P99 TTFT: "

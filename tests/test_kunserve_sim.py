@@ -463,6 +463,34 @@ def test_live_exchange_keeps_a_victim_computing_while_its_kv_follows() -> None:
             assert sim.stalls == [pytest.approx(exchange_s)] and events == [("wake", pytest.approx(exchange_s))]
 
 
+@pytest.mark.parametrize("follow_ms", [None, 50.0])
+def test_a_prompt_a_drop_catches_starts_over_after_its_batch_and_its_clients_follow_as_the_servers_stop_it(
+    follow_ms: float | None,
+) -> None:
+    pair = dataclasses.replace(CONFIG, replicas=2, stopped_prompt_follow_ms=follow_ms, prefill_chunk_tokens=32)
+    sim = _Sim(pair, [SimRequest(0.0, 64, 16)] * 3, horizon_s=10.0)
+    unit = next(iter(sim.units.values()))
+    computing = _Running(0, sim.requests[0], 8, prefilled=32)  # half its prompt done, the next chunk computing
+    queued = _Running(1, sim.requests[1], 8, prefilled=32)  # half done, its next chunk waiting for the budget
+    decoding = _Running(2, sim.requests[2], 8, prefilled=64, produced=3, ready_s=1.0)
+    unit.running += [computing, queued, decoding]
+    sim._start(unit)
+    (batch,) = sim.computing.values()
+    assert [running for running, _ in batch.items] == [computing] and not queued.in_flight
+    sim._drop(required=1)
+    assert len(sim.units) == 1 and decoding.prefilled == 64 and decoding.produced == 3
+    sim.now = batch.end_s
+    sim._finish_step(batch)
+    if follow_ms is None:  # each keeps what its replica computed and goes on through the pair
+        assert (computing.prefilled, queued.prefilled) == (64, 32) and computing.produced == 1
+        return
+    # the servers stopped both prompts and answered what they had computed of them with nothing: their clients
+    # send them again, whole, a follow after the drop (the one queued) or after its batch ended (the one computing)
+    assert (computing.prefilled, queued.prefilled) == (0, 0) and computing.produced == 0
+    assert queued.ready_s >= follow_ms / 1000 and computing.ready_s >= batch.end_s + follow_ms / 1000
+    assert not computing.stopped and (computing.stage, computing.pass_done) == (0, 0)
+
+
 def test_with_the_exchange_transient_a_victims_moved_kv_holds_pages_twice_until_it_has_crossed() -> None:
     pair = dataclasses.replace(CONFIG, replicas=2, link_bytes_per_s=1e6)
     exchange_s = 26 * 4 * 1536 / 1e6  # 26 tokens of KV for the 4 blocks its member dropped, over 1 MB/s
