@@ -479,6 +479,8 @@ def test_a_prompt_a_drop_catches_starts_over_after_its_batch_and_its_clients_fol
     assert [running for running, _ in batch.items] == [computing] and not queued.in_flight
     sim._drop(required=1)
     assert len(sim.units) == 1 and decoding.prefilled == 64 and decoding.produced == 3
+    # victims smallest first, by index: a stopped prompt's session moves with no KV, so nothing of it stalls
+    assert (sim.stalls[0] > 0, sim.stalls[1] > 0, sim.stalls[2] > 0) == (follow_ms is None, follow_ms is None, True)
     sim.now = batch.end_s
     sim._finish_step(batch)
     if follow_ms is None:  # each keeps what its replica computed and goes on through the pair

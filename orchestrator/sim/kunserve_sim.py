@@ -1056,12 +1056,15 @@ class _Sim:
                 moves = [(member, (self.kept[member][1] - self.kept[member][0])
                           - (plan.kept[_peer(member)][1] - plan.kept[_peer(member)][0])) for member in old.members]
                 for running in sorted(old.running, key=lambda r: (r.pages, r.index)):
+                    stopped = c.stopped_prompt_follow_ms is not None and running.prefilled < running.request.prompt
+                    if stopped:  # the servers stop its prompt: its session stays at the start, with no KV to move
+                        running.prefilled = running.pass_done = 0
                     done = self._stall_victim(running, moves)
                     if c.exchange_transient and done > self.now:
                         moved = sum(blocks for _, blocks in moves if blocks > 0)
                         merged.copies.append((done, math.ceil(running.pages * moved / c.blocks)))
                         self._push(done, "copied", merged.uid)
-                    if c.stopped_prompt_follow_ms is not None and running.prefilled < running.request.prompt:
+                    if stopped:
                         self._stop_prompt(running)
                     else:
                         self._moved(running)  # its pass starts again on the group's first member
