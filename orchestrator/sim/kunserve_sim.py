@@ -624,10 +624,10 @@ class _Sim:
     def _stop_prompt(self, running: _Running) -> None:
         """A drop caught `running`'s prompt (`stopped_prompt_follow_ms`): it is sent again from its first token, a
         follow after now, or after its batch ends on the old unit if it is computing (`_finish_step`)."""
+        running.prefilled = running.pass_done = 0
         if running.in_flight:
             running.stopped = True
             return
-        running.prefilled = running.pass_done = 0
         self._restart_pass(running, self.now + (self.config.stopped_prompt_follow_ms or 0.0) / 1000)
 
     def _cross(self, way: str, running: _Running, at_s: float) -> float:
@@ -1058,15 +1058,13 @@ class _Sim:
                 for running in sorted(old.running, key=lambda r: (r.pages, r.index)):
                     stopped = c.stopped_prompt_follow_ms is not None and running.prefilled < running.request.prompt
                     if stopped:  # the servers stop its prompt: its session stays at the start, with no KV to move
-                        running.prefilled = running.pass_done = 0
+                        self._stop_prompt(running)
                     done = self._stall_victim(running, moves)
                     if c.exchange_transient and done > self.now:
                         moved = sum(blocks for _, blocks in moves if blocks > 0)
                         merged.copies.append((done, math.ceil(running.pages * moved / c.blocks)))
                         self._push(done, "copied", merged.uid)
-                    if stopped:
-                        self._stop_prompt(running)
-                    else:
+                    if not stopped:
                         self._moved(running)  # its pass starts again on the group's first member
                     merged.running.append(running)
             self.largest_group = max(self.largest_group, len(members))
