@@ -143,6 +143,15 @@ class Session:
         return self.position == 0 or self.position < self.prompt_tokens
 
     @property
+    def steps_left(self) -> int:
+        """Gives the steps it is expected to take yet, if it runs to its max_length: its announced prompt as one step
+        (until it has arrived), then one a token until its position is one short of max_length (a client's last
+        token is generated, never fed back)."""
+        if self.position < self.prompt_tokens:
+            return 1 + max(0, self.max_length - 1 - self.prompt_tokens)
+        return max(0, self.max_length - 1 - self.position)
+
+    @property
     def pages_held(self) -> int:
         return sum(len(pages) for rows in self.page_tables.values() for pages in rows)
 
@@ -580,10 +589,10 @@ class SessionTable:
     def room_in_s(self, key: str, *, pages_free: int, reserve: int, new_session_pages: int) -> float | None:
         """Gives in how many seconds a session of `new_session_pages` that was just refused (its key: a `wait_id`,
         else its id) is expected to find room here: once the waits refused before it are in, as the open sessions
-        reach their max_length at their step intervals (`orchestrator.admission.room_in_s`; a session's announced
-        prompt counts as one step, not a step per token)."""
+        take their last steps before max_length at their step intervals (`orchestrator.admission.room_in_s`,
+        `Session.steps_left`: an announced prompt counts as one step, not a step per token)."""
         running = [
-            SessionPace(session.max_length - max(session.position, session.prompt_tokens), session.step_interval_s,
+            SessionPace(session.steps_left, session.step_interval_s,
                         session.pages_held, self._kv_of(session).growth_pages)
             for session in self._sessions.values()
         ]
