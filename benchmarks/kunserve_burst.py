@@ -988,9 +988,11 @@ def report(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
 
 def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
     """Prints the simulator's P99 TTFT of every arm against the live one, run by run: each turn's simulator is fitted
-    on that turn's no-drop run (`turn_fit`), since what a step costs moves between turns as this machine's speed does,
-    and charges a group member's prompt token what that turn's static pipeline measured (`slice_scale`). With more
-    than one turn, then, per arm, the median over the turns of the simulated P99s against that of the live ones."""
+    on that turn's no-drop run (`turn_fit`), since what a step costs moves between turns as this machine's speed does.
+    The headline then prices each arm at its own servers' measured speed (`arm_speed_scale`), which moves between the
+    arms of a turn too; the turn's fit prices them all at the no-drop arm's, a group member's prompt token at what
+    that turn's static pipeline measured (`slice_scale`). With more than one turn, per arm, the median over the turns
+    of the simulated P99s against that of the live ones."""
     turns = len(runs["no drop"])
     fits = [turn_fit(runs, turn) for turn in range(turns)]
     slices = [slice_scale(runs, turn) for turn in range(turns)]
@@ -1020,17 +1022,20 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
     report_untracked(runs)
     report_live_spread(runs)
     # each reading: its heading, and the scale it takes from the arm's own run into `sim_p99_ttft`'s keyword (the
-    # turn's fit takes a member's from the turn's static pipeline, `slice_scale`, and shows it in its heading)
+    # turn's fit takes a member's from the turn's static pipeline, `slice_scale`, and shows it in the fit above). The
+    # first is the headline: this machine's speed moves 5-16% between the arms of one turn (r35-r36, r65-r66), and a
+    # 5% move in every compute cost moves the simulated P99 by about 10%
     readings: tuple[tuple[str, Callable[[ArmRun, ArmRun], float | None] | None, str], ...] = (
-        ("", None, ""),
+        ("  at each arm's own speed (the headline): every compute cost at the speed of the arm's own servers, their "
+         "CPU per prompt token and block over the no-drop servers' (`arm_speed_scale`, per arm and turn):",
+         arm_speed_scale, "cost_scale"),
+        ("  at the turn's fit: every arm at the no-drop servers' speed, a group's prompt token at the turn's static "
+         "pipeline's:", None, ""),
         ("  the same, a group's prompt token at what the arm's own servers measured while they hosted a slice, "
          "against the whole no-drop servers (`member_prompt_scale`, per arm and turn):", member_prompt_scale,
-         "member_scale"),
-        ("  the same, every compute cost at the speed of the arm's own servers: their CPU per prompt token and block "
-         "over the no-drop servers' (`arm_speed_scale`, per arm and turn):", arm_speed_scale, "cost_scale"))
+         "member_scale"))
     for heading, scale_of, keyword in readings:
-        if heading:
-            print(heading)
+        print(heading)
         within, compared = 0, 0
         for arm in SIMULATED_ARMS:
             lives, sims = [], []
