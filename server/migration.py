@@ -149,6 +149,15 @@ class MigrationStats:
                 "chosen": {mode: self.chosen[mode] for mode in MODES}, "held_steps": self.held_steps}
 
 
+async def close_remote(peer: RpcConnection, session_id: str) -> None:
+    """Closes the part of `session_id` that a move or a lending opened on `peer` while its client closed the session
+    here: no client would step or close it there."""
+    try:
+        await peer.call("close", {"session_id": session_id}, timeout=10.0)
+    except SwarmError as error:  # it closes by itself once no step comes for the session timeout
+        log.debug("could not close session %s on %s: %s", session_id, peer.peer_id, error.message)
+
+
 class Migrations:
     """Both ends of live KV migration for one server: sending sessions away, importing them, and where they went."""
 
@@ -179,6 +188,7 @@ class Migrations:
             raise SessionNotFound(f"session {session_id!r} is still arriving from {session.importing_from}")
         if session is not None and blocks is not None and blocks != (session.start, session.end):
             hops = session.hops or [Hop(self.peer_id, session.start, session.end, session_id)]
+            session.untold = []  # its client learns the chain: it steps and closes every part of it itself
             raise ChainChanged.to(hops, session.position)
 
     async def wait_if_moving(self, session_id: str, blocks: tuple[int, int] | None = None) -> None:
@@ -244,6 +254,8 @@ class Migrations:
                 commit["last_output"] = encode_tensor(session.last_result.output)
             await destination.call("import_commit", commit, timeout=timeout_s)
             committed = True
+            if not self.sessions.is_open(session) and not (part is not None and part.into):
+                await close_remote(destination, remote_id)  # its client closed it here during the commit
         except BaseException:
             self.stats.failed_out += 1
             if not committed:
@@ -251,6 +263,7 @@ class Migrations:
             raise
         finally:
             moving, session.moving = session.moving, None
+            committed = committed and self.sessions.is_open(session)  # else its client closed it: nothing left here
             if committed and (start, end) == (session.start, session.end):
                 hops = part.hops if part is not None else []
                 self._remember(session.session_id, destination.peer_id, addrs, "kv", hops, session.position)
@@ -258,6 +271,8 @@ class Migrations:
             elif committed:
                 assert part is not None
                 self.sessions.release_blocks(session, start, end)
+                if not part.into:  # a merge's peer is in its client's chain already
+                    session.untold.append((destination.peer_id, list(addrs)))
                 session.hops = part.hops
                 session.last_step_id, session.last_result = None, None  # its output now ends elsewhere
             moving.set_result(None)  # the waiting steps go on here, or learn where the session went
@@ -356,6 +371,17 @@ class Migrations:
             self._moved.pop(next(iter(self._moved)))
         self._moved[session_id] = _Departure(peer_id, list(addrs), mode, now, list(hops or []), position)
         self.unclaimed = {sid for sid in self.unclaimed if sid in self._moved} | {session_id}
+
+    def untold_departure(self, session_id: str) -> tuple[str, list[str]] | None:
+        """Gives the server (peer id, addresses) that `session_id`'s KV moved to, whole, if its client has not yet
+        been told so (and forgets that it was not): its client closing it here closes it there."""
+        moved = self._moved.get(session_id)
+        if moved is None or moved.mode != "kv" or moved.hops or session_id not in self.unclaimed:
+            return None
+        if self._find(session_id) is not None:
+            return None
+        self.unclaimed.discard(session_id)
+        return moved.peer_id, list(moved.addrs)
 
     def note_replayed_in(self, session_id: str) -> None:
         """Counts a session that arrived by replay (its client opened it here, naming the server it came from, under

@@ -36,7 +36,7 @@ import torch
 from hivemind.p2p import P2P
 
 from server.config import ServerConfig
-from server.migration import Migrations, decode_kv, kv_piece
+from server.migration import Migrations, close_remote, decode_kv, kv_piece
 from server.sessions import Session, SessionTable, Step, StepResult
 from swarm.errors import Hop, InvalidTensor, MigrationRefused, PeerUnreachable, SessionNotFound, SwarmError
 from swarm.memory import KVOwner, PagePool, kv_pages_for
@@ -161,19 +161,25 @@ class RemoteAttention:
             if end == session.end and session.last_step_id is not None and session.last_result is not None:
                 request["last_step_id"] = session.last_step_id  # a step repeated to the keeper is answered there
                 request["last_output"] = encode_tensor(session.last_result.output)
+            self._check_open(session)
             lent = [LentBlock(session.session_id, block, keeper, session.page_tables[block], session.position)
                     for block in range(start, end)]
+            for block in range(start, end):  # lent from here on, so that a close meanwhile leaves them to the keeper
+                server.pool.reown(KVOwner(session.session_id, block), KVOwner(session.session_id, block, lent=True))
             self._lent.update({(session.session_id, block.block): block for block in lent})  # the keeper may read
             try:  # at once
                 await connection.call("attend_open", request, timeout=server.config.push_timeout_s)
             except BaseException:
-                for block in lent:
-                    del self._lent[(session.session_id, block.block)]
+                self._take_back(session, lent)
                 raise
+            if not server.sessions.is_open(session):  # its client closed it meanwhile (r70, r71): what the keeper
+                self._take_back(session, lent)  # opened would hold pages no client ever steps or closes
+                await close_remote(connection, session.session_id)
+                self._check_open(session)
             for block in range(start, end):
-                server.pool.reown(KVOwner(session.session_id, block), KVOwner(session.session_id, block, lent=True))
                 session.page_tables.pop(block)
             server.sessions.release_blocks(session, start, end)  # its pages are lent now: nothing left to free
+            session.untold.append((keeper, list(addrs)))
             session.hops = hops
             session.last_step_id, session.last_result = None, None  # its output now ends elsewhere
         finally:
@@ -184,6 +190,22 @@ class RemoteAttention:
         self.stats.lent_blocks_open = len(self._lent)
         log.info("Lent session %s's KV of blocks %d:%d (%d tokens) to %s, which attends through it", session.session_id,
                  start, end, session.position, keeper)
+
+    def _check_open(self, session: Session) -> None:
+        if not self.server.sessions.is_open(session):
+            raise SessionNotFound(f"session {session.session_id!r} closed while it was being lent")
+
+    def _take_back(self, session: Session, lent: list[LentBlock]) -> None:
+        """Undoes the lending of `lent` that did not complete: their pages go back to `session`, or to the pool if
+        it closed meanwhile."""
+        for block in lent:
+            self._lent.pop((block.session_id, block.block), None)
+            owner = KVOwner(block.session_id, block.block, lent=True)
+            if self.server.sessions.is_open(session):
+                self.server.pool.reown(owner, KVOwner(block.session_id, block.block))
+            else:
+                self.server.pool.free(owner)
+        self.stats.lent_blocks_open = len(self._lent)
 
     async def attend(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         """RPC: appends a keeper's new keys and values to a lent block and answers their queries' attention output

@@ -27,7 +27,7 @@ from server.emulated_gpu import load_profile
 from server.exchange import EXCHANGE_STUCK_S, BlockExchange
 from server.hosting import Hosting
 from server.metrics import ServerMetrics
-from server.migration import AUTO, MAX_PIECES_PER_FRAME, MODES, Migrations, MoveChoice
+from server.migration import AUTO, MAX_PIECES_PER_FRAME, MODES, Migrations, MoveChoice, close_remote
 from server.packing_member import PackingMember
 from server.push import Pusher
 from server.remote_attention import RemoteAttention
@@ -488,6 +488,7 @@ class SwarmServer:
             forgotten = self.remote.expire()
             if forgotten:
                 log.info("Freed the lent KV of %d block(s) whose keeper went silent", forgotten)
+            self._close_untold_parts([])  # of sessions closed otherwise than by their clients' `close`
 
     @staticmethod
     async def _trim_heap_loop() -> None:
@@ -551,9 +552,39 @@ class SwarmServer:
 
     async def _close(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         session_id = field(payload, "session_id", str)
-        self.sessions.get(session_id)  # raises SessionNotFound for unknown or already closed sessions
-        self.sessions.close(session_id)
+        departure = self.migrations.untold_departure(session_id)
+        if departure is None:
+            self.sessions.get(session_id)  # raises SessionNotFound for unknown or already closed sessions
+            self.sessions.close(session_id)
+        self._close_untold_parts([(session_id, *departure)] if departure is not None else [])
         return {}
+
+    def _close_untold_parts(self, parts: list[tuple[str, str, list[str]]]) -> None:
+        """Closes, in the background, `parts` and the parts that closed sessions left on other servers untold to
+        their clients (`SessionTable.take_untold_parts`): (session id, peer id, addresses) each."""
+        parts = parts + self.sessions.take_untold_parts()
+        if not parts or self.p2p is None:
+            return
+        p2p, timeout_s, max_frame_bytes = self.p2p, self.config.push_timeout_s, self.config.max_frame_bytes
+
+        async def close_one(session_id: str, peer_id: str, addrs: list[str]) -> None:
+            try:
+                connection = await dial(p2p, peer_id, addrs, timeout=timeout_s, max_frame_bytes=max_frame_bytes)
+            except SwarmError as error:  # gone: what it held went with it
+                log.debug("could not reach %s to close session %s: %s", peer_id, session_id, error.message)
+                return
+            try:
+                await close_remote(connection, session_id)
+            finally:
+                await connection.close()
+            log.info("Closed session %s's part on %s, which its client was never told of", session_id, peer_id)
+
+        async def close_all() -> None:
+            await asyncio.gather(*(close_one(*part) for part in parts))
+
+        task = asyncio.create_task(close_all(), name="close-untold")
+        self._tasks.append(task)
+        task.add_done_callback(lambda done: self._tasks.remove(done) if done in self._tasks else None)
 
     async def _withdraw(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         """A client whose wait this server refused opened it on another: the wait leaves the line here."""

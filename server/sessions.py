@@ -112,6 +112,9 @@ class Session:
     # Once split or merged with peers (KunServe's exchange and restore): the servers that run the blocks its client
     # last saw it over, which steps that still expect it there are told of.
     hops: list[Hop] | None = None
+    # The servers (peer id, addresses) that a move or a lending from here opened a part of it on, while its client
+    # has not yet been told the new chain (`ChainChanged`): closed here, it closes there (`take_untold_parts`).
+    untold: list[tuple[str, list[str]]] = field(default_factory=list)
     next_hop: NextHop | None = None  # the server after this one in its client's chain, as its last step named it
     later_hops: int = 0  # how many servers its last step named after this one (a restore merges the last first)
     # While some of its blocks' KV is still on the server that dropped them (KunServe's live exchange): where, and
@@ -215,6 +218,7 @@ class SessionTable:
         self.clock = clock
         self._sessions: dict[str, Session] = {}
         self._closing: dict[str, Session] = {}  # closed while a batch computes with them; freed when it ends
+        self._untold_parts: list[tuple[str, str, list[str]]] = []  # (session, peer, addresses) to close on the peer
         self._evicted: OrderedDict[str, tuple[float, SwarmError]] = OrderedDict()  # id -> (when, what its steps get)
         # a waiting session's key (its client's `wait_id`, else its id) -> its wait, of opens refused for room
         self._refused: OrderedDict[str, RefusedWait] = OrderedDict()
@@ -645,11 +649,19 @@ class SessionTable:
             return False
         session.closed = True
         session.last_result = None
+        self._untold_parts += [(session_id, peer_id, addrs) for peer_id, addrs in session.untold]
+        session.untold = []
         if session.in_batches:
             self._closing[session_id] = session
         else:
             self._free(session)
         return True
+
+    def take_untold_parts(self) -> list[tuple[str, str, list[str]]]:
+        """Gives (and forgets) the parts that closed sessions had on other servers which their clients were never
+        told of (`Session.untold`): no client would step or close them there, so this server closes them."""
+        parts, self._untold_parts = self._untold_parts, []
+        return parts
 
     def enter_batch(self, session: Session) -> None:
         """Marks `session`'s pages as used by a batch about to compute."""

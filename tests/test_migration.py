@@ -279,6 +279,36 @@ def test_a_draining_server_moves_its_sessions_to_a_peer_and_they_go_on_without_a
         remote.shutdown()
 
 
+def test_a_session_its_client_closes_before_it_learned_where_a_draining_server_moved_it_closes_there_too(
+    swarm_factory: SwarmProcesses, tiny_llama: Path
+) -> None:
+    servers = start_servers(swarm_factory, tiny_llama, "0:8", "0:8")
+    by_peer = {server.peer_id: server for server in servers}
+    _, remote = local_and_remote(swarm_factory, tiny_llama)
+    try:
+        with remote.inference_session(max_length=48) as session:
+            remote.generate(prompt(20, 6), session=session, max_new_tokens=3, do_sample=False)
+            drained = session.route[0].peer_id
+            (survivor,) = set(by_peer) - {drained}
+            with watching(remote.swarm, survivor) as info:
+                by_peer[drained].popen.send_signal(signal.SIGTERM)  # it moves the session, whole, to the survivor
+                deadline = time.monotonic() + 60
+                while info()["migrations"]["in"]["kv"] != 1:
+                    assert time.monotonic() < deadline, "the draining server moved no session"
+                    time.sleep(0.2)
+                assert info()["record"]["pages_kv"] > 0
+        # the client closed it on the server it knew, with no step since the move: that server closes it where it
+        # went (before r72 it stayed open there, its pages held, until the session timeout: 300 s)
+        with watching(remote.swarm, survivor) as info:
+            deadline = time.monotonic() + 15
+            while info()["record"]["pages_kv"] != 0:
+                assert time.monotonic() < deadline, "the moved session stayed open on the survivor"
+                time.sleep(0.2)
+        assert by_peer[drained].popen.wait(timeout=60) == 0  # no session left unclaimed: the drain ends
+    finally:
+        remote.shutdown()
+
+
 def test_a_move_the_destination_refuses_leaves_the_session_whole_on_its_source(
     swarm_factory: SwarmProcesses, tiny_llama: Path
 ) -> None:

@@ -18,7 +18,7 @@ from server.migration import Migrations
 from server.remote_attention import RemoteAttention
 from server.scheduler import StepScheduler
 from server.sessions import Session, SessionTable, Step, StepResult
-from swarm.errors import Hop, PeerUnreachable, SessionNotFound, SwarmError
+from swarm.errors import ChainChanged, Hop, MigrationRefused, PeerUnreachable, SessionNotFound, SwarmError
 from swarm.memory import PagePool
 from swarm.model import BlockRange, resolve_model
 from swarm.rpc import CallContext
@@ -53,7 +53,13 @@ class Core:
                                        remote_forward=self.remote.forward)
         self.handlers: dict[str, Callable[[dict[str, Any], CallContext], Awaitable[dict[str, Any]]]] = {
             "attend_open": self.remote.open, "attend": self.remote.attend, "attend_read": self.remote.read,
-            "attend_release": self.remote.release}
+            "attend_release": self.remote.release, "close": self.close}
+
+    async def close(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+        """The server's `close` RPC: closes a session by its id (SessionNotFound if it is not open)."""
+        self.sessions.get(payload["session_id"])
+        self.sessions.close(payload["session_id"])
+        return {}
 
     def record(self) -> Any:
         return SimpleNamespace(addrs=[])
@@ -112,6 +118,11 @@ def started_pair(model: Path, monkeypatch: pytest.MonkeyPatch, *, chunk_bytes: i
     for core in cores.values():
         core.scheduler.start()
     return lender, keeper, cores, streams
+
+
+def opened(core: Core, session_id: str) -> Session | None:
+    """Gives the open session `session_id` of `core`, or None."""
+    return next((session for session in core.sessions if session.session_id == session_id), None)
 
 
 async def close_all(cores: dict[str, Core], baseline: dict[str, int]) -> None:
@@ -269,6 +280,84 @@ def test_a_keeper_whose_pool_is_full_takes_the_victim_at_once_and_its_kv_follows
         output = await keeper.step(kept, await lender.step(session, hidden))
         torch.testing.assert_close(output, reference(hidden), rtol=1e-5, atol=1e-5)
 
+        await close_all(cores, baseline)
+
+    asyncio.run(body())
+
+
+def test_a_victim_its_client_closes_while_it_is_being_lent_leaves_no_part_or_page_behind_and_a_refused_one_goes_on(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def body() -> None:
+        # each reply held 50 ms: the keeper has opened its part before the lender hears so
+        lender, keeper, cores, streams = started_pair(tiny_llama, monkeypatch, chunk_bytes=256, delay_s=0.05)
+        reference = ReferenceBlocks(lender.source, 0, 8)
+        generator = torch.Generator().manual_seed(3)
+        baseline = {name: core.pool.pages_free for name, core in cores.items()}
+        hops = [Hop("lender", 0, 4, "s"), Hop("keeper", 4, 8, "s")]
+
+        session = lender.sessions.open("s", 0, 8, batch=1, max_length=256)
+        await lender.step(session, torch.randn(1, 40, HIDDEN, generator=generator))
+        lending = asyncio.create_task(lender.remote.lend(session, "keeper", [], 4, 8, hops))
+        for _ in range(100):
+            if opened(keeper, "s") is not None:
+                break
+            await asyncio.sleep(0.005)
+        assert getattr(opened(keeper, "s"), "remote", None) is not None  # open there, its KV lent
+        lender.sessions.close("s")  # its client had its last token: the close comes while the keeper answers
+        with pytest.raises(SessionNotFound, match="closed while it was being lent"):
+            await lending
+        # before r72: the keeper's part stayed open (its copy holding pages) until the session timeout, and the
+        # lender's lent blocks pointed at pages the close had freed
+        assert opened(keeper, "s") is None and "close" in streams[0].calls
+        assert lender.remote.stats.lent_blocks_open == 0
+        for _ in range(100):  # the keeper's copier ends with its session
+            if not keeper.remote._copiers:
+                break
+            await asyncio.sleep(0.01)
+        for name, core in cores.items():
+            core.pool.check_invariants()
+            assert core.pool.pages_free == baseline[name], name
+
+        async def refuse(payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
+            raise MigrationRefused("the keeper takes no victim now")
+
+        keeper.handlers["attend_open"] = refuse
+        session = lender.sessions.open("t", 0, 8, batch=1, max_length=256)
+        prompt = torch.randn(1, 40, HIDDEN, generator=generator)
+        torch.testing.assert_close(await lender.step(session, prompt), reference(prompt), rtol=1e-5, atol=1e-5)
+        held = lender.pool.pages_free
+        with pytest.raises(MigrationRefused):
+            await lender.remote.lend(session, "keeper", [], 4, 8, [Hop("lender", 0, 4, "t"), Hop("keeper", 4, 8, "t")])
+        assert (session.start, session.end) == (0, 8) and lender.pool.pages_free == held
+        assert lender.pool.has_session("t") and lender.remote.stats.lent_blocks_open == 0
+        hidden = torch.randn(1, 1, HIDDEN, generator=generator)  # its KV is its own again: it goes on here
+        torch.testing.assert_close(await lender.step(session, hidden), reference(hidden), rtol=1e-5, atol=1e-5)
+
+        await close_all(cores, baseline)
+
+    asyncio.run(body())
+
+
+def test_a_lent_victim_closed_before_its_client_learned_the_new_chain_names_its_keepers_part_to_close(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def body() -> None:
+        lender, _, cores, _ = started_pair(tiny_llama, monkeypatch, chunk_bytes=8 * 256, delay_s=0.0)
+        generator = torch.Generator().manual_seed(4)
+        baseline = {name: core.pool.pages_free for name, core in cores.items()}
+        for name in ("untold", "told"):
+            session = lender.sessions.open(name, 0, 8, batch=1, max_length=256)
+            await lender.step(session, torch.randn(1, 20, HIDDEN, generator=generator))
+            await lender.remote.lend(session, "keeper", ["/ip4/127.0.0.1/tcp/1"], 4, 8,
+                                     [Hop("lender", 0, 4, name), Hop("keeper", 4, 8, name)])
+        with pytest.raises(ChainChanged):  # a step that expects it whole learns the chain: its client closes it all
+            lender.migrations.check_step("told", (0, 8))
+        lender.sessions.close("told")
+        assert lender.sessions.take_untold_parts() == []
+        lender.sessions.close("untold")  # closed with no step since the lending: its client knows no keeper
+        assert lender.sessions.take_untold_parts() == [("untold", "keeper", ["/ip4/127.0.0.1/tcp/1"])]
+        assert lender.sessions.take_untold_parts() == []
         await close_all(cores, baseline)
 
     asyncio.run(body())
