@@ -175,7 +175,7 @@ class RemoteAttention:
             if not server.sessions.is_open(session):  # its client closed it meanwhile (r70, r71): what the keeper
                 self._take_back(session, lent)  # opened would hold pages no client ever steps or closes
                 await close_remote(connection, session.session_id)
-                self._check_open(session)
+                raise SessionNotFound(f"session {session.session_id!r} closed while it was being lent")
             for block in range(start, end):
                 session.page_tables.pop(block)
             server.sessions.release_blocks(session, start, end)  # its pages are lent now: nothing left to free
@@ -198,10 +198,11 @@ class RemoteAttention:
     def _take_back(self, session: Session, lent: list[LentBlock]) -> None:
         """Undoes the lending of `lent` that did not complete: their pages go back to `session`, or to the pool if
         it closed meanwhile."""
+        still_open = self.server.sessions.is_open(session)
         for block in lent:
             self._lent.pop((block.session_id, block.block), None)
             owner = KVOwner(block.session_id, block.block, lent=True)
-            if self.server.sessions.is_open(session):
+            if still_open:
                 self.server.pool.reown(owner, KVOwner(block.session_id, block.block))
             else:
                 self.server.pool.free(owner)
