@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 _THROUGHPUT_MIN_BYTES = 64 << 10  # smaller frames measure latency, not bandwidth
 SELF_CHOSEN_KV_SESSIONS = 4  # a server choosing how many blocks it hosts keeps KV room for this many full sessions
 MAX_PUSH_WAIT_MS = 600_000
+UNTOLD_CLOSE_WAIT_S = 20.0  # the most a shutdown waits for the closes it passed on to peers: a dial and a close
 STOPPED_STEP_RUNS = 3  # runs of one step request that a drop's exchange may stop before its StepStopped goes out
 
 
@@ -166,6 +167,7 @@ class SwarmServer:
         self.p2p: P2P | None = None
         self.announcer: Announcer | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing: set[asyncio.Task[None]] = set()  # closes of parts on peers (`_close_untold_parts`)
         self.pusher: Pusher | None = None
         self.pushes_received = 0  # steps that previous servers of chains pushed here
         self.metrics: ServerMetrics | None = None
@@ -459,9 +461,11 @@ class SwarmServer:
         await self.scheduler.stop()
         await self.remote.stop()
         await self.hosting.stop()
-        for task in self._tasks:
+        if self._closing:  # a drain that ended at a client's close lets the close it passed on reach the peer
+            await asyncio.wait(self._closing, timeout=UNTOLD_CLOSE_WAIT_S)
+        for task in [*self._tasks, *self._closing]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._closing, return_exceptions=True)
         await self.packing.close()
         await self.dropping.close()
         open_sessions = len(self.sessions)
@@ -583,8 +587,8 @@ class SwarmServer:
             await asyncio.gather(*(close_one(*part) for part in parts))
 
         task = asyncio.create_task(close_all(), name="close-untold")
-        self._tasks.append(task)
-        task.add_done_callback(lambda done: self._tasks.remove(done) if done in self._tasks else None)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _withdraw(self, payload: dict[str, Any], ctx: CallContext) -> dict[str, Any]:
         """A client whose wait this server refused opened it on another: the wait leaves the line here."""
