@@ -56,6 +56,7 @@ MAX_MOVED = 4096
 MAX_PIECES_PER_FRAME = 65536  # an import_kv frame's pieces (one per block and row at least)
 STEP_WAIT_S = 30.0  # how long a move waits for the session's running step to finish
 POLL_S = 0.005
+PEER_CALL_TIMEOUT_S = 10.0  # a close or an abort this server sends a peer about a session it moved or lent
 MODES: tuple[Mode, ...] = ("kv", "replay")
 AUTO = "auto"  # a move's mode chosen by `choose_mode` from measured costs
 MIN_BANDWIDTH_SAMPLE_BYTES = 256 << 10  # transfers smaller than this say little about a link's bandwidth
@@ -153,7 +154,7 @@ async def close_remote(peer: RpcConnection, session_id: str) -> None:
     """Closes the part of `session_id` that a move or a lending opened on `peer` while its client closed the session
     here: no client would step or close it there."""
     try:
-        await peer.call("close", {"session_id": session_id}, timeout=10.0)
+        await peer.call("close", {"session_id": session_id}, timeout=PEER_CALL_TIMEOUT_S)
     except SwarmError as error:  # it closes by itself once no step comes for the session timeout
         log.debug("could not close session %s on %s: %s", session_id, peer.peer_id, error.message)
 
@@ -359,7 +360,7 @@ class Migrations:
     @staticmethod
     async def _abort_remote(destination: RpcConnection, session_id: str) -> None:
         try:
-            await destination.call("import_abort", {"session_id": session_id}, timeout=10.0)
+            await destination.call("import_abort", {"session_id": session_id}, timeout=PEER_CALL_TIMEOUT_S)
         except SwarmError as error:  # it drops the import by itself once it stays idle
             log.debug("could not abort the import of %s on %s: %s", session_id, destination.peer_id, error.message)
 

@@ -27,7 +27,15 @@ from server.emulated_gpu import load_profile
 from server.exchange import EXCHANGE_STUCK_S, BlockExchange
 from server.hosting import Hosting
 from server.metrics import ServerMetrics
-from server.migration import AUTO, MAX_PIECES_PER_FRAME, MODES, Migrations, MoveChoice, close_remote
+from server.migration import (
+    AUTO,
+    MAX_PIECES_PER_FRAME,
+    MODES,
+    PEER_CALL_TIMEOUT_S,
+    Migrations,
+    MoveChoice,
+    close_remote,
+)
 from server.packing_member import PackingMember
 from server.push import Pusher
 from server.remote_attention import RemoteAttention
@@ -63,7 +71,6 @@ log = logging.getLogger(__name__)
 _THROUGHPUT_MIN_BYTES = 64 << 10  # smaller frames measure latency, not bandwidth
 SELF_CHOSEN_KV_SESSIONS = 4  # a server choosing how many blocks it hosts keeps KV room for this many full sessions
 MAX_PUSH_WAIT_MS = 600_000
-UNTOLD_CLOSE_WAIT_S = 20.0  # the most a shutdown waits for the closes it passed on to peers: a dial and a close
 STOPPED_STEP_RUNS = 3  # runs of one step request that a drop's exchange may stop before its StepStopped goes out
 
 
@@ -461,8 +468,9 @@ class SwarmServer:
         await self.scheduler.stop()
         await self.remote.stop()
         await self.hosting.stop()
-        if self._closing:  # a drain that ended at a client's close lets the close it passed on reach the peer
-            await asyncio.wait(self._closing, timeout=UNTOLD_CLOSE_WAIT_S)
+        if self._closing:  # a drain that ended at a client's close lets the close it passed on reach the peer: at
+            # most a dial and the close
+            await asyncio.wait(self._closing, timeout=self.config.push_timeout_s + PEER_CALL_TIMEOUT_S)
         for task in [*self._tasks, *self._closing]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._closing, return_exceptions=True)
