@@ -482,6 +482,8 @@ class SwarmServer:
         if self.rpc is not None:
             await self.rpc.stop()  # closing the streams frees their sessions
         self.sessions.close_all()
+        if self.p2p is not None:
+            await self.p2p.shutdown()  # the replica's client socket file goes with it
         if self.dht is not None:
             self.dht.shutdown()
         log.info("Shut down; freed %d open session(s); pool %s", open_sessions, self.pool.stats())

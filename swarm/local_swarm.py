@@ -1,22 +1,31 @@
 """A swarm of real OS processes on one machine: a `swarm-dht` bootstrap and `swarm-server`s on 127.0.0.1.
 
 Used by the demo, the integration tests and the benchmarks. Every process is started by `SwarmProcesses`,
-whose `close()` always terminates (then kills) all of them, p2pd daemons included (one process group each).
+whose `close()` always terminates (then kills) all of them, p2pd daemons included (one process group each). A
+process group that is killed leaves no socket files behind: what its processes had bound under the temporary
+directory (the p2p daemons' and their clients' sockets, torch's shared-memory manager) is removed after the kill.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]  # so `python -m server.cli` resolves without an installed package
 START_TIMEOUT_S = 180.0
+# Directories under the temporary directory that belong to one process alone and go with it: torch's shared-memory
+# manager's and multiprocessing's
+PRIVATE_TEMP_DIRS = ("torch-shm-dir-", "pymp-")
 
 
 @dataclass
@@ -161,11 +170,14 @@ class SwarmProcesses:
         return proc.popen.returncode, proc.output()
 
     def kill(self, proc: Proc, signum: int = signal.SIGKILL) -> None:
-        """Sends `signum` to the process group of `proc` (p2pd daemons included)."""
+        """Sends `signum` to the process group of `proc` (p2pd daemons included); after SIGKILL, removes the socket
+        files its processes had bound, which they can no longer remove themselves."""
+        sockets = group_socket_files(proc.popen.pid) if signum == signal.SIGKILL else []
         try:
             os.killpg(proc.popen.pid, signum)
         except ProcessLookupError:
-            pass
+            return
+        remove_socket_files(sockets)  # killed, its processes bind nothing again
 
     def close(self) -> None:
         """Stops every process: servers first, then the bootstrap, each with SIGTERM to its own process (a clean
@@ -190,3 +202,29 @@ class SwarmProcesses:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def group_socket_files(pgid: int) -> list[Path]:
+    """Gives the Unix socket files under the temporary directory that the live processes of group `pgid` are bound
+    to."""
+    temp = Path(tempfile.gettempdir())
+    paths: list[Path] = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) != pgid:
+                continue
+            bound = [c.laddr for c in process.net_connections(kind="unix")]
+        except (psutil.Error, ProcessLookupError):
+            continue  # gone meanwhile, or not ours to read
+        paths += [Path(path) for path in bound if isinstance(path, str) and Path(path).parent.is_relative_to(temp)]
+    return paths
+
+
+def remove_socket_files(paths: Sequence[Path]) -> None:
+    """Removes the socket files of killed processes, with the private directories that held them."""
+    temp = Path(tempfile.gettempdir())
+    for path in paths:
+        if path.parent != temp and path.parent.name.startswith(PRIVATE_TEMP_DIRS):
+            shutil.rmtree(path.parent, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)

@@ -8,6 +8,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -34,6 +35,14 @@ def online_peers(client: SwarmClient) -> dict[str, ServerRecord]:
     return client.run(client.servers(), timeout=30)
 
 
+def socket_files(pid: int) -> set[str]:
+    """Gives the paths of the Unix sockets that process `pid` and its children are bound to (the p2p daemons' and
+    their clients' files, torch's shared-memory manager's)."""
+    process = psutil.Process(pid)
+    return {c.laddr for p in (process, *process.children(recursive=True))
+            for c in p.net_connections(kind="unix") if c.laddr and not c.laddr.startswith("\0")}
+
+
 def test_dead_server_vanishes_within_its_ttl_and_rejoins_with_the_same_identity(
     swarm_factory: SwarmProcesses, tiny_llama: Path, tmp_path: Path
 ) -> None:
@@ -45,7 +54,10 @@ def test_dead_server_vanishes_within_its_ttl_and_rejoins_with_the_same_identity(
     client = SwarmClient(source.model_id, source.num_blocks, swarm_factory.initial_peers)
     try:
         assert first.peer_id in online_peers(client)
+        sockets = socket_files(first.popen.pid)
+        assert len(sockets) >= 3, sockets  # its DHT node's daemon and client, and the server's own p2p client
         swarm_factory.kill(first, signal.SIGKILL)
+        wait_until(lambda: not [path for path in sockets if os.path.exists(path)], 10, "no socket file is left")
         # --record-ttl is 4 s in the harness; allow for DHT clock slack and a loaded machine
         wait_until(lambda: first.peer_id not in online_peers(client), 20, "the killed server left the DHT")
         second = swarm_factory.start_server(tiny_llama, "0:8", *args)
@@ -86,8 +98,12 @@ def test_idle_session_times_out_and_frees_its_pages_then_sigterm_shuts_down_clea
         tokens_per_page = record["page_bytes"] // record["kv_bytes_per_token"]
         assert tokens_per_page < 20, record  # the prompt takes more than the page a session opens with per block
         assert (record["pages_kv"], record["kv_packed_pages"]) == (8, 8 * math.ceil(20 / tokens_per_page))
+        sockets = socket_files(server.popen.pid)
+        assert len(sockets) >= 3, sockets  # its DHT node's daemon and client, and the server's own p2p client
         os.kill(server.popen.pid, signal.SIGTERM)  # as `kill PID` does
         assert server.popen.wait(timeout=60) == 0
+        # torch's shared-memory manager outlives its last client by up to 2 s, then removes its own
+        wait_until(lambda: not [path for path in sockets if os.path.exists(path)], 10, "no socket file is left")
         log = server.output()
         assert "Signal received: draining" in log and "freed 1 open session(s)" in log and "Traceback" not in log
         wait_until(

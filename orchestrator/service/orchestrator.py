@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
 from orchestrator.allocation import gca
@@ -169,6 +170,7 @@ class Orchestrator:
         self.rtt_ms: dict[str, tuple[float, float]] = {}  # peer -> (rtt, measured at)
         self.active = False
         self.dht: hivemind.DHT | None = None
+        self.p2p: P2P | None = None
         self.rpc: RpcServer | None = None
         self._started_at = 0.0
         self._addrs: list[str] = []
@@ -228,6 +230,8 @@ class Orchestrator:
             await connection.close()
         if self.rpc is not None:
             await self.rpc.stop()
+        if self.p2p is not None:
+            await self.p2p.shutdown()  # the replica's client socket file goes with it
         if self.dht is not None:
             self.dht.shutdown()
 
@@ -330,6 +334,7 @@ class Orchestrator:
         return rtt_ms, fresh
 
     async def _dial(self, record: ServerRecord) -> RpcConnection:
+        assert self.p2p is not None, "the orchestrator dials servers only once started"
         return await dial(self.p2p, record.peer_id, list(record.addrs), timeout=self.config.request_timeout_s)
 
     def _should_replan(
