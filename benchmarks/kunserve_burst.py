@@ -242,6 +242,18 @@ class ArmRun:
                 by_peer.setdefault(row["peer_id"], []).append(row)
         return list(by_peer.values())
 
+    def decode_steps(self) -> dict[str, tuple[int, float]]:
+        """Gives the servers' decode steps by how they computed (`info` `decode_step_ms`: alone, beside a prompt's
+        chunk, passing one), summed over the servers: how many, and their mean latency in ms."""
+        last = [rows[-1]["decode_step_ms"] for rows in self.polls_by_peer() if "decode_step_ms" in rows[-1]]
+        steps = {}
+        for kind in ("alone", "beside_prefill", "passing_prefill"):
+            count = sum(server.get(kind, {}).get("count", 0) for server in last)
+            total = sum(server.get(kind, {}).get("count", 0) * server.get(kind, {}).get("mean_ms", 0.0)
+                        for server in last)
+            steps[kind] = (count, total / count if count else math.nan)
+        return steps
+
     def compute_by_blocks(self) -> dict[int, StateCompute]:
         """Gives what the servers computed between two polls that found the same hosted range, by the blocks they
         hosted (30: whole, fewer: a member of a pipeline or of a dropped group), summed over the servers: the
@@ -375,11 +387,12 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     scheduler does (`reserve_decode_rows`). What occupies the client: its CPU per head pass and per token, on this
     machine (`client_work`): the tokens of one iteration share a pass, as the client's sessions on one chain share a
     head pass, a pass waits for the chain's steps on their way (`MAX_GANG_WAIT_S`), and passes follow each other, as one
-    Python process serves every request. Decode steps join a prompt chunk's batch (`join_prefill`), as the CPU servers'
-    schedulers have them. What only delays a token: the rest of the 10th percentile of the requests' TBT (the least
-    loaded) beyond the compute and a lone token's client work, at least the network's round trip (the emulated links,
-    the p2pd daemons and the RPC layers on either side). A group's extra member adds a half round trip (the pushed hop),
-    which the simulator counts in a micro-batch's time. A client's try before it is admitted or backs off, as the
+    Python process serves every request. Decode steps pass a prompt chunk's batch (`overtake_prefill`), as the CPU
+    servers' schedulers have them (runs before r79: join it, `join_prefill`). What only delays a token: the rest of
+    the 10th percentile of the requests' TBT (the least loaded) beyond the compute and a lone token's client work, at
+    least the network's round trip (the emulated links, the p2pd daemons and the RPC layers on either side). A group's
+    extra member adds a half round trip (the pushed hop), which the simulator counts in a micro-batch's time. A
+    client's try before it is admitted or backs off, as the
     no-drop arm's clients took it (`client_tries_of`): a DHT lookup unless a try looked one up within the client's
     `records_max_age_s`, then an `open` call on each server of its chain (the reports up to r38's gave every try the
     median round, lookup and opens, 0.2 s: the simulated prompts of a pipeline reached their first member up to 0.15 s
@@ -431,6 +444,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     fixed = max(0.0, lone - per_row)  # the simulator adds a row per decoding request: a batch of one costs `lone`
     beyond_compute = max(0.0, float(np.percentile(base.tbt(), 10)) * 1000 - lone)
     work = client_work(base.workdir and base.workdir.parent)
+    passed = run_marked(base.workdir and base.workdir.parent, CHUNKS_PASSED_FILE)
     delay_ms = max(min(beyond_compute, rtt_ms), beyond_compute - work.pass_ms - work.token_ms)
     untracked = base.untracked_cpu()
     refused_round_ms = untracked.refused_round_ms if untracked is not None else None
@@ -461,7 +475,8 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
                             else refused_try_cpu_ms(base.workdir and base.workdir.parent)),
         token_cpu_ms=untracked.token_ms if untracked is not None else 0.0,
         placement="latency", cores=os.cpu_count() or 1, member_batching=True,
-        client_gang_wait_s=MAX_GANG_WAIT_S, join_prefill=True, exchange_transient=True, reserve_decode_rows=True,
+        client_gang_wait_s=MAX_GANG_WAIT_S, join_prefill=not passed, overtake_prefill=passed, exchange_transient=True,
+        reserve_decode_rows=True,
         client_link_bytes_per_s=MBIT * 1e6 / 8, hidden_bytes_per_token=hidden_size() * WIRE_BYTES,
         client_link_extra_s=link_crossing_extra(base.workdir and base.workdir.parent, rtt_ms),
     )
@@ -575,6 +590,7 @@ LINK_CROSSING_FILE = "link_crossing_{rtt}.json"  # in the run's workdir, per RTT
 # the servers that had refused it once it opened on another (from r57)
 ROOM_NAMED_FILE, ROOM_KEPT_FILE = "servers_name_room", "servers_keep_named_room"
 WAITS_WITHDRAWN_FILE = "clients_withdraw_waits"
+CHUNKS_PASSED_FILE = "servers_pass_prompt_chunks"  # from r79: decode steps pass a prompt chunk's batch, not join it
 REFUSED_TRIES_KV_PAGES = 3  # KV pages per block of the servers that measure a refused round (full either way)
 CLIENT_WORK_SESSIONS = 8  # sessions whose tokens share the client's passes when its work is measured (the most the
 # dropped arms run at once)
@@ -965,6 +981,12 @@ def report(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
                 f"{blocks} blocks: {state.prompt_us_per_token_block:.0f} us | {state.other_ms_per_batch_block:.2f} ms"
                 f" | {state.sessions:.1f} ({state.prompt_tokens} prompt tokens)"
                 for blocks, state in runs[arm][0].compute_by_blocks().items()))
+    print("servers' decode steps, turn 1, both servers (how many, and their mean latency at the server): alone | "
+          "beside a prompt's chunk | passing one:")
+    for arm in ARMS:
+        if runs.get(arm):
+            print(f"  {arm:<26} " + " | ".join(f"{count:5d} x {mean_ms:5.1f} ms"
+                                             for count, mean_ms in runs[arm][0].decode_steps().values()))
     counted = {arm: [run.batch_cpu() for run in runs.get(arm, [])] for arm in ARMS}
     if any(cpu is not None for cpus in counted.values() for cpu in cpus):
         print("servers' batches by turn, their computing threads' CPU (the machine's speed: us per prompt token and "
@@ -1207,6 +1229,7 @@ def main(argv: list[str] | None = None) -> int:
             root.mkdir(parents=True, exist_ok=True)
             (root / ROOM_NAMED_FILE).touch()  # what this run's servers and clients do (`run_marked`, `kept_window`)
             (root / WAITS_WITHDRAWN_FILE).touch()
+            (root / CHUNKS_PASSED_FILE).touch()
             (root / ROOM_KEPT_FILE).write_text(json.dumps({"lead_s": NAMED_ROOM_LEAD_S, "grace_s": NAMED_ROOM_GRACE_S}))
             extra = link_crossing_extra(root, rtt_ms, measure=True)
             print("a prompt's message beyond its bytes at the link's rate: " + ", ".join(

@@ -41,6 +41,7 @@ class BatchStats:
     prefill_batch_ms: float = 0.0  # their compute, summed
     prefill_batch_cpu_ms: float = 0.0  # and their CPU time
     joined: int = 0  # steps that joined a batch already computing
+    passed: int = 0  # decode steps that passed a prompt chunk's batch, computing on their own ahead of it
     steps_by_place: Counter[str] = field(default_factory=Counter)  # "loop" or "pool": steps computed there
     sizes: Counter[int] = field(default_factory=Counter)  # power-of-two bucket of steps per batch -> batches
     tokens: Counter[int] = field(default_factory=Counter)  # power-of-two bucket of tokens per batch -> batches
@@ -49,6 +50,7 @@ class BatchStats:
     decode_beside_prefill: Latency = field(default_factory=lambda: Latency())  # ... in a batch with a prefill chunk
     # the latter's latency beyond the batch they finished in (less its compute): what they waited before it
     decode_beyond_batch: Latency = field(default_factory=lambda: Latency())
+    decode_passing_prefill: Latency = field(default_factory=lambda: Latency())  # ... that passed a prefill chunk
     # called with (steps, tokens, compute_ms) for every batch (the server's Prometheus histograms)
     observers: list[Callable[[int, int, float], None]] = field(default_factory=list, repr=False)
 
@@ -81,12 +83,14 @@ class BatchStats:
             "prefill_batch_ms": round(self.prefill_batch_ms, 3),
             "prefill_batch_cpu_ms": round(self.prefill_batch_cpu_ms, 3),
             "joined": self.joined,
+            "passed": self.passed,
             "steps_per_batch": {f"<={bound}": count for bound, count in sorted(self.sizes.items())},
             "tokens_per_batch": {f"<={bound}": count for bound, count in sorted(self.tokens.items())},
             "steps_failed": dict(self.failed),
             "decode_step_ms": {"alone": self.decode_alone.to_wire(),
                                "beside_prefill": self.decode_beside_prefill.to_wire(),
-                               "beside_prefill_beyond_its_batch": self.decode_beyond_batch.to_wire()},
+                               "beside_prefill_beyond_its_batch": self.decode_beyond_batch.to_wire(),
+                               "passing_prefill": self.decode_passing_prefill.to_wire()},
         }
 
 

@@ -6,8 +6,11 @@ order. A long prompt thus prefills chunk by chunk while the other sessions' deco
 A step that arrives on an idle server starts at once: there is no batching window. A step that arrives while a
 batch computes joins it at the next block boundary, after catching up through the blocks the batch has passed
 (`ForwardPass.join`), when that catch-up costs the batch's steps less than the step would wait
-(`StepScheduler._worth_joining`); otherwise it waits for the next batch. A prompt's chunk joins only a batch that
-computes a chunk already, and leaves room in it for the other sessions' decode steps. Before a chunk computes, its
+(`StepScheduler._worth_joining`); otherwise it waits for the next batch. A decode step that arrives while a prompt's
+chunk computes bound by compute (a CPU's) passes it instead: at the next block boundary the compute thread runs the
+decode steps that came through all their blocks on their own and hands them back at once, then goes on with the
+chunk (`StepScheduler._passes`). A prompt's chunk joins only a batch that computes a chunk already, and leaves room in
+it for the other sessions' decode steps. Before a chunk computes, its
 session takes the pages it will write; a session that cannot get them fails alone (`ServerBusy`). A batch that raises
 is computed again step by step, so one bad step fails only its own session.
 """
@@ -60,6 +63,10 @@ class _Pass:
     cpu_ms: float = 0.0  # the CPU time the computing thread spent on it (its own, whatever else runs on the machine)
     closed: bool = False
     joining: list[tuple[Step, int, torch.Tensor, PagedBatch]] = field(default_factory=list)
+    passing: list[tuple[Step, int, torch.Tensor, PagedBatch]] = field(default_factory=list)  # decode steps to run
+    # ahead of it, on their own, at the next block boundary
+    passed_ms: float = 0.0  # the wall time of the passing steps' passes, which is not this batch's
+    passed_cpu_ms: float = 0.0  # and their CPU time
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -106,9 +113,11 @@ class StepScheduler:
         self._idle.set()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._pass: _Pass | None = None  # the batch on the compute thread now, which steps may join
 
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name="step-scheduler")
 
     @property
@@ -162,6 +171,9 @@ class StepScheduler:
         wait for the batch's end and then ride the next chunk's batch, 1.5 batches in all."""
         if step.session.closed or step.stopping:
             return
+        if step.tokens == 1 and self._passes(running):
+            self._hand_over(running, step, 1, passing=True)
+            return
         if not self._worth_joining(running):
             return
         left = self.max_batch_tokens - running.tokens
@@ -172,8 +184,12 @@ class StepScheduler:
                 in_pass = [*running.items, *((joined, take) for joined, take, _, _ in running.joining)]
             left = self._room(step, left, in_pass)
         take = min(step.remaining, left // step.rows)
-        if take < 1:
-            return
+        if take >= 1:
+            self._hand_over(running, step, take, passing=False)
+
+    def _hand_over(self, running: _Pass, step: Step, take: int, *, passing: bool) -> None:
+        """Gives `take` tokens of `step` to the compute thread, to join `running` or (`passing`) to pass it at its
+        next block boundary, unless `running` has just ended: then the step waits in the queue for the next batch."""
         try:
             self.sessions.grow(step.session, step.session.position + step.done + take)
         except SwarmError as error:
@@ -182,10 +198,27 @@ class StepScheduler:
         hidden, paged = self._assemble([(step, take)])
         with running.lock:
             if running.closed:
-                return  # the batch has just ended: the step waits in the queue for the next one
-            running.joining.append((step, take, hidden, paged))
-            running.tokens += take * step.rows
+                return
+            if passing:
+                running.passing.append((step, take, hidden, paged))
+            else:
+                running.joining.append((step, take, hidden, paged))
+                running.tokens += take * step.rows
         self.sessions.enter_batch(step.session)
+
+    def _passes(self, running: _Pass) -> bool:
+        """Gives whether a decode step passes `running` rather than join it: when it computes a prompt's chunk bound
+        by compute, at least COMPUTE_BOUND_PACE x a lone row's time per block so far. Joining, the step would wait for
+        the rest of the chunk: on this CPU a chunk's 128 tokens take 110-130 ms through 15 blocks, where a decode step
+        without one took 45-60 ms (r74-r78: 27-38% of the decode steps on a pipelined pair rode a chunk). Passing, it
+        waits for one block of the chunk, and the chunk waits for its pass. Before the chunk's first block is done its
+        pace is unknown, and a step joins it at no catch-up. A GPU's chunk costs about a decode step: there steps
+        join it, as a decode batch."""
+        done = running.blocks_done
+        if not running.prefill or done == 0:
+            return False
+        pace_ms = ((time.perf_counter() - running.started_s) * 1000 - running.passed_ms) / done
+        return pace_ms >= COMPUTE_BOUND_PACE * self.block_compute_ms
 
     def _worth_joining(self, running: _Pass) -> bool:
         """Gives whether a step should join the batch computing now rather than wait for the next one.
@@ -339,15 +372,19 @@ class StepScheduler:
             self.computing = False
             for step, _ in computed:  # the steps that joined it too
                 self.sessions.leave_batch(step.session)
-        joined = len(computed) - len(batch)
+        self._settle(computed, outputs, compute_ms, cpu_ms, joined=len(computed) - len(batch),
+                     place="loop" if inline else "pool")
+
+    def _settle(self, batch: list[tuple[Step, int]], outputs: list[torch.Tensor | SwarmError], compute_ms: float,
+                cpu_ms: float, *, joined: int, place: str, passed: bool = False) -> None:
+        """Counts a computed batch (`joined`: how many of its steps joined it; `passed`: decode steps that passed a
+        prompt's chunk), hands each step its chunk's output and finishes the steps that are complete."""
         self.stats.joined += joined
-        batch = computed
         decode = any(step.tokens == 1 for step, _ in batch)
         prefill_tokens = sum(take * step.rows for step, take in batch if step.tokens > 1)
         prefill = prefill_tokens > 0
         self.stats.note(len(batch), sum(take * step.rows for step, take in batch), compute_ms=compute_ms,
-                        mixed=decode and prefill, place="loop" if inline else "pool", prefill_tokens=prefill_tokens,
-                        cpu_ms=cpu_ms)
+                        mixed=decode and prefill, place=place, prefill_tokens=prefill_tokens, cpu_ms=cpu_ms)
         self._note_speed(batch, compute_ms, joined=joined)
         if len(batch) == 1 and batch[0][0].rows * batch[0][1] == 1 and compute_ms > 0:
             sample_ms = compute_ms / batch[0][0].session.blocks  # a lone decode step refines the start-up figure
@@ -371,7 +408,9 @@ class StepScheduler:
                 finished.append(step)
                 if step.tokens == 1:
                     latency_ms = (time.perf_counter() - step.admitted_s) * 1000
-                    if step.beside_prefill:
+                    if passed:
+                        self.stats.decode_passing_prefill.note(latency_ms)
+                    elif step.beside_prefill:
                         self.stats.decode_beside_prefill.note(latency_ms)
                         self.stats.decode_beyond_batch.note(max(0.0, latency_ms - compute_ms))
                     else:
@@ -451,8 +490,9 @@ class StepScheduler:
             self._pass = None
             with running.lock:
                 running.closed = True
-                late, running.joining = running.joining, []
-            for step, _, _, _ in late:  # came too late to join: they wait in the queue for the next batch
+                late = running.joining + running.passing
+                running.joining, running.passing = [], []
+            for step, _, _, _ in late:  # came too late to join or pass: they wait in the queue for the next batch
                 self.sessions.leave_batch(step.session)
 
     def _timed_forward(
@@ -470,8 +510,14 @@ class StepScheduler:
             if running is not None:
                 with running.lock:
                     joining, running.joining = running.joining, []
+                    passing, running.passing = running.passing, []
                     if forward_pass.done:
                         running.closed = True
+                if passing and forward_pass.done:  # too late: returned to the queue
+                    with running.lock:
+                        running.passing.extend(passing)
+                elif passing:
+                    held_ms += self._pass_ahead(running, passing)
                 if joining and forward_pass.done:  # too late: returned to the queue
                     with running.lock:
                         running.joining.extend(joining)
@@ -495,9 +541,67 @@ class StepScheduler:
         output = forward_pass.hidden
         if output.device.type == "cuda":
             torch.cuda.synchronize(output.device)
-        if running is not None:
-            running.cpu_ms += (time.thread_time() - cpu_started) * 1000
-        return output, (time.perf_counter() - started) * 1000
+        compute_ms = (time.perf_counter() - started) * 1000
+        if running is not None:  # less the passes of the decode steps that passed it, which count as their own
+            running.cpu_ms += (time.thread_time() - cpu_started) * 1000 - running.passed_cpu_ms
+            compute_ms -= running.passed_ms
+        return output, compute_ms
+
+    def _pass_ahead(self, running: _Pass, passing: list[tuple[Step, int, torch.Tensor, PagedBatch]]) -> float:
+        """Computes the decode steps `passing` through all their blocks, ahead of the rest of `running`, and hands
+        them to the event loop (`_passed`); gives an emulated GPU's time for them, which `running` waits out too. Runs
+        on the compute thread, between two blocks of `running`."""
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        rows, chunks = _merged([(rows, chunks) for _, _, rows, chunks in passing])
+        held_ms = 0.0
+        output: torch.Tensor | None = None
+        error: Exception | None = None
+        try:
+            ahead = ForwardPass(self.blocks, self.kv, rows, chunks)
+            while not ahead.done:
+                block = ahead.next_block
+                ahead.advance()
+                if self.hold_ms is not None:
+                    held_ms += self.hold_ms(ahead.batch, block)
+            if held_ms / 1000 > time.perf_counter() - started:
+                time.sleep(held_ms / 1000 - (time.perf_counter() - started))
+            output = ahead.hidden
+            if output.device.type == "cuda":
+                torch.cuda.synchronize(output.device)
+        except Exception as failed:  # the steps go back to the queue, where a step that fails alone fails alone
+            error = failed
+        compute_ms = (time.perf_counter() - started) * 1000
+        cpu_ms = (time.thread_time() - cpu_started) * 1000
+        running.passed_ms += compute_ms
+        running.passed_cpu_ms += cpu_ms
+        assert self._loop is not None, "the scheduler computes only once started"
+        try:
+            self._loop.call_soon_threadsafe(self._passed, [(step, take) for step, take, _, _ in passing], output,
+                                            error, compute_ms, cpu_ms)
+        except RuntimeError:  # the loop has closed (the process is ending): no one is left to answer
+            pass
+        return held_ms
+
+    def _passed(self, batch: list[tuple[Step, int]], output: torch.Tensor | None, error: Exception | None,
+                compute_ms: float, cpu_ms: float) -> None:
+        """Finishes the decode steps that passed a prompt's chunk (on the event loop, while the chunk computes on);
+        if their pass failed, they wait in the queue for the next batch instead."""
+        for step, _ in batch:
+            self.sessions.leave_batch(step.session)
+        if error is not None:
+            log.warning("%d decode step(s) passing a prompt's chunk failed (%s: %s); they go in the next batch",
+                        len(batch), type(error).__name__, error)
+            self._ready.set()
+            return
+        assert output is not None
+        queued = {id(step) for step in self._queue}
+        kept = [(i, item) for i, item in enumerate(batch) if id(item[0]) in queued]  # not failed meanwhile (a stop)
+        rows = list(output.split([take * step.rows for step, take in batch]))
+        if not kept:
+            return
+        self.stats.passed += len(kept)
+        self._settle([item for _, item in kept], [rows[i] for i, _ in kept], compute_ms, cpu_ms, joined=0,
+                     place="pool", passed=True)
 
     def _computes_inline(self, batch: list[tuple[Step, int]]) -> bool:
         """Gives whether a batch computes on the event loop itself: one short step (a lone session's decode step)

@@ -372,6 +372,27 @@ def test_decode_steps_join_a_prompt_chunk_computing_on_their_member_and_end_with
                           simulate(lone_replica, alone).tbt_s)
 
 
+def test_decode_steps_pass_a_prompt_chunk_computing_on_their_member_and_it_waits_for_them() -> None:
+    # the set-up above: a request decoding beside a 1000-token prompt's four chunks
+    lone_replica = dataclasses.replace(CONFIG, replicas=1, dropping=False, tokens_per_page=256, round_trip_ms=15.0)
+    requests = [SimRequest(0.0, 16, 64), SimRequest(0.1, 1000, 4)]
+    waiting = simulate(lone_replica, requests)
+    joining = simulate(dataclasses.replace(lone_replica, join_prefill=True), requests)
+    passing = simulate(dataclasses.replace(lone_replica, overtake_prefill=True), requests)
+    # a step that joins a chunk ends with it; one that passes it ends after its own compute
+    assert passing.tbt_s[0] < joining.tbt_s[0] < waiting.tbt_s[0]
+    # the chunks wait for the steps that pass them, as for those that join them
+    assert passing.ttft_s[1] > waiting.ttft_s[1]
+    # with no prompt beside it, passing changes nothing
+    alone = [SimRequest(0.0, 16, 64)]
+    assert np.array_equal(simulate(dataclasses.replace(lone_replica, overtake_prefill=True), alone).tbt_s,
+                          simulate(lone_replica, alone).tbt_s)
+    # a pipeline's members do the same, each for its slice: every request is served
+    pair = dataclasses.replace(lone_replica, replicas=2, static_groups=2, member_batching=True, overtake_prefill=True)
+    crowd = [SimRequest(0.05 * i, 300 if i % 2 else 16, 24) for i in range(12)]
+    assert np.isfinite(simulate(pair, crowd).tbt_s).all()
+
+
 def test_with_decode_rows_reserved_a_prompt_chunk_leaves_a_token_for_every_other_request_of_its_unit() -> None:
     # one replica, batches of 64 tokens: a prompt of 64 alone computes in one batch of 13.2 ms...
     lone = dataclasses.replace(CONFIG, replicas=1, dropping=False, prefill_chunk_tokens=64)

@@ -86,6 +86,22 @@ def hold_each_block(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, t
     return started, release
 
 
+def hold_second_block(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Makes a pass of more than one row wait before its second block until the test sets `release` (the second
+    event); the first is set once one waits there."""
+    started, release = threading.Event(), threading.Event()
+    advance = ForwardPass.advance
+
+    def held_advance(self: ForwardPass) -> None:
+        if self.next_block == self.first_block + 1 and self.hidden.shape[0] > 1:
+            started.set()
+            release.wait(30)
+        advance(self)
+
+    monkeypatch.setattr(ForwardPass, "advance", held_advance)
+    return started, release
+
+
 async def until_set(event: threading.Event) -> None:
     """Returns once `event` is set (a batch waits on its thread), within 10 s."""
     for _ in range(1000):
@@ -414,6 +430,81 @@ def test_a_prompt_waits_for_a_computing_decode_batch_instead_of_holding_its_rows
         stats = engine.scheduler.stats
         assert stats.joined == 0 and stats.batches == 2
         await engine.scheduler.stop()
+
+    scenario(body)
+
+
+def test_a_decode_step_passes_a_compute_bound_prompt_chunk_and_comes_back_before_it(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step that arrives while a prompt's chunk computes bound by compute runs through all its blocks at the
+    chunk's next block boundary, on its own, and is answered while the chunk goes on; both are exact."""
+    async def body() -> None:
+        answered: list[str] = []
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=64,
+                        on_steps_done=lambda steps: answered.extend(step.session.session_id for step in steps))
+        engine.scheduler.start()
+        decoding, long = engine.open("decoding"), engine.open("long")
+        result, expected = engine.submit(decoding, 4)
+        await result
+        check(result, expected)
+        started, release = hold_second_block(monkeypatch)
+        prompt, prompt_expected = engine.submit(long, 30)
+        await until_set(started)  # its first block is done, its second waits: far slower than a lone row's 1 ms
+        await asyncio.sleep(0.02)
+        step, step_expected = engine.submit(decoding, 1)
+        release.set()
+        for result, expected in ((step, step_expected), (prompt, prompt_expected)):
+            await result
+            check(result, expected)
+        assert answered == ["decoding", "decoding", "long"]  # the decode step came back before the chunk
+        stats = engine.scheduler.stats
+        assert (stats.passed, stats.joined, stats.batches) == (1, 0, 3)
+        wire = stats.to_wire()["decode_step_ms"]
+        assert wire["passing_prefill"]["count"] == 1 and wire["beside_prefill"]["count"] == 0  # type: ignore[index]
+        assert (decoding.position, long.position) == (5, 30)
+        await engine.scheduler.stop()
+        engine.sessions.close_all()
+        engine.pool.check_invariants()
+
+    scenario(body)
+
+
+def test_decode_steps_whose_pass_fails_go_in_the_next_batch_exact(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If the pass of decode steps passing a chunk raises, they lose nothing: they compute in the next batch."""
+    async def body() -> None:
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=64)
+        engine.scheduler.start()
+        decoding, long = engine.open("decoding"), engine.open("long")
+        result, expected = engine.submit(decoding, 4)
+        await result
+        check(result, expected)
+        started, release = hold_second_block(monkeypatch)
+        construct = ForwardPass.__init__
+        failures = []
+
+        def failing_once(self: ForwardPass, blocks, kv, hidden, batch) -> None:  # type: ignore[no-untyped-def]
+            if not failures and hidden.shape[0] == 1:  # the decode step's own pass
+                failures.append(hidden.shape)
+                raise RuntimeError("a pass that breaks")
+            construct(self, blocks, kv, hidden, batch)
+
+        monkeypatch.setattr(ForwardPass, "__init__", failing_once)
+        prompt, prompt_expected = engine.submit(long, 30)
+        await until_set(started)
+        await asyncio.sleep(0.02)
+        step, step_expected = engine.submit(decoding, 1)
+        release.set()
+        for result, expected in ((step, step_expected), (prompt, prompt_expected)):
+            await result
+            check(result, expected)
+        assert failures and engine.scheduler.stats.passed == 0
+        assert (decoding.position, long.position) == (5, 30)
+        await engine.scheduler.stop()
+        engine.sessions.close_all()
+        engine.pool.check_invariants()
 
     scenario(body)
 

@@ -18,8 +18,10 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
     decoding step waiting at its slice and prompt chunks, at its share of the blocks' cost. A decoding step then
     crosses to the next member in `hop_ms` (the server's push); a prompt crosses once its member has computed all
     of it, in two hops (the client relays a prefill's hidden states, as the live client does). With `join_prefill`,
-    decode steps that reach a member computing a prompt chunk join that batch, as a CPU server's scheduler has them:
+    decode steps that reach a member computing a prompt chunk join that batch, as a CPU server's scheduler had them:
     it waits while they catch up through the part it has done (a lone step's time over it), and they end with it.
+    With `overtake_prefill`, as a CPU server's scheduler has them now, they pass it instead: they compute at once in
+    a batch of their own (after any that passed it before them), and the chunk's batch ends that much later.
 - A token reaches its client `round_trip_ms` after its iteration ends (and `round_trip_per_decoding_ms` more for each
   other request decoding then, at most `round_trip_crowd_cap` of them), and the request's next step is ready on the
   unit then: the network to the client and back takes time but occupies no server, which meanwhile computes the
@@ -232,6 +234,10 @@ class KunServeSimConfig:
     # CPU server's scheduler has them (`StepScheduler._worth_joining`): the batch waits while they catch up through
     # the blocks it has passed, at a lone step's time, and they end with it
     join_prefill: bool = False
+    # With `member_batching`: decode steps that reach a member computing a prompt chunk pass it, as a CPU server's
+    # scheduler has them (`StepScheduler._passes`): they compute at once in a batch of their own, after those that
+    # passed it before them, and the chunk's batch waits for them (the server's one compute thread)
+    overtake_prefill: bool = False
     # The client's link, each way (bytes/s; 0: no limit): a prompt pass's hidden states (`hidden_bytes_per_token` a
     # token) go up it to the unit's first member, and with `member_batching` down from each member to the client and
     # up to the next, one after another on each way, as the live client relays a prefill [chosen: a decode step's
@@ -353,6 +359,8 @@ class _Batch:
     started_s: float = 0.0
     end_s: float = 0.0
     prefill: bool = False  # it computes a prompt chunk
+    passing: bool = False  # decode steps passing the prompt chunk's batch that `computing` holds for its member
+    passed_until_s: float = 0.0  # a prompt chunk's batch: when the decode steps passing it will have computed
     # With `fluid_sharing`: its compute at full speed (ms, joined steps' included), what is left of it, and the hops'
     # delay still to come after it
     work_ms: float = 0.0
@@ -672,7 +680,8 @@ class _Sim:
         waiting: list[float] = []
         for stage, member in enumerate(unit.members):
             computing = self.computing.get(member)
-            if computing is not None and not (c.join_prefill and computing.prefill and computing.uid == unit.uid):
+            takes_decodes = c.join_prefill or c.overtake_prefill
+            if computing is not None and not (takes_decodes and computing.prefill and computing.uid == unit.uid):
                 continue  # busy (a batch of the unit it was in before a drop or restore takes no one)
             ready = []
             for running in unit.running:
@@ -683,7 +692,11 @@ class _Sim:
                         waiting.append(running.ready_s)
             share = self._share(member, len(unit.members))
             if computing is not None:
-                self._join(computing, [r for r in ready if r.prefilled >= r.request.prompt], share)
+                decoding = [r for r in ready if r.prefilled >= r.request.prompt]
+                if c.overtake_prefill:
+                    self._overtake(computing, decoding, share, len(unit.members), stage == last)
+                else:
+                    self._join(computing, decoding, share)
                 continue
             items = self._batch(ready, unit)
             if not items:
@@ -720,6 +733,31 @@ class _Sim:
         for running in decoding:
             running.in_flight = True
             batch.items.append((running, 1))
+
+    def _overtake(self, batch: _Batch, decoding: list[_Running], share: float, members: int, last: bool) -> None:
+        """Decode steps `decoding` pass `batch`, a prompt chunk's batch computing on a member with `share` of the
+        blocks of a unit of `members`: they compute in a batch of their own as soon as those that passed it before
+        them are done, and `batch` ends that much later (its wall time and work count theirs)."""
+        if not decoding:
+            return
+        c = self.config
+        items = [(running, 1) for running in decoding]
+        for running in decoding:
+            running.in_flight = True
+        work_ms, remote = self._work(items, members)
+        work_ms *= share
+        compute_ms = work_ms * self._sharing(client=self.client_free_s > self.now)
+        started_s = max(self.now, batch.passed_until_s)
+        ahead = _Batch(batch.uid, batch.member, last, items, started_s, passing=True)
+        ahead.tail_ms = ahead.hops_ms = 2 * remote * share * c.hop_ms
+        ahead.end_s = started_s + (compute_ms + ahead.tail_ms) / 1000
+        batch.passed_until_s = started_s + compute_ms / 1000
+        batch.work_ms += work_ms
+        if self.fluid:  # `_reschedule` sets its new end
+            batch.left_ms += work_ms
+        else:
+            batch.end_s += compute_ms / 1000
+        self._push(ahead.end_s, "step", batch.member, ahead)
 
     def _start_micro_batches(self, unit: _Unit) -> None:
         """Starts micro-batches on `unit` while it has a free pipeline slot and ready requests: a group of k members
@@ -882,7 +920,7 @@ class _Sim:
         if batch.member == MICRO_BATCH:
             if not replaced:
                 self.units[batch.uid].batches -= 1
-        else:
+        elif not batch.passing:  # a passing batch's time counts in the chunk's that it passed
             self.computing.pop(batch.member, None)
             self.batch_wall_ms += (self.now - batch.started_s) * 1000 - batch.hops_ms
             self.batch_work_ms += batch.work_ms
