@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 # decode steps beside them. GPUs need far more tokens to fill; 2048 is vLLM's default for chunked prefill.
 DEFAULT_MAX_BATCH_TOKENS = {"cpu": 128, "cuda": 2048}
 COMPUTE_BOUND_PACE = 2.0  # a pass this many times slower per block than a lone row is bound by compute
+# A decode step passes a compute-bound chunk only if the rest of the chunk would hold it at least this many times what
+# its own pass holds the chunk up (`StepScheduler._passes`)
+PASS_GAIN = 2.0
 MAX_ADMIT_PASSES = 8  # event loop passes that may hand over already-received steps before a batch forms
 RECENT_WINDOW_S = 1.0  # open sessions that stepped this recently count as active
 SLOW_BATCH_FACTOR = 10.0  # a batch this many times slower per token and block than the server's usual is logged
@@ -171,7 +174,7 @@ class StepScheduler:
         wait for the batch's end and then ride the next chunk's batch, 1.5 batches in all."""
         if step.session.closed or step.stopping:
             return
-        if step.tokens == 1 and self._passes(running):
+        if step.tokens == 1 and self._passes(running, step):
             self._hand_over(running, step, 1, passing=True)
             return
         if not self._worth_joining(running):
@@ -206,19 +209,23 @@ class StepScheduler:
                 running.tokens += take * step.rows
         self.sessions.enter_batch(step.session)
 
-    def _passes(self, running: _Pass) -> bool:
-        """Gives whether a decode step passes `running` rather than join it: when it computes a prompt's chunk bound
-        by compute, at least COMPUTE_BOUND_PACE x a lone row's time per block so far. Joining, the step would wait for
-        the rest of the chunk: on this CPU a chunk's 128 tokens take 110-130 ms through 15 blocks, where a decode step
-        without one took 45-60 ms (r74-r78: 27-38% of the decode steps on a pipelined pair rode a chunk). Passing, it
-        waits for one block of the chunk, and the chunk waits for its pass. Before the chunk's first block is done its
-        pace is unknown, and a step joins it at no catch-up. A GPU's chunk costs about a decode step: there steps
-        join it, as a decode batch."""
+    def _passes(self, running: _Pass, step: Step) -> bool:
+        """Gives whether decode step `step` passes `running` rather than join it: when it computes a prompt's chunk
+        bound by compute (at least COMPUTE_BOUND_PACE x a lone row's time per block so far) and the rest of the chunk,
+        at its pace so far, would hold the step at least PASS_GAIN x its own pass (a lone row's time through its
+        blocks). Joining, the step would wait for the rest of the chunk: on this CPU a chunk's 128 tokens take 110-130
+        ms through 15 blocks, where a decode step without one took 45-60 ms (r74-r78: 27-38% of the decode steps on a
+        pipelined pair rode a chunk). Passing, it waits for one block of the chunk, and the chunk, with whatever
+        waits behind it, waits for its pass, which also spends compute that riding along hardly did: near a chunk's
+        end it passes for little gain. Before the chunk's first block is done its pace is unknown, and a step joins
+        it at no catch-up. A GPU's chunk costs about a decode step: there steps join it, as a decode batch."""
         done = running.blocks_done
         if not running.prefill or done == 0:
             return False
         pace_ms = ((time.perf_counter() - running.started_s) * 1000 - running.passed_ms) / done
-        return pace_ms >= COMPUTE_BOUND_PACE * self.block_compute_ms
+        if pace_ms < COMPUTE_BOUND_PACE * self.block_compute_ms:
+            return False
+        return (running.blocks - done) * pace_ms >= PASS_GAIN * step.session.blocks * self.block_compute_ms
 
     def _worth_joining(self, running: _Pass) -> bool:
         """Gives whether a step should join the batch computing now rather than wait for the next one.

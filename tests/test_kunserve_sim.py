@@ -383,6 +383,9 @@ def test_decode_steps_pass_a_prompt_chunk_computing_on_their_member_and_it_waits
     assert passing.tbt_s[0] < joining.tbt_s[0] < waiting.tbt_s[0]
     # the chunks wait for the steps that pass them, as for those that join them
     assert passing.ttft_s[1] > waiting.ttft_s[1]
+    # steps that would gain too little against what their batch holds the chunk up ride it instead
+    never = simulate(dataclasses.replace(lone_replica, overtake_prefill=True, overtake_gain=1e9), requests)
+    assert np.array_equal(never.tbt_s, joining.tbt_s) and np.array_equal(never.ttft_s, joining.ttft_s)
     # with no prompt beside it, passing changes nothing
     alone = [SimRequest(0.0, 16, 64)]
     assert np.array_equal(simulate(dataclasses.replace(lone_replica, overtake_prefill=True), alone).tbt_s,

@@ -86,14 +86,14 @@ def hold_each_block(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, t
     return started, release
 
 
-def hold_second_block(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
-    """Makes a pass of more than one row wait before its second block until the test sets `release` (the second
+def hold_at_block(monkeypatch: pytest.MonkeyPatch, block: int) -> tuple[threading.Event, threading.Event]:
+    """Makes a pass of more than one row wait before its block `block` until the test sets `release` (the second
     event); the first is set once one waits there."""
     started, release = threading.Event(), threading.Event()
     advance = ForwardPass.advance
 
     def held_advance(self: ForwardPass) -> None:
-        if self.next_block == self.first_block + 1 and self.hidden.shape[0] > 1:
+        if self.next_block == self.first_block + block and self.hidden.shape[0] > 1:
             started.set()
             release.wait(30)
         advance(self)
@@ -448,7 +448,7 @@ def test_a_decode_step_passes_a_compute_bound_prompt_chunk_and_comes_back_before
         result, expected = engine.submit(decoding, 4)
         await result
         check(result, expected)
-        started, release = hold_second_block(monkeypatch)
+        started, release = hold_at_block(monkeypatch, 1)
         prompt, prompt_expected = engine.submit(long, 30)
         await until_set(started)  # its first block is done, its second waits: far slower than a lone row's 1 ms
         await asyncio.sleep(0.02)
@@ -470,6 +470,37 @@ def test_a_decode_step_passes_a_compute_bound_prompt_chunk_and_comes_back_before
     scenario(body)
 
 
+def test_a_decode_step_near_a_chunks_end_rides_it_rather_than_pass_it_for_little_gain(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone row costs 20 ms a block here: a decode step's pass through the 8 blocks would hold the chunk 160 ms.
+    Arriving with two blocks of the chunk left (100-300 ms at its pace so far), less than twice that, it joins; with
+    seven left, it passes."""
+    async def body() -> None:
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=64)
+        engine.scheduler.start()
+        decoding, long = engine.open("decoding"), engine.open("long")
+        result, expected = engine.submit(decoding, 4)
+        await result
+        check(result, expected)
+        for block, passed, joined in ((6, 0, 1), (1, 1, 1)):
+            engine.scheduler.block_compute_ms = 20.0
+            started, release = hold_at_block(monkeypatch, block)
+            prompt, prompt_expected = engine.submit(long, 10)
+            await until_set(started)
+            await asyncio.sleep(0.3)  # 300 ms over `block` blocks: bound by compute at either (> 40 ms a block)
+            step, step_expected = engine.submit(decoding, 1)
+            release.set()
+            for result, expected in ((step, step_expected), (prompt, prompt_expected)):
+                await result
+                check(result, expected)
+            assert (engine.scheduler.stats.passed, engine.scheduler.stats.joined) == (passed, joined)
+            monkeypatch.undo()
+        await engine.scheduler.stop()
+
+    scenario(body)
+
+
 def test_decode_steps_whose_pass_fails_go_in_the_next_batch_exact(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -481,7 +512,7 @@ def test_decode_steps_whose_pass_fails_go_in_the_next_batch_exact(
         result, expected = engine.submit(decoding, 4)
         await result
         check(result, expected)
-        started, release = hold_second_block(monkeypatch)
+        started, release = hold_at_block(monkeypatch, 1)
         construct = ForwardPass.__init__
         failures = []
 

@@ -236,8 +236,10 @@ class KunServeSimConfig:
     join_prefill: bool = False
     # With `member_batching`: decode steps that reach a member computing a prompt chunk pass it, as a CPU server's
     # scheduler has them (`StepScheduler._passes`): they compute at once in a batch of their own, after those that
-    # passed it before them, and the chunk's batch waits for them (the server's one compute thread)
+    # passed it before them, and the chunk's batch waits for them (the server's one compute thread); unless the rest
+    # of the chunk would hold them less than `overtake_gain` x their own batch: then they join it (`join_prefill`)
     overtake_prefill: bool = False
+    overtake_gain: float = 2.0  # the servers' `PASS_GAIN`
     # The client's link, each way (bytes/s; 0: no limit): a prompt pass's hidden states (`hidden_bytes_per_token` a
     # token) go up it to the unit's first member, and with `member_batching` down from each member to the client and
     # up to the next, one after another on each way, as the live client relays a prefill [chosen: a decode step's
@@ -737,17 +739,21 @@ class _Sim:
     def _overtake(self, batch: _Batch, decoding: list[_Running], share: float, members: int, last: bool) -> None:
         """Decode steps `decoding` pass `batch`, a prompt chunk's batch computing on a member with `share` of the
         blocks of a unit of `members`: they compute in a batch of their own as soon as those that passed it before
-        them are done, and `batch` ends that much later (its wall time and work count theirs)."""
+        them are done, and `batch` ends that much later (its wall time and work count theirs); unless what is left of
+        `batch` then is less than `overtake_gain` x their batch, where they join it."""
         if not decoding:
             return
         c = self.config
         items = [(running, 1) for running in decoding]
-        for running in decoding:
-            running.in_flight = True
         work_ms, remote = self._work(items, members)
         work_ms *= share
         compute_ms = work_ms * self._sharing(client=self.client_free_s > self.now)
         started_s = max(self.now, batch.passed_until_s)
+        if (batch.end_s - started_s) * 1000 < c.overtake_gain * compute_ms:  # near its end: they ride it instead
+            self._join(batch, decoding, share)
+            return
+        for running in decoding:
+            running.in_flight = True
         ahead = _Batch(batch.uid, batch.member, last, items, started_s, passing=True)
         ahead.tail_ms = ahead.hops_ms = 2 * remote * share * c.hop_ms
         ahead.end_s = started_s + (compute_ms + ahead.tail_ms) / 1000
