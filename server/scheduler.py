@@ -68,6 +68,7 @@ class _Pass:
     joining: list[tuple[Step, int, torch.Tensor, PagedBatch]] = field(default_factory=list)
     passing: list[tuple[Step, int, torch.Tensor, PagedBatch]] = field(default_factory=list)  # decode steps to run
     # ahead of it, on their own, at the next block boundary
+    passes: int = 0  # passes of decode steps that went ahead of it so far
     passed_ms: float = 0.0  # the wall time of the passing steps' passes, which is not this batch's
     passed_cpu_ms: float = 0.0  # and their CPU time
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -217,10 +218,13 @@ class StepScheduler:
         ms through 15 blocks, where a decode step without one took 45-60 ms (r74-r78: 27-38% of the decode steps on a
         pipelined pair rode a chunk). Passing, it waits for one block of the chunk, and the chunk, with whatever
         waits behind it, waits for its pass, which also spends compute that riding along hardly did: near a chunk's
-        end it passes for little gain. Before the chunk's first block is done its pace is unknown, and a step joins
-        it at no catch-up. A GPU's chunk costs about a decode step: there steps join it, as a decode batch."""
+        end it passes for little gain. A chunk is passed once: the decode steps that reach it until that pass starts
+        go in it, later ones ride the chunk. Passing each as it came, a whole server's chunk in r79's calibration was
+        passed by up to six lone sessions' steps, each pass a decode step's compute through all 30 blocks. Before the
+        chunk's first block is done its pace is unknown, and a step joins it at no catch-up. A GPU's chunk costs about
+        a decode step: there steps join it, as a decode batch."""
         done = running.blocks_done
-        if not running.prefill or done == 0:
+        if not running.prefill or done == 0 or running.passes:
             return False
         pace_ms = ((time.perf_counter() - running.started_s) * 1000 - running.passed_ms) / done
         if pace_ms < COMPUTE_BOUND_PACE * self.block_compute_ms:
@@ -520,6 +524,8 @@ class StepScheduler:
                     passing, running.passing = running.passing, []
                     if forward_pass.done:
                         running.closed = True
+                    elif passing:
+                        running.passes += 1  # later decode steps ride it
                 if passing and forward_pass.done:  # too late: returned to the queue
                     with running.lock:
                         running.passing.extend(passing)

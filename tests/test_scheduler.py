@@ -501,6 +501,49 @@ def test_a_decode_step_near_a_chunks_end_rides_it_rather_than_pass_it_for_little
     scenario(body)
 
 
+def test_a_chunk_is_passed_once_and_later_decode_steps_ride_it(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One session's decode step passes the chunk at its second block; another's, arriving at its fifth, rides it:
+    a pass through all the blocks for every lone step would starve the prompt."""
+    async def body() -> None:
+        engine = Engine(tiny_llama, pages=96, max_batch_tokens=64)
+        engine.scheduler.start()
+        first, second, long = engine.open("first"), engine.open("second"), engine.open("long")
+        for session in (first, second):
+            result, expected = engine.submit(session, 4)
+            await result
+            check(result, expected)
+        held = {block: (threading.Event(), threading.Event()) for block in (1, 4)}
+        advance = ForwardPass.advance
+
+        def held_advance(self: ForwardPass) -> None:
+            waits = held.get(self.next_block - self.first_block)
+            if waits is not None and self.hidden.shape[0] > 1:
+                waits[0].set()
+                waits[1].wait(30)
+            advance(self)
+
+        monkeypatch.setattr(ForwardPass, "advance", held_advance)
+        prompt, prompt_expected = engine.submit(long, 30)
+        await until_set(held[1][0])
+        await asyncio.sleep(0.02)
+        passing, passing_expected = engine.submit(first, 1)
+        held[1][1].set()
+        await until_set(held[4][0])
+        await asyncio.sleep(0.02)
+        assert passing.done()  # answered while the chunk computes
+        riding, riding_expected = engine.submit(second, 1)
+        held[4][1].set()
+        for result, expected in ((passing, passing_expected), (riding, riding_expected), (prompt, prompt_expected)):
+            await result
+            check(result, expected)
+        assert (engine.scheduler.stats.passed, engine.scheduler.stats.joined) == (1, 1)
+        await engine.scheduler.stop()
+
+    scenario(body)
+
+
 def test_decode_steps_whose_pass_fails_go_in_the_next_batch_exact(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

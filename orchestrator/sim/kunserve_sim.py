@@ -237,7 +237,8 @@ class KunServeSimConfig:
     # With `member_batching`: decode steps that reach a member computing a prompt chunk pass it, as a CPU server's
     # scheduler has them (`StepScheduler._passes`): they compute at once in a batch of their own, after those that
     # passed it before them, and the chunk's batch waits for them (the server's one compute thread); unless the rest
-    # of the chunk would hold them less than `overtake_gain` x their own batch: then they join it (`join_prefill`)
+    # of the chunk would hold them less than `overtake_gain` x their own batch, or steps passed it already: then they
+    # join it (`join_prefill`)
     overtake_prefill: bool = False
     overtake_gain: float = 2.0  # the servers' `PASS_GAIN`
     # The client's link, each way (bytes/s; 0: no limit): a prompt pass's hidden states (`hidden_bytes_per_token` a
@@ -739,8 +740,9 @@ class _Sim:
     def _overtake(self, batch: _Batch, decoding: list[_Running], share: float, members: int, last: bool) -> None:
         """Decode steps `decoding` pass `batch`, a prompt chunk's batch computing on a member with `share` of the
         blocks of a unit of `members`: they compute in a batch of their own as soon as those that passed it before
-        them are done, and `batch` ends that much later (its wall time and work count theirs); unless what is left of
-        `batch` then is less than `overtake_gain` x their batch, where they join it."""
+        them are done, and `batch` ends that much later (its wall time and work count theirs); unless steps passed it
+        already or what is left of `batch` then is less than `overtake_gain` x their batch: they join it then (a
+        chunk is passed once, and not near its end)."""
         if not decoding:
             return
         c = self.config
@@ -749,7 +751,7 @@ class _Sim:
         work_ms *= share
         compute_ms = work_ms * self._sharing(client=self.client_free_s > self.now)
         started_s = max(self.now, batch.passed_until_s)
-        if (batch.end_s - started_s) * 1000 < c.overtake_gain * compute_ms:  # near its end: they ride it instead
+        if batch.passed_until_s > 0 or (batch.end_s - started_s) * 1000 < c.overtake_gain * compute_ms:
             self._join(batch, decoding, share)
             return
         for running in decoding:
