@@ -434,6 +434,22 @@ def test_a_prompt_waits_for_a_computing_decode_batch_instead_of_holding_its_rows
     scenario(body)
 
 
+async def prefilled(engine: Engine, *names: str) -> list[Session]:
+    """Starts `engine`'s scheduler and opens a session per name, each with a 4-token prompt computed exactly."""
+    engine.scheduler.start()
+    sessions = [engine.open(name) for name in names]
+    for session in sessions:
+        await exact(engine.submit(session, 4))
+    return sessions
+
+
+async def exact(*steps: tuple[asyncio.Future[StepResult], torch.Tensor]) -> None:
+    """Waits for each step's result, in order, and checks it against the output it must have."""
+    for result, expected in steps:
+        await result
+        check(result, expected)
+
+
 def test_a_decode_step_passes_a_compute_bound_prompt_chunk_and_comes_back_before_it(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -443,20 +459,15 @@ def test_a_decode_step_passes_a_compute_bound_prompt_chunk_and_comes_back_before
         answered: list[str] = []
         engine = Engine(tiny_llama, pages=64, max_batch_tokens=64,
                         on_steps_done=lambda steps: answered.extend(step.session.session_id for step in steps))
-        engine.scheduler.start()
-        decoding, long = engine.open("decoding"), engine.open("long")
-        result, expected = engine.submit(decoding, 4)
-        await result
-        check(result, expected)
+        (decoding,) = await prefilled(engine, "decoding")
+        long = engine.open("long")
         started, release = hold_at_block(monkeypatch, 1)
-        prompt, prompt_expected = engine.submit(long, 30)
+        prompt = engine.submit(long, 30)
         await until_set(started)  # its first block is done, its second waits: far slower than a lone row's 1 ms
         await asyncio.sleep(0.02)
-        step, step_expected = engine.submit(decoding, 1)
+        step = engine.submit(decoding, 1)
         release.set()
-        for result, expected in ((step, step_expected), (prompt, prompt_expected)):
-            await result
-            check(result, expected)
+        await exact(step, prompt)
         assert answered == ["decoding", "decoding", "long"]  # the decode step came back before the chunk
         stats = engine.scheduler.stats
         assert (stats.passed, stats.joined, stats.batches) == (1, 0, 3)
@@ -478,22 +489,17 @@ def test_a_decode_step_near_a_chunks_end_rides_it_rather_than_pass_it_for_little
     seven left, it passes."""
     async def body() -> None:
         engine = Engine(tiny_llama, pages=64, max_batch_tokens=64)
-        engine.scheduler.start()
-        decoding, long = engine.open("decoding"), engine.open("long")
-        result, expected = engine.submit(decoding, 4)
-        await result
-        check(result, expected)
+        (decoding,) = await prefilled(engine, "decoding")
+        long = engine.open("long")
         for block, passed, joined in ((6, 0, 1), (1, 1, 1)):
             engine.scheduler.block_compute_ms = 20.0
             started, release = hold_at_block(monkeypatch, block)
-            prompt, prompt_expected = engine.submit(long, 10)
+            prompt = engine.submit(long, 10)
             await until_set(started)
             await asyncio.sleep(0.3)  # 300 ms over `block` blocks: bound by compute at either (> 40 ms a block)
-            step, step_expected = engine.submit(decoding, 1)
+            step = engine.submit(decoding, 1)
             release.set()
-            for result, expected in ((step, step_expected), (prompt, prompt_expected)):
-                await result
-                check(result, expected)
+            await exact(step, prompt)
             assert (engine.scheduler.stats.passed, engine.scheduler.stats.joined) == (passed, joined)
             monkeypatch.undo()
         await engine.scheduler.stop()
@@ -508,12 +514,8 @@ def test_a_chunk_is_passed_once_and_later_decode_steps_ride_it(
     a pass through all the blocks for every lone step would starve the prompt."""
     async def body() -> None:
         engine = Engine(tiny_llama, pages=96, max_batch_tokens=64)
-        engine.scheduler.start()
-        first, second, long = engine.open("first"), engine.open("second"), engine.open("long")
-        for session in (first, second):
-            result, expected = engine.submit(session, 4)
-            await result
-            check(result, expected)
+        first, second = await prefilled(engine, "first", "second")
+        long = engine.open("long")
         held = {block: (threading.Event(), threading.Event()) for block in (1, 4)}
         advance = ForwardPass.advance
 
@@ -525,19 +527,17 @@ def test_a_chunk_is_passed_once_and_later_decode_steps_ride_it(
             advance(self)
 
         monkeypatch.setattr(ForwardPass, "advance", held_advance)
-        prompt, prompt_expected = engine.submit(long, 30)
+        prompt = engine.submit(long, 30)
         await until_set(held[1][0])
         await asyncio.sleep(0.02)
-        passing, passing_expected = engine.submit(first, 1)
+        passing = engine.submit(first, 1)
         held[1][1].set()
         await until_set(held[4][0])
         await asyncio.sleep(0.02)
-        assert passing.done()  # answered while the chunk computes
-        riding, riding_expected = engine.submit(second, 1)
+        assert passing[0].done()  # answered while the chunk computes
+        riding = engine.submit(second, 1)
         held[4][1].set()
-        for result, expected in ((passing, passing_expected), (riding, riding_expected), (prompt, prompt_expected)):
-            await result
-            check(result, expected)
+        await exact(passing, riding, prompt)
         assert (engine.scheduler.stats.passed, engine.scheduler.stats.joined) == (1, 1)
         await engine.scheduler.stop()
 
@@ -550,11 +550,8 @@ def test_decode_steps_whose_pass_fails_go_in_the_next_batch_exact(
     """If the pass of decode steps passing a chunk raises, they lose nothing: they compute in the next batch."""
     async def body() -> None:
         engine = Engine(tiny_llama, pages=64, max_batch_tokens=64)
-        engine.scheduler.start()
-        decoding, long = engine.open("decoding"), engine.open("long")
-        result, expected = engine.submit(decoding, 4)
-        await result
-        check(result, expected)
+        (decoding,) = await prefilled(engine, "decoding")
+        long = engine.open("long")
         started, release = hold_at_block(monkeypatch, 1)
         construct = ForwardPass.__init__
         failures = []
@@ -566,14 +563,12 @@ def test_decode_steps_whose_pass_fails_go_in_the_next_batch_exact(
             construct(self, blocks, kv, hidden, batch)
 
         monkeypatch.setattr(ForwardPass, "__init__", failing_once)
-        prompt, prompt_expected = engine.submit(long, 30)
+        prompt = engine.submit(long, 30)
         await until_set(started)
         await asyncio.sleep(0.02)
-        step, step_expected = engine.submit(decoding, 1)
+        step = engine.submit(decoding, 1)
         release.set()
-        for result, expected in ((step, step_expected), (prompt, prompt_expected)):
-            await result
-            check(result, expected)
+        await exact(step, prompt)
         assert failures and engine.scheduler.stats.passed == 0
         assert (decoding.position, long.position) == (5, 30)
         await engine.scheduler.stop()
