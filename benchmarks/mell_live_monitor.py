@@ -80,7 +80,8 @@ async def poll_once(swarm: SwarmClient, connections: dict[str, RpcConnection], r
                 "block_decode_ms": record["block_decode_ms"], "dropping": reply.get("dropping"),
                 "batches": {key: reply["batches"][key] for key in ("batches", "compute_ms", "cpu_ms", "prefill_tokens",
                                                                     "prefill_batches", "prefill_batch_ms",
-                                                                    "prefill_batch_cpu_ms", "joined", "mixed")},
+                                                                    "prefill_batch_cpu_ms", "joined", "passed",
+                                                                    "mixed")},
                 # decode steps' latency on the server, from admission to their batch's end (count, mean, max so far)
                 "decode_step_ms": reply["batches"]["decode_step_ms"]}
 
