@@ -3,7 +3,8 @@
 Used by the demo, the integration tests and the benchmarks. Every process is started by `SwarmProcesses`,
 whose `close()` always terminates (then kills) all of them, p2pd daemons included (one process group each). A
 process group that is killed leaves no socket files behind: what its processes had bound under the temporary
-directory (the p2p daemons' and their clients' sockets, torch's shared-memory manager) is removed after the kill.
+directory (the p2p daemons' and their clients' sockets, multiprocessing's listeners) is removed after the kill.
+torch's shared-memory manager runs in a session of its own and removes its directory itself once its clients die.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]  # so `python -m server.cli` resolves without an installed package
 START_TIMEOUT_S = 180.0
-# Directories under the temporary directory that belong to one process alone and go with it: torch's shared-memory
-# manager's and multiprocessing's
-PRIVATE_TEMP_DIRS = ("torch-shm-dir-", "pymp-")
+# Directories under the temporary directory that belong to one process alone and go with it: multiprocessing's
+PRIVATE_TEMP_DIRS = ("pymp-",)
 
 
 @dataclass
