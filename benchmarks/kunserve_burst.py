@@ -70,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from benchmarks.client_work import ClientWork, Round
 from benchmarks.client_work import measure as measure_client_work
+from benchmarks.corun import Corun, measure_corun
 from benchmarks.link_crossing import LinkCrossing
 from benchmarks.link_crossing import measure as measure_link_crossing
 from benchmarks.machine_cpu import CpuSampler, UntrackedCpu, fit_untracked, read_samples
@@ -378,10 +379,13 @@ def _read_jsonl(path: Path) -> list[dict]:
 def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
                exchanged: Sequence[ArmRun] = ()) -> KunServeSimConfig:
     """Gives the simulator the live swarm's geometry (from the servers' records) and speeds measured in the no-drop arm
-    (`base`). What occupies a server: a decode iteration's fixed compute and, for each decoding request, the records'
-    growth of a decode step with the batch, so that a batch of one costs the records' lone decode step through all
-    blocks (before r31's report the fixed part was the whole lone step, which priced a lone step a row too high), both
-    scaled by what lone steps took the loaded servers against their start-up timing (`loaded_block_ms`); a prompt token,
+    (`base`). What occupies a server: a decode iteration's fixed compute and its decoding requests' rows along the
+    records' start-up timings of a decode step by batch size (`decode_rows_ms`: the fixed part is a lone step less its
+    row at the slope from one row to the next timing; from stop 68's report, where one slope from 1 to 32 rows priced
+    a pipeline member's 5-row decode batches 30% below their CPU time), so that a batch of one costs the records' lone
+    decode step through all blocks (before r31's report the fixed part was the whole lone step, which priced a lone
+    step a row too high), all scaled by what lone steps took the loaded servers against their start-up timing
+    (`loaded_block_ms`); a row beside prompt tokens, the slope from one row to the widest timing; a prompt token,
     what the servers' counters measured beyond that fixed step (`prefill_token_ms_under_load`); prompts in chunks of the
     servers' `--max-batch-tokens`, a chunk leaving a token of them for every other session of its server, as their
     scheduler does (`reserve_decode_rows`). What occupies the client: its CPU per head pass and per token, on this
@@ -406,7 +410,10 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     the oldest replica first (`fewest_hops`, before r57's report) packed the quiet requests onto one, their decode
     steps into its prompts' batches. The servers and the client
     share this machine's cores (`cores`: the report runs where the arms ran), so work that starts while more of them
-    compute than there are cores runs slower. A group's members batch on their own, as the live servers do
+    compute than there are cores runs slower, and once every core computes, as much slower again as
+    `benchmarks/corun.py` measured this machine's work to take (`corun_stretch`, kept with the run; from stop 68's
+    report: the no-drop arm's fitted weight of the other work carried none of it into the arms that pipeline). A
+    group's members batch on their own, as the live servers do
     (`member_batching`). A prompt's hidden states (float32, as the client sends them) cross the client's emulated link,
     up to the first member and, through a group, down and up again between members, one prompt after another, each
     message with what one of its size took beyond its bytes on this run's links (`link_crossing_extra`; none for runs
@@ -441,7 +448,10 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     loaded = loaded_block_ms(base) / batch_one if batch_one > 0 else 1.0
     lone = blocks * batch_one * loaded
     per_row = blocks * (decode[widest] - batch_one) / (widest - 1) * loaded if widest > 1 else 0
-    fixed = max(0.0, lone - per_row)  # the simulator adds a row per decoding request: a batch of one costs `lone`
+    narrowest = min((batch for batch in decode if batch > 1), default=1)
+    first_row = blocks * (decode[narrowest] - batch_one) / (narrowest - 1) * loaded if narrowest > 1 else per_row
+    fixed = max(0.0, lone - first_row)  # the simulator adds the decoding requests' rows: a batch of one costs `lone`
+    rows_ms = tuple((batch, max(0.0, blocks * decode[batch] * loaded - fixed)) for batch in sorted(decode))
     beyond_compute = max(0.0, float(np.percentile(base.tbt(), 10)) * 1000 - lone)
     work = client_work(base.workdir and base.workdir.parent)
     passed = run_marked(base.workdir and base.workdir.parent, CHUNKS_PASSED_FILE)
@@ -458,7 +468,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
         replicas=len(SERVERS), blocks=blocks, pages_total=first["pages_total"],
         params_pages=first["pages_params"] // blocks * blocks, tokens_per_page=first["kv_tokens_per_page"],
         step_ms=fixed, prefill_token_ms=prefill_ms,
-        decode_token_ms=max(0.0, per_row),
+        decode_token_ms=max(0.0, per_row), decode_rows_ms=rows_ms,
         hop_ms=rtt_ms / 2, round_trip_ms=delay_ms,
         client_token_ms=work.token_ms, client_pass_ms=work.pass_ms,
         link_bytes_per_s=exchange_bytes_per_s(exchanged) or MBIT * 1e6 / 8,
@@ -475,6 +485,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
                             else refused_try_cpu_ms(base.workdir and base.workdir.parent)),
         token_cpu_ms=untracked.token_ms if untracked is not None else 0.0,
         placement="latency", cores=os.cpu_count() or 1, member_batching=True,
+        corun_stretch=corun_stretch(base.workdir and base.workdir.parent),
         client_gang_wait_s=MAX_GANG_WAIT_S, join_prefill=not passed, overtake_prefill=passed, exchange_transient=True,
         reserve_decode_rows=True,
         client_link_bytes_per_s=MBIT * 1e6 / 8, hidden_bytes_per_token=hidden_size() * WIRE_BYTES,
@@ -585,6 +596,7 @@ def exchange_bytes_per_s(runs: Sequence[ArmRun]) -> float | None:
 CLIENT_WORK_FILE = "client_work.json"  # in the run's workdir: the report reads it again
 REFUSED_TRIES_FILE = "refused_tries.json"  # in the run's workdir: the report reads it again
 LINK_CROSSING_FILE = "link_crossing_{rtt}.json"  # in the run's workdir, per RTT: the report reads it again
+CORUN_FILE = "corun.json"  # in the run's workdir: the report reads it again
 # Markers in a run's workdir of what its servers and clients did: named when their sessions' ends make room (from
 # r50, `run_marked`), kept that room for the wait they named it to (from r54, `kept_window`), and withdrew a wait from
 # the servers that had refused it once it opened on another (from r57)
@@ -614,6 +626,18 @@ def client_work(workdir: Path | None) -> ClientWork:
     reading = kept_reading(workdir, CLIENT_WORK_FILE, lambda: dataclasses.asdict(_measured_client_work()))
     return ClientWork(reading["pass_ms"], reading["token_ms"], Round(**reading["lone"]), Round(**reading["shared"]),
                       reading["sessions"])
+
+
+def corun_stretch(workdir: Path | None) -> float:
+    """Gives how many times its wall time over its CPU time alone the servers' work took this machine with every
+    core computing (`benchmarks.corun`). Measured once per run and kept in `workdir`, as the client's work is: a run
+    kept without it is measured when it is reported again, on the machine that reports it."""
+    return float(kept_reading(workdir, CORUN_FILE, lambda: dataclasses.asdict(_measured_corun()))["stretch"])
+
+
+@functools.cache
+def _measured_corun() -> Corun:
+    return measure_corun()
 
 
 @functools.cache
@@ -1037,7 +1061,8 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
               f"{fitted.stopped_prompt_follow_ms or 0:.0f} ms after the drop stopped it, {tries_text(fitted)} and, "
               f"when refused, "
               f"{fitted.refused_try_cpu_ms:.0f} ms of CPU; "
-              f"sessions to either whole replica with room at random, {fitted.cores} cores shared) against live, "
+              f"sessions to either whole replica with room at random, {fitted.cores} cores shared, work x"
+              f"{fitted.corun_stretch:.2f} with every core computing as measured on this machine) against live, "
               f"P99 TTFT: "
               f"the median of {SIM_REPLAYS} replays (the arrivals as recorded, and moved by up to "
               f"{SIM_JITTER_S * 1000:.0f} ms) and their 10-90%:")

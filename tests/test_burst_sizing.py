@@ -14,6 +14,7 @@ from benchmarks.client_work import Round, split_cost
 from benchmarks.kunserve_burst import (
     CLIENT_WORK_FILE,
     COMPUTE_SHARE,
+    CORUN_FILE,
     CROWD_DELAY_REACH_MS,
     LINK_CROSSING_FILE,
     REFUSED_TRIES_FILE,
@@ -178,6 +179,8 @@ def fit_run(tmp_path: Path, polls: list[dict], tbt_s: Callable[[int], float]) ->
         "pass_ms": 10.0, "token_ms": 5.0, "lone": {"cpu_ms": 15.0, "tokens": 1, "passes": 1},
         "shared": {"cpu_ms": 50.0, "tokens": 8, "passes": 1}, "sessions": 8}))
     (tmp_path / REFUSED_TRIES_FILE).write_text(json.dumps({"cpu_ms": 40.0}))
+    (tmp_path / CORUN_FILE).write_text(json.dumps({
+        "cores": 2, "stretch": 1.1, "wall": 1.08, "cpu": 0.98, "alone_ms": 180.0, "blocks": 15, "rounds": 2}))
     return ArmRun("no drop", results, polls, 0.0, workdir, requests)
 
 
@@ -197,6 +200,23 @@ def test_the_fitted_simulator_prices_a_lone_decode_step_at_what_the_loaded_serve
     assert (config.client_pass_ms, config.client_token_ms, config.refused_try_cpu_ms) == (10.0, 5.0, 40.0)
     assert config.blocks == 30 and config.params_pages == 420 and config.pages_total == 480
 
+
+
+def test_the_fit_prices_decode_rows_on_the_start_up_batching_curve_and_takes_the_kept_corun_stretch(
+        tmp_path: Path) -> None:
+    # start-up timings per block: 0.5 ms a lone step, 1.2 ms a batch of 8 (0.1 ms a row), 1.68 ms a batch of 32
+    # (0.02 ms a row more); under load 2x (`fit_poll`)
+    polls = [fit_poll(peer, t, {"prefill_tokens": 100 * t, "prefill_batches": t, "prefill_batch_ms": 424.0 * t,
+                                "batches": 0, "compute_ms": 0.0}) for peer in "ab" for t in (0, 1, 2)]
+    for poll in polls:
+        poll["block_decode_ms"].append({"batch": 32, "ms": 1.68})
+    config = sim_config(fit_run(tmp_path, polls, lambda n: 0.1), 20.0, dropping=False)
+    # a lone step through 30 blocks: 30 ms, of which the first row 6 ms (the slope from 1 to 8 rows)
+    assert config.step_ms == pytest.approx(24.0)
+    assert [rows for rows, _ in config.decode_rows_ms] == [1, 8, 32]
+    assert [ms for _, ms in config.decode_rows_ms] == pytest.approx([6.0, 48.0, 76.8])
+    assert config.decode_token_ms == pytest.approx(30 * (1.68 - 0.5) / 31 * 2)  # beside prompt tokens: 1 to 32
+    assert config.corun_stretch == pytest.approx(1.1)  # as kept with the run
 
 
 def test_the_fit_takes_the_links_crossing_kept_with_the_run_and_measures_none_itself(tmp_path: Path) -> None:

@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 
 from orchestrator.admission import NAMED_ROOM_GRACE_S
-from orchestrator.sim.kunserve_sim import KunServeSimConfig, SimRequest, _Running, _Sim, link_extra_s, simulate
+from orchestrator.sim.kunserve_sim import (
+    KunServeSimConfig,
+    SimRequest,
+    _Running,
+    _Sim,
+    decode_rows_ms,
+    link_extra_s,
+    simulate,
+)
 
 # 4 replicas of 8 blocks; 100 pages each, 40 of parameters: 60 KV pages, 7 requests of 64 tokens (8 pages) each.
 CONFIG = KunServeSimConfig(
@@ -182,6 +190,45 @@ def test_on_shared_cores_work_runs_slower_while_more_processes_compute_than_ther
     sim._add_unit((4, 5)).batches = 2  # a group that pipelines micro-batches: each in flight counts one
     assert sim._sharing(client=True) == 3.5
     assert _Sim(CONFIG, [], horizon_s=1.0)._sharing(client=True) == 1.0  # without cores: a processor each
+
+
+def test_once_every_core_computes_work_takes_the_measured_corun_stretch_and_a_share_of_it_before() -> None:
+    sim = _Sim(dataclasses.replace(CONFIG, cores=2, corun_stretch=1.1, token_cpu_ms=100.0), [], horizon_s=1.0)
+    assert sim._sharing(client=False) == 1.0  # nothing else computes: alone
+    sim.computing = {0}
+    assert sim._sharing(client=False) == 1.0  # one process: alone on its core
+    assert sim._sharing(client=True) == pytest.approx(1.1)  # and the client: every core computes
+    sim.computing = {0, 1, 2}
+    assert sim._sharing(client=False) == pytest.approx(1.5 * 1.1)  # beyond the cores: their share, and the host's
+    sim.computing = {0}
+    sim.tokens_seen.extend([0.0] * 5)  # half a core of other work in the last second
+    sim.now = 0.5
+    assert sim._sharing(client=False) == pytest.approx(1.05)  # 1.5 processes: half the way to every core
+    with pytest.raises(ValueError, match="corun_stretch"):
+        dataclasses.replace(CONFIG, corun_stretch=0.0)
+    # end to end: two replicas computing side by side on two cores each take the stretch, one alone does not
+    two = dataclasses.replace(CONFIG, replicas=2, dropping=False, cores=2, corun_stretch=1.1)
+    side_by_side = [SimRequest(0.0, 16, 48), SimRequest(0.0, 16, 48)]
+    assert simulate(two, side_by_side).compute_stretch == pytest.approx(1.1, rel=0.01)
+    assert simulate(two, side_by_side[:1]).compute_stretch == pytest.approx(1.0)
+    # measured as 1: the cores' sharing alone, as before
+    plain = dataclasses.replace(two, corun_stretch=1.0)
+    assert simulate(plain, side_by_side).compute_stretch == pytest.approx(1.0)
+
+
+def test_a_decode_batch_costs_its_rows_on_the_batching_curve_and_beside_prompt_tokens_a_row_each() -> None:
+    curved = dataclasses.replace(CONFIG, decode_rows_ms=((1, 2.0), (8, 9.0), (32, 12.0)))
+    assert [decode_rows_ms(curved, rows) for rows in (0, 1, 4, 8, 20, 32, 64)] == pytest.approx(
+        [0.0, 2.0, 5.0, 9.0, 10.5, 12.0, 16.0])  # between the points linear, beyond the last along its slope
+    assert decode_rows_ms(CONFIG, 4) == pytest.approx(0.4)  # without points: `decode_token_ms` a row
+    for bad in (((0, 1.0),), ((8, 2.0), (1, 1.0)), ((1, 2.0), (8, 1.0))):
+        with pytest.raises(ValueError, match="decode_rows_ms"):
+            dataclasses.replace(CONFIG, decode_rows_ms=bad)
+    sim = _Sim(curved, [], horizon_s=1.0)
+    decoding = [(_Running(n, SimRequest(0.0, 16, 48), 8, prefilled=16), 1) for n in range(4)]
+    prompt = (_Running(4, SimRequest(0.0, 16, 48), 8), 16)
+    assert sim._work(decoding, 1)[0] == pytest.approx(10.0 + 5.0)  # the fixed step and four rows on the curve
+    assert sim._work([*decoding, prompt], 1)[0] == pytest.approx(10.0 + 0.4 + 16 * 0.05)  # a wide batch: a row each
 
 
 def test_the_compute_stretch_is_how_much_longer_the_batches_took_than_their_work_on_shared_cores() -> None:

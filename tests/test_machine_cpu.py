@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from benchmarks.corun import measure_corun
 from benchmarks.machine_cpu import fit_untracked, role_of
 
 SERVER, SERVER_DHT, CLIENT, CLIENT_DHT, P2PD, FABRIC = 10, 11, 20, 21, 30, 40
@@ -77,3 +79,11 @@ def test_a_process_is_known_by_its_command_line() -> None:
     assert role_of("python benchmarks/table1_client.py --model m") == "client"
     assert role_of("python -m server.launch --blocks 0:30") == "server"
     assert role_of("python something_else.py") == "other"
+
+
+def test_the_corun_reading_computes_a_servers_blocks_alone_then_on_every_core_and_relates_the_two() -> None:
+    # real processes computing the served model's first block; what every core costs is the machine's, not asserted
+    reading = measure_corun(blocks=1, seconds=0.3, rounds=1, cores=2)
+    assert (reading.cores, reading.blocks, reading.rounds) == (2, 1, 1)
+    assert reading.alone_ms > 0 and reading.wall > 0 and reading.cpu > 0
+    assert reading.stretch == pytest.approx(reading.wall / reading.cpu)  # one round: wall over CPU, over alone's

@@ -9,7 +9,8 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   `reserve_decode_rows`, as a swarm server forms a batch: the decode steps take their tokens of that budget first,
   and a prompt's chunk leaves a token for every other request of its unit, whose steps may join it), and
   occupies a whole replica for `step_ms + prefill_token_ms x prompt tokens + decode_token_ms x decoding requests`
-  (a group's prompt tokens cost `member_prefill_token_ms` when given: what live members measured, see below).
+  (a group's prompt tokens cost `member_prefill_token_ms` when given: what live members measured, see below; a
+  batch without prompt tokens, its rows `decode_rows_ms` when given: the servers' batching curve).
   A group is a pipeline of its members in slice order, in one of two ways:
   - as the paper's engine pipelines (the default): up to k micro-batches in flight, each with about 1/k of its
     requests, each crossing the k members and paying (k - 1) x `hop_ms` [chosen: no bubbles; the hops count in the
@@ -21,7 +22,7 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
     decode steps that reach a member computing a prompt chunk join that batch, as a CPU server's scheduler had them:
     it waits while they catch up through the part it has done (a lone step's time over it), and they end with it.
     With `overtake_prefill`, as a CPU server's scheduler has them now, they pass it instead: they compute at once in
-    a batch of their own (after any that passed it before them), and the chunk's batch ends that much later.
+    a batch of their own (a chunk is passed once: later steps join it), and the chunk's batch ends that much later.
 - A token reaches its client `round_trip_ms` after its iteration ends (and `round_trip_per_decoding_ms` more for each
   other request decoding then, at most `round_trip_crowd_cap` of them), and the request's next step is ready on the
   unit then: the network to the client and back takes time but occupies no server, which meanwhile computes the
@@ -56,15 +57,18 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   its first (the paper's metric).
 - With `cores` (servers and their client on one machine, as in a live benchmark), work runs slower while more
   processes compute than the machine has cores: each computing member and the client when busy count one, and an
-  iteration or a pass of the client's work that starts with n of them runs max(1, n / cores) times its time
-  (processor sharing, taken at its start) [chosen: two 1-thread compute processes on this benchmark's 2-core VM
-  run at full speed, three at 2/3 each]. With `refused_try_cpu_ms`, the tries refused in the last second add the
-  cores they kept busy to n: a swarm's waiting clients look up the DHT, probe and call `open` on every server again
-  each round, on the same machine; with `token_cpu_ms`, so do the tokens of the last second (the RPC daemons and
-  the delay fabric they cross); each of those cores counts `other_work_weight` times (short bursts that preempt a
-  computing thread). The result's `compute_stretch` is how much longer the members' batches took than their work,
-  as a live server's batches take over their CPU time. With `fluid_sharing`, a member's batch runs at the speed
-  shared at each moment instead (taken again at every event), and ends when its work is done at those speeds.
+  iteration or a pass of the client's work that starts with n of them runs max(1, n / cores) times its time (processor
+  sharing, taken at its start) [chosen: on the first 2-core VM two 1-thread compute processes ran at full speed, three
+  at 2/3 each]; with `corun_stretch`, as much longer again once every core computes, and between one process computing
+  and `cores` of them, that share of it (a VM's host takes time from vCPUs that are all busy: on the Intel VM, two
+  processes computing at once took 1.07-1.13x the wall time per CPU time of one alone). With `refused_try_cpu_ms`, the
+  tries refused in the last second add the cores they kept busy to n: a swarm's waiting clients look up the DHT, probe
+  and call `open` on every server again each round, on the same machine; with `token_cpu_ms`, so do the tokens of the
+  last second (the RPC daemons and the delay fabric they cross); each of those cores counts `other_work_weight` times
+  (short bursts that preempt a computing thread). The result's `compute_stretch` is how much longer the members'
+  batches took than their work, as a live server's batches take over their CPU time. With `fluid_sharing`, a member's
+  batch runs at the speed shared at each moment instead (taken again at every event), and ends when its work is done
+  at those speeds.
 - Every `monitor_s` the monitor samples demand (pages held + pages of queued requests) and KV capacity; when
   `drop_trigger` asks for R pages, `plan_drop` merges the replicas still whole into groups (while dropped too, as the
   live segment loop: a burst that outgrows the first plan pairs more replicas), and once fewer than two are whole,
@@ -141,7 +145,7 @@ class KunServeSimConfig:
     tokens_per_page: int  # KV tokens one page holds for one block
     step_ms: float  # an iteration's fixed cost on a whole replica
     prefill_token_ms: float  # and per prompt token it computes
-    decode_token_ms: float  # and per decoding request
+    decode_token_ms: float  # and per decoding request (beside a prompt's tokens, or without `decode_rows_ms`)
     hop_ms: float = 0.0  # one activation hop between group members
     round_trip_ms: float = 0.0  # a token's way to its client and the next step's back, outside the unit
     # and this much more for each other request decoding when it passes, at most `round_trip_crowd_cap` of them: the
@@ -219,6 +223,12 @@ class KunServeSimConfig:
     # pipeline's pair cost 8.0-8.1 ms against 7.1-7.5 through one whole server in r31, 8.4 against 4.2-5.1 in r32;
     # the runs do not settle a weight, and one per RPC leg (a pair 1.5x) fitted r31 no better]
     token_cpu_ms: float = 0.0
+    # With `cores`: how many times its time work takes while every core computes, beyond the cores' sharing (the
+    # host's steal from a VM whose vCPUs are all busy, caches and memory the cores share), between one process
+    # computing and `cores` of them that share of it [chosen: measured on the machine (`benchmarks/corun.py`), not
+    # fitted: the no-drop arm's fitted weight of the other work carried none of it into the arms that pipeline, whose
+    # two members compute at once through a burst, and priced them 16-29% low on the Intel VM (r81-r84)]
+    corun_stretch: float = 1.0
     # With `cores`: a member's batch runs at the speed the processes computing at each moment share (taken again at
     # every event, as a fluid processor-sharing queue); False: at the speed shared when it started, for its whole time.
     # The client's passes keep the speed shared when they start either way
@@ -235,8 +245,8 @@ class KunServeSimConfig:
     # the blocks it has passed, at a lone step's time, and they end with it
     join_prefill: bool = False
     # With `member_batching`: decode steps that reach a member computing a prompt chunk pass it, as a CPU server's
-    # scheduler has them (`StepScheduler._passes`): they compute at once in a batch of their own, after those that
-    # passed it before them, and the chunk's batch waits for them (the server's one compute thread); unless the rest
+    # scheduler has them (`StepScheduler._passes`): they compute at once in a batch of their own, and the chunk's
+    # batch waits for them (the server's one compute thread); unless the rest
     # of the chunk would hold them less than `overtake_gain` x their own batch, or steps passed it already: then they
     # join it (`join_prefill`)
     overtake_prefill: bool = False
@@ -257,6 +267,13 @@ class KunServeSimConfig:
     # members of a pipeline computed a prompt token 0.72-1.55x as long per block as the no-drop arm's whole replicas
     # did (r20-r22), which the whole replicas' costs do not show [chosen: measured per arm, not modelled]
     member_prefill_token_ms: float | None = None
+    # What the decoding requests of a batch without prompt tokens cost through all blocks beyond `step_ms`, by how many
+    # there are: (rows, ms) points, rising rows, between them linear, from (0, 0) up and along the last two's slope
+    # beyond the last; empty: `decode_token_ms` each [chosen: a server's batches grow cheaper per row as they widen (a
+    # CPU server timed 0.14 ms a row and block from 1 to 8 rows, 0.03 from 8 to 32); one slope from 1 to 32 priced the
+    # 5-row decode batches of a pipeline's members 30% below their CPU time (r84), where a whole replica's 1-2 rows
+    # were priced right. Beside a prompt's tokens the batch is wide already, and a row costs `decode_token_ms`]
+    decode_rows_ms: tuple[tuple[int, float], ...] = ()
     # The exchange's transient (spec 5.2, which the paper does not discuss): a victim's KV for the blocks its member
     # dropped takes pages on the keeper before the sender frees its own, so a drop's pages come free for new requests
     # only as the victims' KV crosses, as live servers hold them back (`SessionTable.hold_for_exchange`); False: at once
@@ -287,12 +304,18 @@ class KunServeSimConfig:
         sizes = [size for size, _ in self.client_link_extra_s]
         if sizes != sorted(set(sizes)) or any(size <= 0 or extra < 0 for size, extra in self.client_link_extra_s):
             raise ValueError("client_link_extra_s must hold rising sizes > 0 with extras >= 0")
+        rows = [count for count, _ in self.decode_rows_ms]
+        costs = [0.0, *(ms for _, ms in self.decode_rows_ms)]
+        if rows != sorted(set(rows)) or any(count <= 0 for count in rows) or costs != sorted(costs):
+            raise ValueError("decode_rows_ms must hold rising rows > 0 with costs >= 0 that do not fall")
         if self.member_prefill_token_ms is not None and self.member_prefill_token_ms < 0:
             raise ValueError("member_prefill_token_ms must be >= 0 (or None)")
         if self.cores is not None and self.cores < 1:
             raise ValueError("cores must be >= 1 (or None)")
         if self.other_work_weight < 0:
             raise ValueError("other_work_weight must be >= 0")
+        if self.corun_stretch <= 0:
+            raise ValueError("corun_stretch must be > 0")
         if self.round_trip_per_decoding_ms < 0 or self.round_trip_crowd_cap < 0:
             raise ValueError("round_trip_per_decoding_ms and round_trip_crowd_cap must be >= 0")
         if self.placement not in PLACEMENTS:
@@ -363,7 +386,7 @@ class _Batch:
     end_s: float = 0.0
     prefill: bool = False  # it computes a prompt chunk
     passing: bool = False  # decode steps passing the prompt chunk's batch that `computing` holds for its member
-    passed_until_s: float = 0.0  # a prompt chunk's batch: when the decode steps passing it will have computed
+    passed: bool = False  # a prompt chunk's batch that decode steps passed (a chunk is passed once)
     # With `fluid_sharing`: its compute at full speed (ms, joined steps' included), what is left of it, and the hops'
     # delay still to come after it
     work_ms: float = 0.0
@@ -739,10 +762,9 @@ class _Sim:
 
     def _overtake(self, batch: _Batch, decoding: list[_Running], share: float, members: int, last: bool) -> None:
         """Decode steps `decoding` pass `batch`, a prompt chunk's batch computing on a member with `share` of the
-        blocks of a unit of `members`: they compute in a batch of their own as soon as those that passed it before
-        them are done, and `batch` ends that much later (its wall time and work count theirs); unless steps passed it
-        already or what is left of `batch` then is less than `overtake_gain` x their batch: they join it then (a
-        chunk is passed once, and not near its end)."""
+        blocks of a unit of `members`: they compute at once in a batch of their own, and `batch` ends that much later
+        (its wall time and work count theirs); unless steps passed it already or what is left of `batch` is less than
+        `overtake_gain` x their batch: they join it then (a chunk is passed once, and not near its end)."""
         if not decoding:
             return
         c = self.config
@@ -750,16 +772,15 @@ class _Sim:
         work_ms, remote = self._work(items, members)
         work_ms *= share
         compute_ms = work_ms * self._sharing(client=self.client_free_s > self.now)
-        started_s = max(self.now, batch.passed_until_s)
-        if batch.passed_until_s > 0 or (batch.end_s - started_s) * 1000 < c.overtake_gain * compute_ms:
+        if batch.passed or (batch.end_s - self.now) * 1000 < c.overtake_gain * compute_ms:
             self._join(batch, decoding, share)
             return
         for running in decoding:
             running.in_flight = True
-        ahead = _Batch(batch.uid, batch.member, last, items, started_s, passing=True)
+        ahead = _Batch(batch.uid, batch.member, last, items, self.now, passing=True)
         ahead.tail_ms = ahead.hops_ms = 2 * remote * share * c.hop_ms
-        ahead.end_s = started_s + (compute_ms + ahead.tail_ms) / 1000
-        batch.passed_until_s = started_s + compute_ms / 1000
+        ahead.end_s = self.now + (compute_ms + ahead.tail_ms) / 1000
+        batch.passed = True
         batch.work_ms += work_ms
         if self.fluid:  # `_reschedule` sets its new end
             batch.left_ms += work_ms
@@ -852,7 +873,8 @@ class _Sim:
         prefill = sum(count for running, count in items if running.prefilled < running.request.prompt)
         decode = sum(1 for running, _ in items if running.prefilled >= running.request.prompt)
         remote = max((r.remote_blocks for r, _ in items if r.remote_until_s > self.now), default=0)
-        return c.step_ms + prefill_token_ms * prefill + c.decode_token_ms * decode, remote
+        rows_ms = c.decode_token_ms * decode if prefill else decode_rows_ms(c, decode)
+        return c.step_ms + prefill_token_ms * prefill + rows_ms, remote
 
     def _wake(self, unit: _Unit, ready_s: list[float]) -> None:
         """Has `unit` start again when the first of steps not ready yet (`ready_s`) is, unless a wake-up is due
@@ -872,13 +894,15 @@ class _Sim:
     def _sharing(self, *, client: bool) -> float:
         """Gives how many times its own time work that starts now takes: the processes computing (the members
         computing a batch, the client if `client`) and the cores the refused tries and the tokens of the last second
-        keep busy (times `other_work_weight`), over `cores`, at least 1; 1 without `cores`."""
+        keep busy (times `other_work_weight`), n, over `cores`, at least 1, and `corun_stretch` once n reaches
+        `cores` (linear from n = 1); 1 without `cores`."""
         cores = self.config.cores
         if cores is None:
             return 1.0
         busy = len(self.computing) + sum(unit.batches for unit in self.units.values())
-        other = self.config.other_work_weight * (self._refused_load() + self._token_load())
-        return max(1.0, (busy + client + other) / cores)
+        demand = busy + client + self.config.other_work_weight * (self._refused_load() + self._token_load())
+        every_core = min(1.0, max(0.0, (demand - 1) / (cores - 1))) if cores > 1 else float(demand >= 1)
+        return max(1.0, demand / cores) * (1 + (self.config.corun_stretch - 1) * every_core)
 
     def _advance(self) -> None:
         """With `fluid_sharing`: the members' batches progress to now at the speed they shared since `advanced_s`, their
@@ -1193,6 +1217,19 @@ def _peer(member: int) -> str:
 def _even_slice(blocks: int, members: int, index: int) -> tuple[int, int]:
     """Gives the blocks the `index`-th of `members` members keeps when they tile `blocks` evenly."""
     return blocks * index // members, blocks * (index + 1) // members
+
+
+def decode_rows_ms(config: KunServeSimConfig, rows: int) -> float:
+    """Gives what `rows` decoding requests cost a batch without prompt tokens through all blocks beyond its `step_ms`
+    (`KunServeSimConfig.decode_rows_ms`; without points, `decode_token_ms` each)."""
+    points = config.decode_rows_ms
+    if not points:
+        return config.decode_token_ms * rows
+    counts, costs = zip(*((0, 0.0), *points), strict=True)
+    if rows <= counts[-1]:
+        return float(np.interp(rows, counts, costs))
+    slope = (costs[-1] - costs[-2]) / (counts[-1] - counts[-2])
+    return costs[-1] + slope * (rows - counts[-1])
 
 
 def link_extra_s(points: Sequence[tuple[int, float]], size: int) -> float:
