@@ -15,8 +15,8 @@ live server's batches show as their wall time over their CPU time: a round of wo
 every core computing, against the same alone. Beside it, the wall time and the CPU time together over alone: this
 kernel takes the host's steal out of a thread's CPU time, so on a VM the CPU time falls as the wall time grows.
 
-On the Intel VM (2 vCPUs, 2026-12-07): wall over CPU 1.07-1.13x with both cores computing; the wall time
-1.04-1.11x, the CPU time 0.95-0.99x.
+On the Intel VM (2 vCPUs, 2026-12-07, 14 readings): wall over CPU 1.05-1.15x with both cores computing; the wall
+time 1.04-1.15x, the CPU time 0.96-1.02x.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   sharing, taken at its start) [chosen: on the first 2-core VM two 1-thread compute processes ran at full speed, three
   at 2/3 each]; with `corun_stretch`, as much longer again once every core computes, and between one process computing
   and `cores` of them, that share of it (a VM's host takes time from vCPUs that are all busy: on the Intel VM, two
-  processes computing at once took 1.07-1.13x the wall time per CPU time of one alone). With `refused_try_cpu_ms`, the
+  processes computing at once took 1.05-1.15x the wall time per CPU time of one alone). With `refused_try_cpu_ms`, the
   tries refused in the last second add the cores they kept busy to n: a swarm's waiting clients look up the DHT, probe
   and call `open` on every server again each round, on the same machine; with `token_cpu_ms`, so do the tokens of the
   last second (the RPC daemons and the delay fabric they cross); each of those cores counts `other_work_weight` times
@@ -1221,21 +1221,23 @@ def _even_slice(blocks: int, members: int, index: int) -> tuple[int, int]:
 
 def decode_rows_ms(config: KunServeSimConfig, rows: int) -> float:
     """Gives what `rows` decoding requests cost a batch without prompt tokens through all blocks beyond its `step_ms`
-    (`KunServeSimConfig.decode_rows_ms`; without points, `decode_token_ms` each)."""
-    points = config.decode_rows_ms
-    if not points:
+    (`KunServeSimConfig.decode_rows_ms`: along the last two points' slope beyond them; without points,
+    `decode_token_ms` each)."""
+    if not config.decode_rows_ms:
         return config.decode_token_ms * rows
-    counts, costs = zip(*((0, 0.0), *points), strict=True)
-    if rows <= counts[-1]:
-        return float(np.interp(rows, counts, costs))
-    slope = (costs[-1] - costs[-2]) / (counts[-1] - counts[-2])
-    return costs[-1] + slope * (rows - counts[-1])
+    return _through(config.decode_rows_ms, rows, extend=True)
 
 
 def link_extra_s(points: Sequence[tuple[int, float]], size: int) -> float:
     """Gives what a message of `size` bytes takes beyond its bytes at the link's rate, by `points` (`KunServeSimConfig.
-    client_link_extra_s`): linear between them, from (0, 0), at the largest one's beyond it; 0 without points."""
-    if not points:
-        return 0.0
-    sizes, extras = zip(*((0, 0.0), *points), strict=True)
-    return float(np.interp(size, sizes, extras))
+    client_link_extra_s`): at the largest one's beyond it; 0 without points."""
+    return _through(points, size) if points else 0.0
+
+
+def _through(points: Sequence[tuple[int, float]], x: float, *, extend: bool = False) -> float:
+    """Gives the value at `x` of the line through (0, 0) and `points` (rising x): linear between them, beyond the last
+    at its value, or with `extend` along the last two's slope."""
+    xs, ys = zip(*((0, 0.0), *points), strict=True)
+    if extend and x > xs[-1]:
+        return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
+    return float(np.interp(x, xs, ys))
