@@ -102,6 +102,7 @@ MAX_PROMPT, MAX_OUTPUT = 256, 32
 HEADROOM_TOKENS = MAX_OUTPUT  # admission reserves a session's output: KV throttles on what sessions will take
 POLL_S = 0.5
 CPU_FILE = "cpu.jsonl"  # in an arm's workdir: its processes' CPU, sampled (`benchmarks.machine_cpu`)
+BATCH_TRACE_SUFFIX = "-batches.jsonl"  # in an arm's workdir, after a server's name: its batches (`server.batch_trace`)
 WINDOW_S = 5.0
 BUSY_WAIT_S = 600.0
 ARMS = ("no drop", "static pipeline", "KunServe blocking", "KunServe remote attention")
@@ -340,6 +341,7 @@ def run_arm(arm: str, rtt_ms: float, requests: list[dict], kv_pages_per_block: i
         procs = {}
         for host in SERVERS:
             blocks, flags = server_flags(arm, host, kv_pages_per_block)
+            flags = [*flags, "--batch-trace", str(workdir / f"{host}{BATCH_TRACE_SUFFIX}")]
             procs[host] = swarm.start_server(DEFAULT_MODEL, blocks, *flags, wait=False, name=host,
                                              host=network.address(host), launcher=network.command(host, []))
         for proc in procs.values():

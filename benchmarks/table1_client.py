@@ -62,6 +62,10 @@ class _FirstToken:
         pass
 
 
+def _since(stamp: float | None, started_at: float) -> float | None:
+    return None if stamp is None else stamp - started_at
+
+
 def serve_request(model: DistributedModelForCausalLM, request: dict, started_at: float, out, lock,
                   dilation: float) -> None:
     arrival_s = time.perf_counter() - started_at
@@ -98,7 +102,9 @@ def serve_request(model: DistributedModelForCausalLM, request: dict, started_at:
             record["chain_follows"] = [[f.started_s - started_at, f.ended_s - started_at, f.followed]
                                        for f in session.chain_follows]
             record["spans"] = [{"peer_id": span.peer_id, "steps": span.steps, "round_trip_ms": span.round_trip_ms,
-                                "compute_ms": span.compute_ms} for span in session.timings()]
+                                "compute_ms": span.compute_ms, "first_sent_s": _since(span.first_sent_s, started_at),
+                                "first_received_s": _since(span.first_received_s, started_at)}
+                               for span in session.timings()]
             record["client_steps"] = {name: value for name, value in dataclasses.asdict(session.step_times).items()
                                       if name != "head_returned_s"}
         record["closed_s"] = time.perf_counter() - started_at  # the session closed (and its lease released)

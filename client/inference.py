@@ -90,7 +90,9 @@ class SpanTimings:
 
     `output_at_ms` sums, over steps, the time from the step's start to this server's output reaching the client.
     It means the same whether the client called the servers one after another or they pushed the step along
-    (where the round trips overlap and say little about one server's share).
+    (where the round trips overlap and say little about one server's share). `first_sent_s` and `first_received_s`
+    stamp the session's first step here (its prompt, `time.perf_counter()`): when the client sent it and when the
+    reply came.
     """
 
     peer_id: str
@@ -101,6 +103,8 @@ class SpanTimings:
     compute_ms: float = 0.0
     batches: int = 0  # batches the server computed this session's steps in (a long prompt takes several)
     output_at_ms: float = 0.0
+    first_sent_s: float | None = None
+    first_received_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -593,6 +597,8 @@ class RemoteInferenceSession:
             span_session.steps_in_flight -= 1
         received = time.perf_counter()
         timings = self.timings[span_session.peer_id]
+        if timings.steps == 0:
+            timings.first_sent_s, timings.first_received_s = started, received
         timings.steps += 1
         timings.round_trip_ms += (received - started) * 1000
         timings.output_at_ms += (received - self._step_started_s) * 1000

@@ -128,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
         "cap); a client over either quota is refused with QuotaExceeded and routes elsewhere, as from a full server",
     )
     parser.add_argument(
+        "--batch-trace", type=Path, default=None, metavar="PATH",
+        help="append a JSON line per batch computed to PATH: when it started, ended and was settled, its compute and "
+        "CPU time and its steps (for comparing a run with the simulator; server.batch_trace)",
+    )
+    parser.add_argument(
         "--inline-step-ms", type=float, default=50.0,
         help="a step expected to compute within this many ms, while no other step computes, runs on the event loop "
         "instead of the compute pool, saving two thread hand-offs (0 = never)",
@@ -226,6 +231,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         client_max_sessions=args.client_max_sessions,
         client_kv_share=args.client_kv_share,
         inline_step_ms=args.inline_step_ms,
+        batch_trace=args.batch_trace,
         torch_threads=args.torch_threads,
         migration_chunk_bytes=args.migration_chunk_size,
         import_idle_timeout_s=args.import_idle_timeout,

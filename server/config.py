@@ -58,5 +58,6 @@ class ServerConfig:
     client_max_sessions: int = DEFAULT_CLIENT_MAX_SESSIONS  # open sessions one client may hold here (0: no cap)
     client_kv_share: float = DEFAULT_CLIENT_KV_SHARE  # share of the KV pages one client may hold here (1: no cap)
     inline_step_ms: float = 50.0  # a step expected within this computes on the event loop when it is the only one
+    batch_trace: Path | None = None  # append a JSON line per batch computed there (`server.batch_trace`)
     torch_threads: int = 0  # intra-op threads of a step; 0 keeps torch's default
     max_frame_bytes: int = 64 << 20

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from server.batch_stats import BatchStats
+from server.batch_trace import batch_record
 from server.sessions import Session, SessionTable, Step, StepResult
 from swarm.errors import InternalServerError, ServerDraining, SessionNotFound, StepStopped, SwarmError
 from swarm.model import BlockRange
@@ -63,6 +64,7 @@ class _Pass:
     blocks: int = 0
     blocks_done: int = 0  # written by the compute thread, read by the loop
     started_s: float = 0.0  # when the compute thread started it (perf_counter), set before any block is done
+    ended_s: float = 0.0  # and when it ended there
     cpu_ms: float = 0.0  # the CPU time the computing thread spent on it (its own, whatever else runs on the machine)
     closed: bool = False
     joining: list[tuple[Step, int, torch.Tensor, PagedBatch]] = field(default_factory=list)
@@ -89,13 +91,15 @@ class StepScheduler:
         on_steps_done: Callable[[list[Step]], None],
         hold_ms: Callable[[PagedBatch, int], float] | None = None,
         remote_forward: Callable[[Step], Awaitable[torch.Tensor]] | None = None,
+        trace: Callable[[dict[str, object]], None] | None = None,
     ) -> None:
         """`on_steps_done(steps)` runs once the steps a batch completed are committed, before their results are set
         (the server pushes them on, those bound for one next server together). `hold_ms(batch, block)`, if given, is
         how long a batch must take through one block: an emulated GPU server's profile (`server.emulated_gpu`); after
         each block the compute thread waits out what the real computation left of the blocks done so far.
         `remote_forward(step)` computes a step of a session whose KV is partly on a peer (`Session.remote`, KunServe's
-        live exchange: `server.remote_attention`); such steps compute on their own, outside batches."""
+        live exchange: `server.remote_attention`); such steps compute on their own, outside batches. `trace(record)`,
+        if given, takes a record of every batch computed (`batch_record`; `server.batch_trace`)."""
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be positive, got {max_batch_tokens}")
         self.blocks, self.kv, self.sessions = blocks, kv, sessions
@@ -105,6 +109,7 @@ class StepScheduler:
         self.on_steps_done = on_steps_done
         self.hold_ms = hold_ms
         self.remote_forward = remote_forward
+        self.trace = trace
         self._remote: set[asyncio.Task[None]] = set()  # steps computing with a peer's attention
         self.stats = BatchStats()
         # called with (tokens, admitted_s) for every step answered (the server's Prometheus histogram)
@@ -275,6 +280,9 @@ class StepScheduler:
         step.outputs.append(output.view(step.rows, step.tokens, -1))
         step.done = step.tokens
         self.stats.note(1, step.rows * step.tokens, compute_ms=step.compute_ms, mixed=False, place="remote")
+        if self.trace is not None:
+            self.trace(batch_record([(step, step.tokens)], (started, time.perf_counter()), step.compute_ms, 0.0,
+                                    joined=0, place="remote", passed=False))
         self._commit(step)
         self._finish([step])
 
@@ -377,19 +385,23 @@ class StepScheduler:
         inline = self._computes_inline(batch)
         computed = batch
         try:
-            outputs, compute_ms, cpu_ms, computed = await self._forward_isolated(batch, inline=inline,
-                                                                                 joinable=not inline)
+            outputs, compute_ms, cpu_ms, computed, span = await self._forward_isolated(batch, inline=inline,
+                                                                                       joinable=not inline)
         finally:
             self.computing = False
             for step, _ in computed:  # the steps that joined it too
                 self.sessions.leave_batch(step.session)
         self._settle(computed, outputs, compute_ms, cpu_ms, joined=len(computed) - len(batch),
-                     place="loop" if inline else "pool")
+                     place="loop" if inline else "pool", span=span)
 
     def _settle(self, batch: list[tuple[Step, int]], outputs: list[torch.Tensor | SwarmError], compute_ms: float,
-                cpu_ms: float, *, joined: int, place: str, passed: bool = False) -> None:
+                cpu_ms: float, *, joined: int, place: str, passed: bool = False,
+                span: tuple[float, float] | None = None) -> None:
         """Counts a computed batch (`joined`: how many of its steps joined it; `passed`: decode steps that passed a
-        prompt's chunk), hands each step its chunk's output and finishes the steps that are complete."""
+        prompt's chunk; `span`: when it started and ended on the computing thread, `time.perf_counter()`), hands each
+        step its chunk's output and finishes the steps that are complete."""
+        if self.trace is not None and span is not None:
+            self.trace(batch_record(batch, span, compute_ms, cpu_ms, joined=joined, place=place, passed=passed))
         self.stats.joined += joined
         decode = any(step.tokens == 1 for step, _ in batch)
         prefill_tokens = sum(take * step.rows for step, take in batch if step.tokens > 1)
@@ -445,10 +457,11 @@ class StepScheduler:
 
     async def _forward_isolated(
         self, batch: list[tuple[Step, int]], *, inline: bool, joinable: bool
-    ) -> tuple[list[torch.Tensor | SwarmError], float, float, list[tuple[Step, int]]]:
+    ) -> tuple[list[torch.Tensor | SwarmError], float, float, list[tuple[Step, int]], tuple[float, float]]:
         """Gives each step's output rows for its chunk (or its error), the batch's compute time and its computing
-        thread's CPU time in ms, and the steps computed (`batch`, then those that joined it). A batch that fails is
-        computed again one step at a time, so that only the steps that fail alone fail."""
+        thread's CPU time in ms, the steps computed (`batch`, then those that joined it), and when the computing
+        began and ended (`time.perf_counter()`). A batch that fails is computed again one step at a time, so that only
+        the steps that fail alone fail."""
         running = _Pass(items=list(batch), tokens=sum(take * step.rows for step, take in batch),
                         prefill=any(step.tokens > 1 for step, _ in batch))
         try:
@@ -457,20 +470,23 @@ class StepScheduler:
             raise
         except Exception as error:
             computed = running.items  # the batch, and whatever joined it before it failed
+            began = running.started_s or time.perf_counter()
             if len(computed) == 1:
-                return [_typed(error, computed[0][0])], 0.0, running.cpu_ms, computed
+                return [_typed(error, computed[0][0])], 0.0, running.cpu_ms, computed, (began, time.perf_counter())
             log.warning("a batch of %d steps failed (%s: %s); computing them one by one", len(computed),
                         type(error).__name__, error)
             results: list[torch.Tensor | SwarmError] = []
             total_ms, cpu_ms = 0.0, running.cpu_ms
             for item in computed:
-                alone, alone_ms, alone_cpu_ms, _ = await self._forward_isolated([item], inline=False, joinable=False)
+                alone, alone_ms, alone_cpu_ms, _, _ = await self._forward_isolated([item], inline=False,
+                                                                                    joinable=False)
                 results.extend(alone)
                 total_ms += alone_ms
                 cpu_ms += alone_cpu_ms
-            return results, total_ms, cpu_ms, computed
+            return results, total_ms, cpu_ms, computed, (began, time.perf_counter())
         sizes = [take * step.rows for step, take in running.items]
-        return list(output.split(sizes)), compute_ms, running.cpu_ms, running.items
+        span = (running.started_s, running.ended_s)
+        return list(output.split(sizes)), compute_ms, running.cpu_ms, running.items, span
 
     def _assemble(self, batch: list[tuple[Step, int]]) -> tuple[torch.Tensor, PagedBatch]:
         """Gives the rows and the chunks of `batch`'s tokens, in order."""
@@ -554,8 +570,10 @@ class StepScheduler:
         output = forward_pass.hidden
         if output.device.type == "cuda":
             torch.cuda.synchronize(output.device)
-        compute_ms = (time.perf_counter() - started) * 1000
+        ended = time.perf_counter()
+        compute_ms = (ended - started) * 1000
         if running is not None:  # less the passes of the decode steps that passed it, which count as their own
+            running.ended_s = ended
             running.cpu_ms += (time.thread_time() - cpu_started) * 1000 - running.passed_cpu_ms
             compute_ms -= running.passed_ms
         return output, compute_ms
@@ -583,20 +601,21 @@ class StepScheduler:
                 torch.cuda.synchronize(output.device)
         except Exception as failed:  # the steps go back to the queue, where a step that fails alone fails alone
             error = failed
-        compute_ms = (time.perf_counter() - started) * 1000
+        ended = time.perf_counter()
+        compute_ms = (ended - started) * 1000
         cpu_ms = (time.thread_time() - cpu_started) * 1000
         running.passed_ms += compute_ms
         running.passed_cpu_ms += cpu_ms
         assert self._loop is not None, "the scheduler computes only once started"
         try:
             self._loop.call_soon_threadsafe(self._passed, [(step, take) for step, take, _, _ in passing], output,
-                                            error, compute_ms, cpu_ms)
+                                            error, compute_ms, cpu_ms, (started, ended))
         except RuntimeError:  # the loop has closed (the process is ending): no one is left to answer
             pass
         return held_ms
 
     def _passed(self, batch: list[tuple[Step, int]], output: torch.Tensor | None, error: Exception | None,
-                compute_ms: float, cpu_ms: float) -> None:
+                compute_ms: float, cpu_ms: float, span: tuple[float, float] | None = None) -> None:
         """Finishes the decode steps that passed a prompt's chunk (on the event loop, while the chunk computes on);
         if their pass failed, they wait in the queue for the next batch instead."""
         for step, _ in batch:
@@ -614,7 +633,7 @@ class StepScheduler:
             return
         self.stats.passed += len(kept)
         self._settle([item for _, item in kept], [rows[i] for i, _ in kept], compute_ms, cpu_ms, joined=0,
-                     place="pool", passed=True)
+                     place="pool", passed=True, span=span)
 
     def _computes_inline(self, batch: list[tuple[Step, int]]) -> bool:
         """Gives whether a batch computes on the event loop itself: one short step (a lone session's decode step)

@@ -20,6 +20,7 @@ from orchestrator.live_model import replay_prefill_ms_per_token
 from orchestrator.packing import choose_mode
 from orchestrator.packing.migration_split import MigrationCosts, move_costs
 from server import allocator
+from server.batch_trace import BatchTrace
 from server.compute import DECODE_BATCHES, PREFILL_CHUNK_TOKENS, BlockSpeed, cached_block_speed
 from server.config import ServerConfig
 from server.drop_member import DropMember, opened_digests, refused_digests
@@ -154,12 +155,13 @@ class SwarmServer:
         del probe
         self.max_batch_tokens = config.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS.get(self.device.type, 128)
         self.remote = RemoteAttention(self)  # the live exchange's lent KV and steps over it (KunServe)
+        self.batch_trace = BatchTrace(config.batch_trace) if config.batch_trace is not None else None
         self.scheduler = StepScheduler(
             self.blocks, self.kv, self.sessions, max_batch_tokens=self.max_batch_tokens,
             # an emulated server holds each batch on the compute thread: never on the event loop
             inline_step_ms=0 if self.gpu_profile else config.inline_step_ms, block_compute_ms=self.block_decode_ms[1],
             on_steps_done=self._push_on, hold_ms=self.gpu_profile.block_ms if self.gpu_profile else None,
-            remote_forward=self.remote.forward,
+            remote_forward=self.remote.forward, trace=self.batch_trace.note if self.batch_trace is not None else None,
         )
         self.state = ServerState.joining
         self.ready = asyncio.Event()  # set once the server serves its first blocks
@@ -466,6 +468,8 @@ class SwarmServer:
         if not await self.scheduler.wait_idle(self.config.drain_timeout_s):
             log.warning("%d step(s) still running after %.0f s", self.scheduler.pending, self.config.drain_timeout_s)
         await self.scheduler.stop()
+        if self.batch_trace is not None:
+            self.batch_trace.close()
         await self.remote.stop()
         await self.hosting.stop()
         if self._closing:  # a drain that ended at a client's close lets the close it passed on reach the peer: at

@@ -146,6 +146,10 @@ def test_session_timings_cover_every_server_and_the_chains_compute(llama_remote)
         assert 0 < span.compute_ms <= span.round_trip_ms
     # A step's last output cannot reach the client before every server of the chain computed its part.
     assert timings[-1].output_at_ms >= sum(span.compute_ms for span in timings)
+    # The prompt went span by span: each server's reply came before the next server was sent it.
+    stamps = [(span.first_sent_s, span.first_received_s) for span in timings]
+    assert all(sent is not None and received is not None and sent < received for sent, received in stamps)
+    assert all(stamps[i][1] <= stamps[i + 1][0] for i in range(len(stamps) - 1))
 
 
 def test_a_sessions_decode_steps_split_their_time_on_the_clients_side(llama_remote) -> None:

@@ -1,0 +1,72 @@
+"""A server's batch trace: one record per batch its scheduler computed, with when it ran and what it held."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from server.batch_trace import BatchTrace, wall_of
+from server.cli import build_parser, config_from_args
+from tests.test_scheduler import Engine, exact, hold_at_block, prefilled, scenario, until_set
+
+
+def test_the_trace_records_a_chunk_and_the_decode_step_that_passed_it_in_time_order(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step passes a prompt's chunk: the trace holds the chunk's batch and the pass, each with its steps
+    (session, tokens, decode or not, admitted), and the pass ran inside the chunk's time and ended before it."""
+    async def body() -> None:
+        records: list[dict] = []
+        engine = Engine(tiny_llama, pages=64, max_batch_tokens=64)
+        engine.scheduler.trace = records.append
+        (decoding,) = await prefilled(engine, "decoding")
+        long = engine.open("long")
+        started, release = hold_at_block(monkeypatch, 1)
+        before = time.time()
+        prompt = engine.submit(long, 30)
+        await until_set(started)
+        await asyncio.sleep(0.02)
+        step = engine.submit(decoding, 1)
+        release.set()
+        await exact(step, prompt)
+        await engine.scheduler.stop()
+        engine.sessions.close_all()
+        engine.pool.check_invariants()
+
+        first, passing, chunk = records
+        assert first["steps"][0][:3] == ["decoding", 4, False] and not first["passed"]
+        assert passing["passed"] and passing["steps"][0][:3] == ["decoding", 1, True]
+        assert chunk["steps"][0][:3] == ["long", 30, False] and not chunk["passed"]
+        for record in records:
+            assert record["start"] <= record["end"] <= record["settled"] + 1e-3
+            assert record["compute_ms"] >= 0 and record["cpu_ms"] >= 0 and record["place"] == "pool"
+            assert all(admitted <= record["start"] + 1e-3 for *_, admitted in record["steps"])
+        assert before <= chunk["start"] <= passing["start"] <= passing["end"] <= chunk["end"]
+        assert passing["steps"][0][3] >= chunk["start"] - 1e-3  # admitted while the chunk computed
+
+    scenario(body)
+
+
+def test_the_trace_file_holds_one_json_line_per_record_and_takes_none_once_closed(tmp_path: Path) -> None:
+    trace = BatchTrace(tmp_path / "sub" / "a-batches.jsonl")
+    trace.note({"start": 1.0, "steps": [["s", 1, True, 0.5]]})
+    trace.note({"start": 2.0, "steps": []})
+    trace.close()
+    trace.note({"start": 3.0})
+    lines = (tmp_path / "sub" / "a-batches.jsonl").read_text().splitlines()
+    assert [json.loads(line)["start"] for line in lines] == [1.0, 2.0] and trace.written == 2
+
+
+def test_wall_of_maps_a_perf_counter_stamp_onto_the_wall_clock() -> None:
+    assert wall_of(10.0, now_perf_s=12.5, now_wall_s=1000.0) == 997.5
+    assert abs(wall_of(time.perf_counter()) - time.time()) < 0.1
+
+
+def test_swarm_server_takes_the_trace_path_from_its_command_line(tmp_path: Path) -> None:
+    path = tmp_path / "a-batches.jsonl"
+    assert config_from_args(build_parser().parse_args(["--batch-trace", str(path)])).batch_trace == path
+    assert config_from_args(build_parser().parse_args([])).batch_trace is None
