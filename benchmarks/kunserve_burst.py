@@ -103,6 +103,10 @@ HEADROOM_TOKENS = MAX_OUTPUT  # admission reserves a session's output: KV thrott
 POLL_S = 0.5
 CPU_FILE = "cpu.jsonl"  # in an arm's workdir: its processes' CPU, sampled (`benchmarks.machine_cpu`)
 BATCH_TRACE_SUFFIX = "-batches.jsonl"  # in an arm's workdir, after a server's name: its batches (`server.batch_trace`)
+BATCH_NOISE_MIN_BATCHES = 30  # a server's trace with fewer batches says nothing of their spread (`batch_noise`)
+BATCH_NOISE_FLOOR_MS = 1.0  # a fit below this (a batch of nothing) is taken as this
+# `batch_noise` of runs kept without batch traces (before r89): what r89's no-drop servers' traces gave
+BATCH_NOISE_UNTRACED = 0.25
 WINDOW_S = 5.0
 BUSY_WAIT_S = 600.0
 ARMS = ("no drop", "static pipeline", "KunServe blocking", "KunServe remote attention")
@@ -422,14 +426,17 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
     kept without that reading). How fast victims' KV crosses between members: what the servers of the runs that dropped
     (`exchanged`) measured of their KV moves (`exchange_bytes_per_s`), else the link's rate; until a victim's KV has
     crossed, it takes pages on both members, as the live servers hold them back from new sessions
-    (`exchange_transient`). Runs whose servers counted their batches' CPU time (`ArmRun.batch_cpu`, from r33 on): a
-    prompt token at its CPU time rather than its wall time under load (which carries the no-drop crowd's contention,
-    1.2-1.4x, into every arm), the contention left to the simulator's sharing, whose weight of the machine's other work
-    (`other_work_weight`) is fitted so the simulated no-drop servers' batches stretch as the live ones' did. The lone
-    decode step stays at its wall time: lone steps run mostly while the machine is quiet. With the weight fitted, a
-    token's delay outside the simulated work keeps the least loaded requests' figure and grows with each other request
-    decoding at once, up to `round_trip_crowd_cap` of them (`crowd_delay_ms`): the growth is fitted on all of the
-    no-drop requests, so that they decode, summed from first token to last, as long as the live ones did [before
+    (`exchange_transient`). Each batch's work varies as the no-drop servers' batches' CPU time varied beyond their
+    tokens and rows (`batch_noise`, from their batch traces; runs kept without them: `BATCH_NOISE_UNTRACED`), drawn anew
+    in each replay [from stop 69's report: without it the simulated burst's prompts waited about alike, and the live P99
+    prompt, the unluckiest, came above]. Runs whose servers counted their batches' CPU time (`ArmRun.batch_cpu`, from
+    r33 on): a prompt token at its CPU time rather than its wall time under load (which carries the no-drop crowd's
+    contention, 1.2-1.4x, into every arm), the contention left to the simulator's sharing, whose weight of the machine's
+    other work (`other_work_weight`) is fitted so the simulated no-drop servers' batches stretch as the live ones' did.
+    The lone decode step stays at its wall time: lone steps run mostly while the machine is quiet. With the weight
+    fitted, a token's delay outside the simulated work keeps the least loaded requests' figure and grows with each other
+    request decoding at once, up to `round_trip_crowd_cap` of them (`crowd_delay_ms`): the growth is fitted on all of
+    the no-drop requests, so that they decode, summed from first token to last, as long as the live ones did [before
     r57's report one constant was fitted so: it priced a lone request's token at up to twice its live time (r57: 156
     ms against 82), and the simulated drops came 1-4 s before the live ones (r57, r58), before the prompts the live
     drops caught on a whole replica]. With
@@ -488,6 +495,7 @@ def sim_config(base: ArmRun, rtt_ms: float, dropping: bool,
         token_cpu_ms=untracked.token_ms if untracked is not None else 0.0,
         placement="latency", cores=os.cpu_count() or 1, member_batching=True,
         corun_stretch=corun_stretch(base.workdir and base.workdir.parent),
+        work_noise=noise if (noise := batch_noise(base)) is not None else BATCH_NOISE_UNTRACED,
         client_gang_wait_s=MAX_GANG_WAIT_S, join_prefill=not passed, overtake_prefill=passed, exchange_transient=True,
         reserve_decode_rows=True,
         client_link_bytes_per_s=MBIT * 1e6 / 8, hidden_bytes_per_token=hidden_size() * WIRE_BYTES,
@@ -579,6 +587,28 @@ def loaded_block_ms(run: ArmRun) -> float:
                if row["block_compute_ms"] != rows[0]["block_compute_ms"]]
     first = min(run.polls, key=lambda row: row["t"])
     return statistics.median(refined) if refined else first["block_compute_ms"]
+
+
+def batch_noise(run: ArmRun) -> float | None:
+    """Gives how much `run`'s servers' batches varied in CPU time beyond what their tokens say: the standard deviation
+    of the log of each batch's CPU time over a least-squares fit, per server, in its prompt tokens and decode rows
+    (`server.batch_trace`; a peer's remote-attention steps, which wait on a peer, left out), pooled over the servers;
+    None for runs kept without batch traces (before r89)."""
+    residuals: list[np.ndarray] = []
+    for host in SERVERS:
+        path = run.workdir / f"{host}{BATCH_TRACE_SUFFIX}" if run.workdir is not None else None
+        if path is None or not path.is_file():
+            continue
+        rows = [(sum(tokens for _, tokens, decode, _ in record["steps"] if not decode),
+                 sum(1 for _, _, decode, _ in record["steps"] if decode), record["cpu_ms"])
+                for record in _read_jsonl(path) if record["place"] != "remote" and record["cpu_ms"] > 0]
+        if len(rows) < BATCH_NOISE_MIN_BATCHES:
+            continue
+        prompt, decode, cpu = np.array(rows, dtype=float).T
+        fit = np.c_[np.ones_like(cpu), prompt, decode]
+        coefficients, *_ = np.linalg.lstsq(fit, cpu, rcond=None)
+        residuals.append(np.log(cpu / np.maximum(fit @ coefficients, BATCH_NOISE_FLOOR_MS)))
+    return float(np.concatenate(residuals).std()) if residuals else None
 
 
 def exchange_bytes_per_s(runs: Sequence[ArmRun]) -> float | None:
@@ -1064,8 +1094,9 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
               f"when refused, "
               f"{fitted.refused_try_cpu_ms:.0f} ms of CPU; "
               f"sessions to either whole replica with room at random, {fitted.cores} cores shared, work x"
-              f"{fitted.corun_stretch:.2f} with every core computing as measured on this machine) against live, "
-              f"P99 TTFT: "
+              f"{fitted.corun_stretch:.2f} with every core computing as measured on this machine, each batch's "
+              f"work varying by a factor of log-sd {fitted.work_noise:.2f} as the no-drop servers' batches' CPU did) "
+              f"against live, P99 TTFT: "
               f"the median of {SIM_REPLAYS} replays (the arrivals as recorded, and moved by up to "
               f"{SIM_JITTER_S * 1000:.0f} ms) and their 10-90%:")
     report_untracked(runs)

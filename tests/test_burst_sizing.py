@@ -8,10 +8,13 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks.client_work import Round, split_cost
 from benchmarks.kunserve_burst import (
+    BATCH_NOISE_UNTRACED,
+    BATCH_TRACE_SUFFIX,
     CLIENT_WORK_FILE,
     COMPUTE_SHARE,
     CORUN_FILE,
@@ -25,6 +28,7 @@ from benchmarks.kunserve_burst import (
     LoadedSpeeds,
     arm_dir,
     arm_speed_scale,
+    batch_noise,
     burst_requests,
     busiest_share,
     client_tries_of,
@@ -217,6 +221,31 @@ def test_the_fit_prices_decode_rows_on_the_start_up_batching_curve_and_takes_the
     assert [ms for _, ms in config.decode_rows_ms] == pytest.approx([6.0, 48.0, 76.8])
     assert config.decode_token_ms == pytest.approx(30 * (1.68 - 0.5) / 31 * 2)  # beside prompt tokens: 1 to 32
     assert config.corun_stretch == pytest.approx(1.1)  # as kept with the run
+
+
+def test_the_batch_noise_is_the_spread_of_the_servers_batch_cpu_over_a_fit_in_their_tokens_and_rows(
+        tmp_path: Path) -> None:
+    """Each server's batches: CPU = 20 ms + 1 ms a prompt token + 5 ms a decode row, times a lognormal factor of
+    log-sd 0.2 (a's) or exactly (b's: their log-residuals are 0); a remote-attention step, whatever its CPU, is left
+    out. The pooled spread of the logs over both servers' fits is the fit's `work_noise`."""
+    rng = np.random.default_rng(0)
+    polls = [fit_poll(peer, t, {"prefill_tokens": 100 * t, "prefill_batches": t, "prefill_batch_ms": 424.0 * t,
+                                "batches": 0, "compute_ms": 0.0}) for peer in "ab" for t in (0, 1, 2)]
+    run = fit_run(tmp_path, polls, lambda n: 0.1)
+    assert batch_noise(run) is None  # kept without traces: the fit takes the untraced figure
+    assert sim_config(run, 20.0, dropping=False).work_noise == BATCH_NOISE_UNTRACED
+    factors = {"a": np.exp(rng.normal(0.0, 0.2, 400)), "b": np.ones(400)}
+    for host, factor in factors.items():
+        lines = []
+        for k in range(400):
+            prompt, rows = (k * 37) % 129, (k * 11) % 9
+            steps = [["p", prompt, False, 0.0]] * (prompt > 0) + [["d", 1, True, 0.0]] * rows
+            lines.append({"place": "pool", "cpu_ms": (20 + prompt + 5 * rows) * factor[k], "steps": steps})
+        lines.append({"place": "remote", "cpu_ms": 5000.0, "steps": [["d", 1, True, 0.0]]})
+        (run.workdir / f"{host}{BATCH_TRACE_SUFFIX}").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    logs = np.concatenate([np.log(factors["a"]) - np.log(factors["a"]).mean(), np.zeros(400)])
+    assert batch_noise(run) == pytest.approx(logs.std(), rel=0.05)
+    assert sim_config(run, 20.0, dropping=False).work_noise == pytest.approx(batch_noise(run))
 
 
 def test_the_fit_takes_the_links_crossing_kept_with_the_run_and_measures_none_itself(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from orchestrator.admission import NAMED_ROOM_GRACE_S
 from orchestrator.sim.kunserve_sim import (
     KunServeSimConfig,
     SimRequest,
+    _Batch,
     _Running,
     _Sim,
     decode_rows_ms,
@@ -420,8 +421,10 @@ def test_decode_steps_join_a_prompt_chunk_computing_on_their_member_and_end_with
 
 
 def test_decode_steps_pass_a_prompt_chunk_computing_on_their_member_and_it_waits_for_them() -> None:
-    # the set-up above: a request decoding beside a 1000-token prompt's four chunks
-    lone_replica = dataclasses.replace(CONFIG, replicas=1, dropping=False, tokens_per_page=256, round_trip_ms=15.0)
+    # the set-up above with chunks 4x as costly (51.2 + 10 ms): the rest of a chunk after its first block holds a
+    # decode step more than twice its own 10.1 ms
+    lone_replica = dataclasses.replace(CONFIG, replicas=1, dropping=False, tokens_per_page=256, round_trip_ms=15.0,
+                                       prefill_token_ms=0.2)
     requests = [SimRequest(0.0, 16, 64), SimRequest(0.1, 1000, 4)]
     waiting = simulate(lone_replica, requests)
     joining = simulate(dataclasses.replace(lone_replica, join_prefill=True), requests)
@@ -441,6 +444,54 @@ def test_decode_steps_pass_a_prompt_chunk_computing_on_their_member_and_it_waits
     pair = dataclasses.replace(lone_replica, replicas=2, static_groups=2, member_batching=True, overtake_prefill=True)
     crowd = [SimRequest(0.05 * i, 300 if i % 2 else 16, 24) for i in range(12)]
     assert np.isfinite(simulate(pair, crowd).tbt_s).all()
+
+
+def test_a_gang_of_decode_steps_passes_a_chunk_whose_rest_would_hold_them_twice_a_lone_steps_time() -> None:
+    """As the servers' `StepScheduler._passes`: the rest of the chunk against the gain x a lone step's time (not the
+    gang's whole batch), and not before the chunk's first block is done."""
+    config = dataclasses.replace(CONFIG, replicas=1, dropping=False, overtake_prefill=True, decode_token_ms=5.0)
+
+    def arrive_at(now_s: float) -> tuple[_Sim, _Batch]:
+        sim = _Sim(config, [], horizon_s=1.0)
+        unit = next(iter(sim.units.values()))
+        chunk = _Batch(unit.uid, 0, True, [(_Running(0, SimRequest(0.0, 512, 4), 8), 256)], started_s=0.0,
+                       end_s=0.1, prefill=True)  # 8 blocks in 100 ms: its first block is done at 12.5 ms
+        sim.computing[0], sim.now = chunk, now_s
+        gang = [_Running(1 + i, SimRequest(0.0, 1, 8), 8, prefilled=1) for i in range(10)]  # decoding
+        sim._overtake(chunk, gang, 1.0, 1, True)
+        return sim, chunk
+
+    # a lone step takes 10 + 5 ms, the gang's batch 10 + 10 x 5: 80 ms of chunk left hold them more than 2 x 15
+    # (the old rule, 2 x 60, had them ride it)
+    sim, chunk = arrive_at(0.02)
+    passing = [batch for *_, batch in sim.events if batch is not None and batch.passing]
+    assert chunk.passed and len(passing) == 1 and len(passing[0].items) == 10
+    assert passing[0].end_s == pytest.approx(0.08) and chunk.end_s == pytest.approx(0.16)  # it waits for their 60 ms
+    # 25 ms left: less than twice a lone step's time, they ride it; before its first block is done, too
+    for now_s in (0.075, 0.01):
+        sim, chunk = arrive_at(now_s)
+        assert not chunk.passed and len(chunk.items) == 11
+        assert not [batch for *_, batch in sim.events if batch is not None and batch.passing]
+
+
+def test_with_work_noise_each_batch_takes_its_own_draw_the_same_for_a_seed_and_about_its_work_on_average() -> None:
+    lone = dataclasses.replace(CONFIG, replicas=1, dropping=False)
+    requests = [SimRequest(0.2 * i, 200, 30) for i in range(40)]
+    plain = simulate(lone, requests)
+    assert np.array_equal(simulate(dataclasses.replace(lone, work_noise=0.0), requests).ttft_s, plain.ttft_s)
+    noisy = dataclasses.replace(lone, work_noise=0.3)
+    once, again = simulate(noisy, requests), simulate(noisy, requests)
+    assert np.array_equal(once.ttft_s, again.ttft_s) and np.array_equal(once.tbt_s, again.tbt_s)
+    other = simulate(dataclasses.replace(noisy, placement_seed=1), requests)
+    assert not np.array_equal(once.tbt_s, other.tbt_s)
+    assert not np.array_equal(once.tbt_s, plain.tbt_s)
+    # the factor's mean is 1: 40 requests' 29 gaps each, their mean within a few percent of the plain run's
+    assert np.nanmean(once.tbt_s) == pytest.approx(np.nanmean(plain.tbt_s), rel=0.05)
+    sim = _Sim(noisy, [], horizon_s=1.0)
+    draws = np.array([sim._noisy(100.0) for _ in range(4000)])
+    assert draws.mean() == pytest.approx(100.0, rel=0.03) and np.log(draws).std() == pytest.approx(0.3, rel=0.05)
+    with pytest.raises(ValueError, match="work_noise"):
+        dataclasses.replace(lone, work_noise=-0.1)
 
 
 def test_with_decode_rows_reserved_a_prompt_chunk_leaves_a_token_for_every_other_request_of_its_unit() -> None:

@@ -10,7 +10,9 @@ The model, event by event (no clock, no global RNG; the same inputs give the sam
   and a prompt's chunk leaves a token for every other request of its unit, whose steps may join it), and
   occupies a whole replica for `step_ms + prefill_token_ms x prompt tokens + decode_token_ms x decoding requests`
   (a group's prompt tokens cost `member_prefill_token_ms` when given: what live members measured, see below; a
-  batch without prompt tokens, its rows `decode_rows_ms` when given: the servers' batching curve).
+  batch without prompt tokens, its rows `decode_rows_ms` when given: the servers' batching curve), and with
+  `work_noise` that times a factor drawn for the batch (mean 1, seeded by the replay): live batches of the same
+  tokens and rows vary in their CPU time.
   A group is a pipeline of its members in slice order, in one of two ways:
   - as the paper's engine pipelines (the default): up to k micro-batches in flight, each with about 1/k of its
     requests, each crossing the k members and paying (k - 1) x `hop_ms` [chosen: no bubbles; the hops count in the
@@ -291,6 +293,14 @@ class KunServeSimConfig:
     # servers 2), so their prompts take more batches: without it the simulated pipelined arms' P99 TTFT was 26-34%
     # below live on r36's first turn, with it 15-24%]
     reserve_decode_rows: bool = False
+    # How much a batch's compute varies beyond what its tokens and rows say (a page fault, the allocator, caches that
+    # another process took): each member's batch, a pass and a micro-batch take their work times a factor drawn
+    # from a lognormal of mean 1 with this sd of its log, seeded by `placement_seed`; 0: none [chosen: measured (the
+    # benchmark's `batch_noise`: the log of the no-drop servers' batches' CPU time over a fit in their prompt tokens
+    # and decode rows, 0.16-0.28 on the Intel VM in r89). Without it every simulated prompt of a burst waited about
+    # as long as the others, and the live P99, the unluckiest prompt of the burst, came 10-15% above the simulated
+    # one in the arms that pipeline on average over r79-r89, while their mean TTFT over the burst matched (r89)]
+    work_noise: float = 0.0
 
     def __post_init__(self) -> None:
         if self.params_pages % self.blocks or self.params_pages >= self.pages_total:
@@ -316,6 +326,8 @@ class KunServeSimConfig:
             raise ValueError("other_work_weight must be >= 0")
         if self.corun_stretch <= 0:
             raise ValueError("corun_stretch must be > 0")
+        if self.work_noise < 0:
+            raise ValueError("work_noise must be >= 0")
         if self.round_trip_per_decoding_ms < 0 or self.round_trip_crowd_cap < 0:
             raise ValueError("round_trip_per_decoding_ms and round_trip_crowd_cap must be >= 0")
         if self.placement not in PLACEMENTS:
@@ -428,6 +440,7 @@ class _Sim:
     def __init__(self, config: KunServeSimConfig, requests: Sequence[SimRequest], horizon_s: float) -> None:
         self.config, self.requests, self.horizon_s = config, list(requests), horizon_s
         self.placing = random.Random(config.placement_seed)
+        self.noise = random.Random(f"work noise {config.placement_seed}")  # `work_noise`: apart from the placing
         self.next_uid = 0
         k = config.static_groups
         self.units: dict[int, _Unit] = {}
@@ -728,6 +741,7 @@ class _Sim:
             if not items:
                 continue
             work_ms, remote = self._work(items, len(unit.members))
+            work_ms = self._noisy(work_ms)
             batch = _Batch(unit.uid, member, stage == last, items, self.now,
                            prefill=any(r.prefilled < r.request.prompt for r, _ in items))
             self.computing[member] = batch  # it counts among the processes computing
@@ -763,16 +777,24 @@ class _Sim:
     def _overtake(self, batch: _Batch, decoding: list[_Running], share: float, members: int, last: bool) -> None:
         """Decode steps `decoding` pass `batch`, a prompt chunk's batch computing on a member with `share` of the
         blocks of a unit of `members`: they compute at once in a batch of their own, and `batch` ends that much later
-        (its wall time and work count theirs); unless steps passed it already or what is left of `batch` is less than
-        `overtake_gain` x their batch: they join it then (a chunk is passed once, and not near its end)."""
+        (its wall time and work count theirs); unless steps passed it already, its first block is not done yet, or
+        what is left of `batch` is less than `overtake_gain` x a lone decode step's time through the member's blocks:
+        they join it then (a chunk is passed once, not before its pace is known, and not near its end), as the
+        servers' `StepScheduler._passes` has it [before stop 69's report: less than the gain x their whole batch's
+        time, which refused the passes of a burst's wide gangs of steps: 1-2 of 19-22 chunks at r89's peak against 9
+        of 19-23 live]."""
         if not decoding:
             return
         c = self.config
         items = [(running, 1) for running in decoding]
         work_ms, remote = self._work(items, members)
-        work_ms *= share
-        compute_ms = work_ms * self._sharing(client=self.client_free_s > self.now)
-        if batch.passed or (batch.end_s - self.now) * 1000 < c.overtake_gain * compute_ms:
+        work_ms = self._noisy(work_ms) * share
+        sharing = self._sharing(client=self.client_free_s > self.now)
+        compute_ms = work_ms * sharing
+        lone_ms = self._work(items[:1], members)[0] * share * sharing
+        span_s = batch.end_s - batch.started_s
+        first_block = (self.now - batch.started_s) * max(1, round(share * c.blocks)) < span_s
+        if batch.passed or first_block or (batch.end_s - self.now) * 1000 < c.overtake_gain * lone_ms:
             self._join(batch, decoding, share)
             return
         for running in decoding:
@@ -806,6 +828,7 @@ class _Sim:
             if not items:
                 return
             work_ms, remote = self._work(items, slots)
+            work_ms = self._noisy(work_ms)
             unit.batches += 1
             compute_ms = work_ms * self._sharing(client=self.client_free_s > self.now)
             step_s = (compute_ms + (slots - 1 + 2 * remote) * c.hop_ms) / 1000
@@ -875,6 +898,11 @@ class _Sim:
         remote = max((r.remote_blocks for r, _ in items if r.remote_until_s > self.now), default=0)
         rows_ms = c.decode_token_ms * decode if prefill else decode_rows_ms(c, decode)
         return c.step_ms + prefill_token_ms * prefill + rows_ms, remote
+
+    def _noisy(self, work_ms: float) -> float:
+        """Gives `work_ms` times this batch's draw of `work_noise` (a lognormal factor of mean 1)."""
+        sigma = self.config.work_noise
+        return work_ms * self.noise.lognormvariate(-sigma * sigma / 2, sigma) if sigma > 0 else work_ms
 
     def _wake(self, unit: _Unit, ready_s: list[float]) -> None:
         """Has `unit` start again when the first of steps not ready yet (`ready_s`) is, unless a wake-up is due
