@@ -18,6 +18,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from swarm.temp_files import bound_socket_files, remove_socket_files
+
 PREFIX = "csnet-"
 HUB = "_hub"  # host names cannot start with "_", so the router namespace never collides with a host
 RUN_ID = re.compile(r"^[a-z0-9]{1,16}$")
@@ -153,14 +155,21 @@ def wait_gone(pids: Sequence[int], timeout_s: float) -> list[int]:
 
 def kill_namespace_processes(namespaces: Sequence[str], grace_s: float = 3.0) -> list[int]:
     """Gives the pids found in `namespaces`, after stopping them: SIGTERM, then SIGKILL to those alive after
-    `grace_s` (one grace period for all, however many namespaces)."""
+    `grace_s` (one grace period for all, however many namespaces). The socket files they had bound under the
+    temporary directory go with them (`swarm.temp_files`): a process that had no handler for SIGTERM, as torch's
+    shared-memory manager, which a server started inside, left its directory behind (about 5 per arm of the burst
+    benchmark)."""
     pids = sorted({pid for namespace in namespaces for pid in namespace_pids(namespace)} - {os.getpid()})
+    sockets = {pid: bound_socket_files([pid]) for pid in pids}
+    alive = pids
     for signum, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        for pid in pids:
+        for pid in alive:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
-        if not wait_gone(pids, wait_s):
+        alive = wait_gone(alive, wait_s)
+        if not alive:
             break
+    remove_socket_files([path for pid in pids if pid not in alive for path in sockets[pid]])  # nothing binds them now
     return pids
 
 

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from swarm.temp_files import group_socket_files, remove_socket_files
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -110,16 +112,19 @@ class HostProcess:
                 return json.loads(line)
 
     def stop(self, grace_s: float = 10.0) -> int | None:
-        """Gives the exit code after SIGTERM to the process (a clean exit), then SIGKILL to its whole group."""
+        """Gives the exit code after SIGTERM to the process (a clean exit), then SIGKILL to its whole group, whose
+        socket files under the temporary directory go with it."""
         if self.popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.popen.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.popen.wait(timeout=grace_s)
+        sockets = group_socket_files(self.popen.pid)  # what is left of its group binds, killed, nothing again
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=5)
+        remove_socket_files(sockets)
         for pipe in (self.popen.stdin, self.popen.stdout):
             if pipe is not None:
                 with contextlib.suppress(OSError):

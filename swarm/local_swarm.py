@@ -4,28 +4,25 @@ Used by the demo, the integration tests and the benchmarks. Every process is sta
 whose `close()` always terminates (then kills) all of them, p2pd daemons included (one process group each). A
 process group that is killed leaves no socket files behind: what its processes had bound under the temporary
 directory (the p2p daemons' and their clients' sockets, multiprocessing's listeners) is removed after the kill.
-torch's shared-memory manager runs in a session of its own and removes its directory itself once its clients die.
+torch's shared-memory manager runs in a session of its own and removes its directory itself once its clients die
+(killed with a network namespace's processes, it cannot: `netem` removes what they had bound, `swarm.temp_files`).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
+from swarm.temp_files import group_socket_files, remove_socket_files
 
 REPO = Path(__file__).resolve().parents[1]  # so `python -m server.cli` resolves without an installed package
 START_TIMEOUT_S = 180.0
-# Directories under the temporary directory that belong to one process alone and go with it: multiprocessing's
-PRIVATE_TEMP_DIRS = ("pymp-",)
 
 
 @dataclass
@@ -202,29 +199,3 @@ class SwarmProcesses:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def group_socket_files(pgid: int) -> list[Path]:
-    """Gives the Unix socket files under the temporary directory that the live processes of group `pgid` are bound
-    to."""
-    temp = Path(tempfile.gettempdir())
-    paths: list[Path] = []
-    for process in psutil.process_iter():
-        try:
-            if os.getpgid(process.pid) != pgid:
-                continue
-            bound = [c.laddr for c in process.net_connections(kind="unix")]
-        except (psutil.Error, ProcessLookupError):
-            continue  # gone meanwhile, or not ours to read
-        paths += [Path(path) for path in bound if isinstance(path, str) and Path(path).parent.is_relative_to(temp)]
-    return paths
-
-
-def remove_socket_files(paths: Sequence[Path]) -> None:
-    """Removes the socket files of killed processes, with the private directories that held them."""
-    temp = Path(tempfile.gettempdir())
-    for path in paths:
-        if path.parent != temp and path.parent.name.startswith(PRIVATE_TEMP_DIRS):
-            shutil.rmtree(path.parent, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -149,15 +150,31 @@ def test_cli_up_exec_ping_down(tmp_path: Path) -> None:
         down(run_id)
 
 
+# A process that starts one in a session of its own, which binds a socket in a private directory under the temporary
+# directory and keeps no handler for SIGTERM, as a server starts torch's shared-memory manager
+# (`torch-shm-dir-*/manager.sock`): stopping the spawned process's group leaves it to the namespaces' teardown.
+SOCKET_HOLDER = textwrap.dedent("""
+    import os, socket, sys, tempfile, time
+    if os.fork() == 0:
+        os.setsid()
+        path = tempfile.mkdtemp(prefix="torch-shm-dir-" + sys.argv[1])
+        held = socket.socket(socket.AF_UNIX)
+        held.bind(path + "/manager.sock")
+    time.sleep(300)
+""")
+
 CHILD = textwrap.dedent("""
-    import json, sys, time
+    import glob, json, sys, tempfile, time
     from netem import netns
     from netem.network import EmulatedNetwork
     from netem.topology import constant
-    mode, run_id = sys.argv[1], sys.argv[2]
+    mode, run_id, holder = sys.argv[1], sys.argv[2], sys.argv[3]
     with EmulatedNetwork(constant(("a", "b"), 10), run_id=run_id) as network:
-        sleepers = [network.spawn("a", ["sleep", "300"]), network.spawn("b", [sys.executable, "-c",
-                    "import time; time.sleep(300)"])]
+        sleepers = [network.spawn("a", ["sleep", "300"]), network.spawn("b", [sys.executable, "-c", holder, run_id])]
+        for _ in range(200):  # bounded: the holder binds its socket within seconds
+            if glob.glob(f"{tempfile.gettempdir()}/torch-shm-dir-{run_id}*/manager.sock"):
+                break
+            time.sleep(0.05)
         # Whatever lives in the run's namespaces (the sleepers, and the fabric if that is the backend).
         pids = sorted({pid for namespace in network.layout.namespaces for pid in netns.namespace_pids(namespace)})
         assert {process.pid for process in sleepers} <= set(pids), pids
@@ -171,8 +188,9 @@ CHILD = textwrap.dedent("""
 
 
 def start_child(mode: str, run_id: str) -> tuple[subprocess.Popen[str], list[int]]:
-    child = subprocess.Popen([sys.executable, "-c", CHILD, mode, run_id], cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, mode, run_id, SOCKET_HOLDER], cwd=REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert child.stdout is not None
     line = child.stdout.readline()  # bounded: the child prints within seconds or dies (EOF)
     if not line:
@@ -183,6 +201,8 @@ def start_child(mode: str, run_id: str) -> tuple[subprocess.Popen[str], list[int
 
 def assert_nothing_left(run_id: str, pids: list[int], links_before: list[str]) -> None:
     assert netns.list_namespaces(netns.run_prefix(run_id)) == []
+    # the socket the holder bound, with its private directory (SIGTERM gave it no chance to remove them)
+    assert not list(Path(tempfile.gettempdir()).glob(f"torch-shm-dir-{run_id}*"))
     assert netns.wait_gone(pids, 5.0) == []
     assert root_links() == links_before
     assert not state_dir(run_id).exists()
