@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from pathlib import Path
@@ -11,7 +10,7 @@ import pytest
 
 from server.batch_trace import BatchTrace, wall_of
 from server.cli import build_parser, config_from_args
-from tests.test_scheduler import Engine, exact, hold_at_block, prefilled, scenario, until_set
+from tests.test_scheduler import Engine, decode_beside_a_held_chunk, hold_at_block, prefilled, scenario
 
 
 def test_the_trace_records_a_chunk_and_the_decode_step_that_passed_it_in_time_order(
@@ -27,12 +26,7 @@ def test_the_trace_records_a_chunk_and_the_decode_step_that_passed_it_in_time_or
         long = engine.open("long")
         started, release = hold_at_block(monkeypatch, 1)
         before = time.time()
-        prompt = engine.submit(long, 30)
-        await until_set(started)
-        await asyncio.sleep(0.02)
-        step = engine.submit(decoding, 1)
-        release.set()
-        await exact(step, prompt)
+        await decode_beside_a_held_chunk(engine, decoding, long, started, release)
         await engine.scheduler.stop()
         engine.sessions.close_all()
         engine.pool.check_invariants()

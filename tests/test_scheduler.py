@@ -450,6 +450,19 @@ async def exact(*steps: tuple[asyncio.Future[StepResult], torch.Tensor]) -> None
         check(result, expected)
 
 
+async def decode_beside_a_held_chunk(engine: Engine, decoding: Session, long: Session, started: threading.Event,
+                                    release: threading.Event) -> None:
+    """Submits a 30-token prompt of `long`, whose pass waits at a block (`hold_at_block`: its first block is done,
+    far slower than a lone row's 1 ms), then a decode step of `decoding` while it waits; releases it and checks both
+    steps' outputs."""
+    prompt = engine.submit(long, 30)
+    await until_set(started)
+    await asyncio.sleep(0.02)
+    step = engine.submit(decoding, 1)
+    release.set()
+    await exact(step, prompt)
+
+
 def test_a_decode_step_passes_a_compute_bound_prompt_chunk_and_comes_back_before_it(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -462,12 +475,7 @@ def test_a_decode_step_passes_a_compute_bound_prompt_chunk_and_comes_back_before
         (decoding,) = await prefilled(engine, "decoding")
         long = engine.open("long")
         started, release = hold_at_block(monkeypatch, 1)
-        prompt = engine.submit(long, 30)
-        await until_set(started)  # its first block is done, its second waits: far slower than a lone row's 1 ms
-        await asyncio.sleep(0.02)
-        step = engine.submit(decoding, 1)
-        release.set()
-        await exact(step, prompt)
+        await decode_beside_a_held_chunk(engine, decoding, long, started, release)
         assert answered == ["decoding", "decoding", "long"]  # the decode step came back before the chunk
         stats = engine.scheduler.stats
         assert (stats.passed, stats.joined, stats.batches) == (1, 0, 3)
@@ -563,12 +571,7 @@ def test_decode_steps_whose_pass_fails_go_in_the_next_batch_exact(
             construct(self, blocks, kv, hidden, batch)
 
         monkeypatch.setattr(ForwardPass, "__init__", failing_once)
-        prompt = engine.submit(long, 30)
-        await until_set(started)
-        await asyncio.sleep(0.02)
-        step = engine.submit(decoding, 1)
-        release.set()
-        await exact(step, prompt)
+        await decode_beside_a_held_chunk(engine, decoding, long, started, release)
         assert failures and engine.scheduler.stats.passed == 0
         assert (decoding.position, long.position) == (5, 30)
         await engine.scheduler.stop()
