@@ -10,7 +10,9 @@ batches (`orchestrator.sim.kunserve_sim`) are the same records; where the live o
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -19,6 +21,8 @@ from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
     from server.sessions import Step
+
+log = logging.getLogger(__name__)
 
 FLUSH_LINES = 64  # lines buffered before they are written out (a batch's line is about 200 bytes)
 FLUSH_S = 1.0  # or at the first line this long after the last write-out
@@ -44,18 +48,25 @@ class BatchTrace:
         self.written = 0  # records so far
 
     def note(self, record: dict[str, object]) -> None:
-        """Appends `record` (JSON-serialisable); nothing once closed."""
+        """Appends `record` (JSON-serialisable); nothing once closed. A write that fails (a full disk) ends the trace
+        with a warning: the batches go on, untraced."""
         line = json.dumps(record, separators=(",", ":")) + "\n"
         with self._lock:
             if self._file is None:
                 return
-            self._file.write(line)
-            self.written += 1
-            self._pending += 1
-            now = time.monotonic()
-            if self._pending >= FLUSH_LINES or now - self._flushed_s >= FLUSH_S:
-                self._file.flush()
-                self._pending, self._flushed_s = 0, now
+            try:
+                self._file.write(line)
+                self.written += 1
+                self._pending += 1
+                now = time.monotonic()
+                if self._pending >= FLUSH_LINES or now - self._flushed_s >= FLUSH_S:
+                    self._file.flush()
+                    self._pending, self._flushed_s = 0, now
+            except OSError as error:
+                log.warning("batch trace %s stopped after %d lines: %s", self.path, self.written, error)
+                file, self._file = self._file, None
+                with contextlib.suppress(OSError):
+                    file.close()
 
     def close(self) -> None:
         with self._lock:

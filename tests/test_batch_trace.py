@@ -55,6 +55,27 @@ def test_the_trace_file_holds_one_json_line_per_record_and_takes_none_once_close
     assert [json.loads(line)["start"] for line in lines] == [1.0, 2.0] and trace.written == 2
 
 
+def test_a_trace_whose_writes_fail_stops_with_a_warning_and_takes_no_more(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    trace = BatchTrace(tmp_path / "a-batches.jsonl")
+    trace.note({"start": 1.0})
+
+    class FullDisk:
+        def write(self, line: str) -> int:
+            raise OSError(28, "No space left on device")
+
+        def close(self) -> None:
+            pass
+
+    written, trace._file = trace._file, FullDisk()  # type: ignore[assignment]
+    trace.note({"start": 2.0})  # no exception reaches the scheduler
+    trace.note({"start": 3.0})
+    assert written is not None
+    written.close()
+    assert trace.written == 1 and "stopped after 1 lines" in caplog.text
+    assert (tmp_path / "a-batches.jsonl").read_text().count("\n") == 1
+
+
 def test_wall_of_maps_a_perf_counter_stamp_onto_the_wall_clock() -> None:
     assert wall_of(10.0, now_perf_s=12.5, now_wall_s=1000.0) == 997.5
     assert abs(wall_of(time.perf_counter()) - time.time()) < 0.1
