@@ -160,7 +160,7 @@ def kill_namespace_processes(namespaces: Sequence[str], grace_s: float = 3.0) ->
     shared-memory manager, which a server started inside, left its directory behind (about 5 per arm of the burst
     benchmark)."""
     pids = sorted({pid for namespace in namespaces for pid in namespace_pids(namespace)} - {os.getpid()})
-    sockets = {pid: bound_socket_files([pid]) for pid in pids}
+    sockets = bound_socket_files(pids)
     alive = pids
     for signum, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         for pid in alive:
@@ -169,7 +169,7 @@ def kill_namespace_processes(namespaces: Sequence[str], grace_s: float = 3.0) ->
         alive = wait_gone(alive, wait_s)
         if not alive:
             break
-    remove_socket_files([path for pid in pids if pid not in alive for path in sockets[pid]])  # nothing binds them now
+    remove_socket_files([path for pid, paths in sockets.items() if pid not in alive for path in paths])  # unbound now
     return pids
 
 

@@ -28,13 +28,6 @@ FLUSH_LINES = 64  # lines buffered before they are written out (a batch's line i
 FLUSH_S = 1.0  # or at the first line this long after the last write-out
 
 
-def wall_of(perf_s: float, *, now_perf_s: float | None = None, now_wall_s: float | None = None) -> float:
-    """Gives the wall-clock time of `perf_s`, a `time.perf_counter()` stamp of this process."""
-    now_perf = time.perf_counter() if now_perf_s is None else now_perf_s
-    now_wall = time.time() if now_wall_s is None else now_wall_s
-    return now_wall - (now_perf - perf_s)
-
-
 class BatchTrace:
     """Appends batch records to a JSON-lines file; usable from any thread."""
 
@@ -80,10 +73,11 @@ def batch_record(batch: Sequence[tuple[Step, int]], span: tuple[float, float], c
     """Gives the trace's record of a batch of (step, tokens it computed of it) that the computing thread ran over
     `span` (`time.perf_counter()` stamps), settled now: each step as [session id, tokens computed (rows x tokens),
     whether it is a decode step, when it was admitted (wall s)]."""
-    now_perf, now_wall = time.perf_counter(), time.time()
+    now_wall = time.time()
+    offset = now_wall - time.perf_counter()  # a perf_counter() stamp of this process plus this is its wall time
 
     def wall(perf_s: float) -> float:
-        return round(wall_of(perf_s, now_perf_s=now_perf, now_wall_s=now_wall), 4)
+        return round(perf_s + offset, 4)
 
     return {
         "start": wall(span[0]), "end": wall(span[1]), "settled": round(now_wall, 4),

@@ -20,24 +20,28 @@ import psutil
 PRIVATE_TEMP_DIRS = ("pymp-", "torch-shm-dir-")
 
 
-def bound_socket_files(pids: Iterable[int]) -> list[Path]:
-    """Gives the Unix socket files under the temporary directory that the live processes `pids` are bound to: the
-    sockets among each one's open files, as its own network namespace lists them (`/proc/<pid>/net/unix`; the
-    caller's own list does not hold another namespace's sockets)."""
+def bound_socket_files(pids: Iterable[int]) -> dict[int, list[Path]]:
+    """Gives, for each of the live processes `pids`, the Unix socket files under the temporary directory it is bound
+    to: the sockets among its open files, as its own network namespace lists them (`/proc/<pid>/net/unix`, read once
+    per namespace; the caller's own list does not hold another namespace's sockets)."""
     temp = Path(tempfile.gettempdir())
-    paths: list[Path] = []
+    listed: dict[str, dict[str, Path]] = {}  # per namespace: socket inode -> its file under the temporary directory
+    bound: dict[int, list[Path]] = {}
     for pid in pids:
         try:
+            namespace = os.readlink(f"/proc/{pid}/ns/net")
+            if namespace not in listed:
+                listed[namespace] = {}
+                for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]:
+                    fields = line.split(maxsplit=7)  # Num RefCount Protocol Flags Type St Inode [Path]
+                    if len(fields) == 8 and Path(fields[7]).parent.is_relative_to(temp):
+                        listed[namespace][fields[6]] = Path(fields[7])
             inodes = {target[len("socket:["):-1] for fd in Path(f"/proc/{pid}/fd").iterdir()
                       if (target := os.readlink(fd)).startswith("socket:[")}
-            listed = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
         except OSError:
             continue  # gone meanwhile, or not ours to read
-        for line in listed:  # Num RefCount Protocol Flags Type St Inode [Path]
-            fields = line.split(maxsplit=7)
-            if len(fields) == 8 and fields[6] in inodes and Path(fields[7]).parent.is_relative_to(temp):
-                paths.append(Path(fields[7]))
-    return paths
+        bound[pid] = [listed[namespace][inode] for inode in inodes if inode in listed[namespace]]
+    return bound
 
 
 def group_socket_files(pgid: int) -> list[Path]:
@@ -50,7 +54,7 @@ def group_socket_files(pgid: int) -> list[Path]:
                 members.append(process.pid)
         except (psutil.Error, ProcessLookupError):
             continue
-    return bound_socket_files(members)
+    return [path for paths in bound_socket_files(members).values() for path in paths]
 
 
 def remove_socket_files(paths: Sequence[Path]) -> None:

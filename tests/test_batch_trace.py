@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server.batch_trace import BatchTrace, wall_of
+from server.batch_trace import BatchTrace
 from server.cli import build_parser, config_from_args
 from tests.test_scheduler import Engine, decode_beside_a_held_chunk, hold_at_block, prefilled, scenario
 
@@ -74,11 +74,6 @@ def test_a_trace_whose_writes_fail_stops_with_a_warning_and_takes_no_more(
     written.close()
     assert trace.written == 1 and "stopped after 1 lines" in caplog.text
     assert (tmp_path / "a-batches.jsonl").read_text().count("\n") == 1
-
-
-def test_wall_of_maps_a_perf_counter_stamp_onto_the_wall_clock() -> None:
-    assert wall_of(10.0, now_perf_s=12.5, now_wall_s=1000.0) == 997.5
-    assert abs(wall_of(time.perf_counter()) - time.time()) < 0.1
 
 
 def test_swarm_server_takes_the_trace_path_from_its_command_line(tmp_path: Path) -> None:
