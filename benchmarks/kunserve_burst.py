@@ -627,7 +627,9 @@ def exchange_bytes_per_s(runs: Sequence[ArmRun]) -> float | None:
 
 CLIENT_WORK_FILE = "client_work.json"  # in the run's workdir: the report reads it again
 REFUSED_TRIES_FILE = "refused_tries.json"  # in the run's workdir: the report reads it again
-LINK_CROSSING_FILE = "link_crossing_{rtt}.json"  # in the run's workdir, per RTT: the report reads it again
+# In the run's workdir, per RTT: the report reads it again. Runs before r93 kept the rig's reading on warmed streams
+# only (`LINK_CROSSING_FILE`); from r93 it also holds the new streams' (`LINK_STREAMS_FILE`)
+LINK_CROSSING_FILE, LINK_STREAMS_FILE = "link_crossing_{rtt}.json", "link_streams_{rtt}.json"
 CORUN_FILE = "corun.json"  # in the run's workdir: the report reads it again
 # Markers in a run's workdir of what its servers and clients did: named when their sessions' ends make room (from
 # r50, `run_marked`), kept that room for the wait they named it to (from r54, `kept_window`), and withdrew a wait from
@@ -681,12 +683,18 @@ def _measured_client_work() -> ClientWork:
 def link_crossing_extra(workdir: Path | None, rtt_ms: float, measure: bool = False) -> tuple[tuple[int, float], ...]:
     """Gives what a prompt's message took on the emulated link at `rtt_ms` beyond its bytes at the link's rate, by
     size in bytes (`benchmarks.link_crossing`: two hosts of an emulated network as the arms', `LinkCrossing.
-    relayed_extra_s`), as kept in `workdir`. With `measure` (the live run, once per RTT before its arms; needs root),
-    the rig takes it where none is kept; without, as the simulator's fit asks, a run kept without it gives none
-    (every message at the link's rate)."""
-    name = LINK_CROSSING_FILE.format(rtt=f"{rtt_ms:g}")
-    if not measure and not (workdir is not None and (workdir / name).is_file()):
-        return ()
+    relayed_extra_s`: on a new stream, as each session's prompt crosses), as kept in `workdir`. With `measure` (the
+    live run, once per RTT before its arms; needs root), the rig takes it where none is kept; without, as the
+    simulator's fit asks, a run kept with only the warmed streams' reading gives that one, and a run kept without
+    either none (every message at the link's rate)."""
+    def kept(name: str) -> bool:
+        return workdir is not None and (workdir / name).is_file()
+
+    name = LINK_STREAMS_FILE.format(rtt=f"{rtt_ms:g}")
+    if not measure and not kept(name):
+        name = LINK_CROSSING_FILE.format(rtt=f"{rtt_ms:g}")  # a run kept before r93
+        if not kept(name):
+            return ()
     reading = kept_reading(workdir, name, lambda: dataclasses.asdict(measure_link_crossing(rtt_ms)))
     reading.pop("measured")
     return LinkCrossing(**reading).relayed_extra_s()

@@ -12,7 +12,10 @@ trips as well as bytes. This measures it.
 The rig: two hosts of an emulated network (`netem`), every pair at `--rtt` ms and 100 Mbit/s, as the burst
 benchmark's; one serves an RPC method that answers a message with its length, or with as many bytes as asked
 (`swarm.rpc` over hivemind's p2pd, the transport every swarm call takes); the other calls it, `ROUNDS` times per size:
-a message after `IDLE_S` without traffic and again at once, a reply of the size after `IDLE_S`, and 64 bytes. A size's
+on one warmed stream, a message after `IDLE_S` without traffic and again at once, a reply of the size after `IDLE_S`,
+and 64 bytes; then, as a session's prompt crosses, a message and a reply of the size each as the first after a small
+call on a new stream (a client opens a stream per session and server, and the multiplexer starts each new stream's
+window small: from 128 tokens on, these took 0.3-1.5 round trips more than on the warmed stream, Dec 7). A size's
 crossing is its median call less the median small call. Needs root (network namespaces). Never asserts.
 """
 
@@ -50,7 +53,8 @@ PORT = 41999
 @dataclass(frozen=True)
 class LinkCrossing:
     """The rig's reading at one RTT: per message size (bytes), its median crossing beyond the small call (s): sent
-    after an idle gap, sent back to back, and received (a reply of the size) after an idle gap."""
+    after an idle gap, sent back to back, and received (a reply of the size) after an idle gap, on one warmed stream;
+    sent and received as the first of its size on a new stream (empty in readings kept before Dec 7)."""
 
     rtt_ms: float
     sizes: tuple[int, ...]
@@ -58,12 +62,17 @@ class LinkCrossing:
     busy_s: tuple[float, ...]
     down_s: tuple[float, ...]
     small_call_s: float
+    fresh_up_s: tuple[float, ...] = ()
+    fresh_down_s: tuple[float, ...] = ()
 
     def relayed_extra_s(self) -> tuple[tuple[int, float], ...]:
-        """Gives, per size, what a relayed message took beyond its bytes at the rig's rate (`MBIT`): the mean of one
-        sent right after another and one coming back as a reply, as a client relays a prompt between servers."""
-        return tuple((size, max(0.0, (busy + down) / 2 - size * 8 / (MBIT * 1e6)))
-                     for size, busy, down in zip(self.sizes, self.busy_s, self.down_s, strict=True))
+        """Gives, per size, what a prompt's message took beyond its bytes at the rig's rate (`MBIT`): the mean of one
+        sent and one received on a new stream, as each session's prompt goes up to a server and comes back from it
+        on the stream the session opened there; in readings without those, the mean of one sent right after another
+        and one coming back as a reply on a warmed stream."""
+        up, down = (self.fresh_up_s, self.fresh_down_s) if self.fresh_up_s else (self.busy_s, self.down_s)
+        return tuple((size, max(0.0, (sent + received) / 2 - size * 8 / (MBIT * 1e6)))
+                     for size, sent, received in zip(self.sizes, up, down, strict=True))
 
 
 def measure(rtt_ms: float, tokens: Sequence[int] = TOKENS) -> LinkCrossing:
@@ -79,7 +88,8 @@ def measure(rtt_ms: float, tokens: Sequence[int] = TOKENS) -> LinkCrossing:
         server.stop()
     reading = json.loads(line)
     return LinkCrossing(rtt_ms, tuple(reading["sizes"]), tuple(reading["idle_s"]), tuple(reading["busy_s"]),
-                        tuple(reading["down_s"]), reading["small_call_s"])
+                        tuple(reading["down_s"]), reading["small_call_s"], tuple(reading["fresh_up_s"]),
+                        tuple(reading["fresh_down_s"]))
 
 
 async def _serve(address: str) -> None:
@@ -100,14 +110,24 @@ async def _probe(maddr: str, tokens: Sequence[int]) -> None:
     connection = await RpcConnection.open(p2p, maddr.rsplit("/", 1)[1], timeout=30)
     sizes = [count * BYTES_PER_TOKEN for count in tokens]
 
-    async def call(nbytes: int, reply: int = 0) -> float:
+    async def call(nbytes: int, reply: int = 0, on: RpcConnection = connection) -> float:
         started = time.perf_counter()
-        await connection.call("length", {"blob": bytes(nbytes), "reply": reply}, timeout=60)
+        await on.call("length", {"blob": bytes(nbytes), "reply": reply}, timeout=60)
         return time.perf_counter() - started
+
+    async def first(nbytes: int, reply: int = 0) -> float:
+        """A message of the size, or its reply, as the first after a small call on a new stream: a session's prompt"""
+        stream = await RpcConnection.open(p2p, maddr.rsplit("/", 1)[1], timeout=30)
+        try:
+            await call(SMALL_BYTES, on=stream)
+            return await call(nbytes, reply, on=stream)
+        finally:
+            await stream.close()
 
     for nbytes in (SMALL_BYTES, *sizes):  # warm: the connection and both ends' code, both ways
         await call(nbytes, nbytes)
     small, idle, busy, down = [], {n: [] for n in sizes}, {n: [] for n in sizes}, {n: [] for n in sizes}
+    fresh_up, fresh_down = {n: [] for n in sizes}, {n: [] for n in sizes}
     for _ in range(ROUNDS):
         for nbytes in sizes:
             await asyncio.sleep(IDLE_S)
@@ -117,13 +137,16 @@ async def _probe(maddr: str, tokens: Sequence[int]) -> None:
             busy[nbytes].append(await call(nbytes))
             await asyncio.sleep(IDLE_S)
             down[nbytes].append(await call(SMALL_BYTES, nbytes))
+            fresh_up[nbytes].append(await first(nbytes))
+            fresh_down[nbytes].append(await first(SMALL_BYTES, nbytes))
     base = statistics.median(small)
 
     def beyond(calls: dict[int, list[float]]) -> list[float]:
         return [max(0.0, statistics.median(calls[n]) - base) for n in sizes]
 
     print(json.dumps({"sizes": sizes, "small_call_s": base, "idle_s": beyond(idle), "busy_s": beyond(busy),
-                      "down_s": beyond(down)}), flush=True)
+                      "down_s": beyond(down), "fresh_up_s": beyond(fresh_up), "fresh_down_s": beyond(fresh_down)}),
+          flush=True)
     await connection.close()
     await p2p.shutdown()
 
@@ -142,11 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_probe(args.probe, args.tokens))
         return 0
     print(f"{'RTT':>5} {'tokens':>6} {'bytes':>8} {'at 100 Mbit/s':>13} {'sent after idle':>19} "
-          f"{'sent back to back':>19} {'received after idle':>19}")
+          f"{'sent back to back':>19} {'received after idle':>19} {'sent, new stream':>19} "
+          f"{'received, new stream':>20}")
     for rtt_ms in args.rtt:
         reading = measure(rtt_ms, args.tokens)
         for count, nbytes, *measured in zip(args.tokens, reading.sizes, reading.idle_s, reading.busy_s,
-                                            reading.down_s, strict=True):
+                                            reading.down_s, reading.fresh_up_s, reading.fresh_down_s, strict=True):
             line_s = nbytes * 8 / (MBIT * 1e6)
             cells = " ".join(f"{seconds * 1000:7.0f} ms ({seconds / line_s:4.2f}x)" for seconds in measured)
             print(f"{rtt_ms:5g} {count:6d} {nbytes:8d} {line_s * 1000:10.0f} ms {cells}")

@@ -20,6 +20,7 @@ from benchmarks.kunserve_burst import (
     CORUN_FILE,
     CROWD_DELAY_REACH_MS,
     LINK_CROSSING_FILE,
+    LINK_STREAMS_FILE,
     REFUSED_TRIES_FILE,
     TRACE,
     ArmRun,
@@ -36,6 +37,7 @@ from benchmarks.kunserve_burst import (
     decoded_s,
     exchange_bytes_per_s,
     kept_repeats,
+    link_crossing_extra,
     loaded_block_ms,
     member_prompt_scale,
     other_work_weight,
@@ -260,6 +262,15 @@ def test_the_fit_takes_the_links_crossing_kept_with_the_run_and_measures_none_it
     extra = sim_config(run, 20.0, dropping=False).client_link_extra_s
     assert [size for size, _ in extra] == [1000, 100_000]
     assert [seconds for _, seconds in extra] == pytest.approx([0.0, 0.002])
+    # from r93 the kept reading also has new streams' crossings (sent 20 ms, received 24 ms): the fit takes those, as
+    # each session's prompt crosses on a stream it opened
+    (tmp_path / LINK_STREAMS_FILE.format(rtt="20")).write_text(json.dumps({
+        "rtt_ms": 20.0, "sizes": [1000, 100_000], "idle_s": [0.0, 0.008], "busy_s": [0.0, 0.009],
+        "down_s": [0.0, 0.011], "small_call_s": 0.021, "fresh_up_s": [0.0, 0.020], "fresh_down_s": [0.001, 0.024],
+        "measured": "2026-12-07T08:00:00"}))
+    extra = sim_config(run, 20.0, dropping=False).client_link_extra_s
+    assert [seconds for _, seconds in extra] == pytest.approx([0.0005 - 0.00008, 0.014])
+    assert link_crossing_extra(tmp_path, 40.0) == ()  # nothing kept at 40 ms, and the fit measures nothing
 
 def test_a_clients_try_is_fitted_as_a_dht_lookup_where_its_route_made_one_and_an_open_call_per_server() -> None:
     # three rounds: one routed on fresh records (1 ms), two looked the DHT up (0.13 and 0.15 s); opens of 20-30 ms,
