@@ -36,9 +36,12 @@ is about their longest wait, and where clients back off who waits longest turns 
 the arms N turns, each sized anew (a row per run, each turn's targets against its own no-drop run) and
 holds the simulator against each run, fitted on its turn's no-drop run (the machine's speed moves between turns) and,
 for a server that hosts a slice, on its turn's static pipeline, and the median of each arm's simulated P99s against
-that of its live ones.
+that of its live ones. `--report-only --workdir DIR [DIR ...]` reports kept runs again; with several, also each
+arm's TTFT quantiles over all their requests against the simulator's over all their replays (`report_pooled`): a P99
+that stands on tens of long waits, not on one.
 
     sudo .venv/bin/python benchmarks/kunserve_burst.py [--rtt 20 40] [--rate 0.6] [--thin 6] [--repeats 3]
+    .venv/bin/python benchmarks/kunserve_burst.py --report-only --rtt 40 --workdir DIR [DIR ...]
 
 Needs root (network namespaces). Never asserts.
 """
@@ -919,10 +922,18 @@ def arm_speed_scale(base: ArmRun, run: ArmRun) -> float | None:
 def sim_p99_ttft(base: ArmRun, rtt_ms: float, arm: str, exchanged: Sequence[ArmRun] = (),
                  member_scale: float | None = None, cost_scale: float = 1.0,
                  replays: int = SIM_REPLAYS) -> list[float]:
-    """Gives the simulator's P99 TTFT of `arm` on the requests of `base`, with its geometry and speeds, in each of
-    `replays` replays: the arrivals as recorded, then moved by up to `SIM_JITTER_S` either way (seeded). Where
-    clients back off, which client gets a freed slot turns on milliseconds, and the P99 with it; the replays show
-    how far. With `member_scale`, a group's prompt token costs that many times a whole replica's
+    """Gives the simulator's P99 TTFT of `arm` on the requests of `base` in each of `replays` replays (`sim_ttfts`)."""
+    return [pct(ttft[np.isfinite(ttft)], 99)
+            for ttft in sim_ttfts(base, rtt_ms, arm, exchanged, member_scale, cost_scale, replays)]
+
+
+def sim_ttfts(base: ArmRun, rtt_ms: float, arm: str, exchanged: Sequence[ArmRun] = (),
+              member_scale: float | None = None, cost_scale: float = 1.0,
+              replays: int = SIM_REPLAYS) -> list[np.ndarray]:
+    """Gives the simulator's TTFT of every request of `base` (s; NaN if it never started) as `arm`, with its geometry
+    and speeds, in each of `replays` replays: the arrivals as recorded, then moved by up to `SIM_JITTER_S` either way
+    (seeded). Where clients back off, which client gets a freed slot turns on milliseconds, and the P99 with it; the
+    replays show how far. With `member_scale`, a group's prompt token costs that many times a whole replica's
     (`member_prompt_scale` of the arm's own run); with `cost_scale`, every compute cost of the servers is that many
     times the fitted one."""
     dropping, live_exchange, groups = SIMULATED_ARMS[arm]
@@ -934,15 +945,15 @@ def sim_p99_ttft(base: ArmRun, rtt_ms: float, arm: str, exchanged: Sequence[ArmR
                                  member_prefill_token_ms=(fitted.prefill_token_ms * member_scale
                                                           if member_scale is not None else None))
     requests = sorted(base.requests.values(), key=lambda request: request["id"])
-    p99s = []
+    ttfts = []
     for seed in range(replays):
         shift = np.random.default_rng(seed).uniform(-SIM_JITTER_S, SIM_JITTER_S, len(requests)) if seed else None
         sim_requests = [SimRequest(max(0.0, r["at_s"] + (shift[i] if shift is not None else 0.0)), r["prompt_tokens"],
                                    r["output_tokens"]) for i, r in enumerate(requests)]
         result = simulate(dataclasses.replace(config, placement_seed=seed),
                           sorted(sim_requests, key=lambda request: request.arrival_s))
-        p99s.append(result.percentile(result.ttft_s, 99))
-    return p99s
+        ttfts.append(result.ttft_s)
+    return ttfts
 
 
 def pct(values: np.ndarray, q: float) -> float:
@@ -1148,6 +1159,41 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
     report_sensitivity(rtt_ms, runs, fits, slices)
 
 
+POOLED_QUANTILES = (50, 95, 99)
+
+
+def report_pooled(rtt_ms: float, kept: Sequence[dict[str, list[ArmRun]]]) -> None:
+    """Prints, per arm, the TTFT quantiles over the requests of every run in `kept` (runs kept in several workdirs,
+    each with its turns) against the simulator's over every replay of each of those runs, each fitted on its own turn
+    and priced at its arm's own speed (`arm_speed_scale`), as `report_sim`'s headline. One run's P99 of 79 requests
+    is about its longest wait, and one run's machine and lottery move it; over several runs' requests the P99 stands
+    on some of their tens of longest waits, and says whether the simulator's tail is the live one's or only met it by
+    chance."""
+    print(f"\nRTT {rtt_ms:g} ms, pooled over {len(kept)} kept runs' requests (every turn; the simulator: each run at "
+          f"its arm's own speed, {SIM_REPLAYS} replays each), TTFT P{' / P'.join(map(str, POOLED_QUANTILES))}:")
+    within, compared = 0, 0
+    for arm in SIMULATED_ARMS:
+        lives, sims = [], []
+        for runs in kept:
+            fits = [turn_fit(runs, turn) for turn in range(len(runs["no drop"]))]
+            for (base, exchanged), run in zip(fits, runs.get(arm, []), strict=False):
+                if not run.served:
+                    continue
+                lives.append(run.ttft())
+                sims.extend(sim_ttfts(base, rtt_ms, arm, exchanged, cost_scale=arm_speed_scale(base, run) or 1.0))
+        if not lives:
+            continue
+        live, sim = np.concatenate(lives), np.concatenate(sims)
+        sim = sim[np.isfinite(sim)]
+        live_q, sim_q = (np.percentile(values, POOLED_QUANTILES) for values in (live, sim))
+        off = off_by(float(live_q[-1]), float(sim_q[-1]))
+        within, compared = within + (off <= TARGET_SIM), compared + 1
+        print(f"  {arm:<26} {len(lives)} runs, {live.size} requests: live {' / '.join(f'{q:.2f}' for q in live_q)} s, "
+              f"sim {' / '.join(f'{q:.2f}' for q in sim_q)} s; P99 off by {off:.0%}: "
+              f"{'within' if off <= TARGET_SIM else 'NOT within'} {TARGET_SIM:.0%}")
+    print(f"  {within} of {compared} arms' pooled P99 within {TARGET_SIM:.0%}")
+
+
 def same_arrivals(runs: Sequence[ArmRun]) -> bool:
     """Gives whether `runs` replayed the same requests (arrival, prompt and output tokens of every id): turns whose
     burst `--rate` and `--kv-pages-per-block` fixed."""
@@ -1267,21 +1313,35 @@ def main(argv: list[str] | None = None) -> int:
                              "same requests (--rate and --kv-pages-per-block given) also show how far the live runs "
                              "spread around that median")
     parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--workdir", type=Path, help="keep every arm's logs, polls and results here")
+    parser.add_argument("--workdir", type=Path, nargs="+",
+                        help="keep every arm's logs, polls and results here; with --report-only, one or more kept runs")
     parser.add_argument("--report-only", action="store_true",
-                        help="run nothing: report the runs kept in --workdir again (e.g. with a changed simulator)")
+                        help="run nothing: report the runs kept in --workdir again (e.g. with a changed simulator); "
+                             "with more than one, also each arm's TTFT over all their requests, live and simulated")
     args = parser.parse_args(argv)
     args.arms = ["no drop", *(arm for arm in args.arms if arm != "no drop")]  # the reference of every ratio
     if args.report_only:
         if args.workdir is None:
             parser.error("--report-only needs --workdir")
         for rtt_ms in args.rtt:
-            runs = {arm: kept_repeats(args.workdir, rtt_ms, arm) for arm in args.arms}
-            missing = [str(run.workdir) for repeats in runs.values() for run in repeats if not run.requests]
+            roots = [root for root in args.workdir if arm_dir(root, rtt_ms, "no drop").is_dir()]
+            if not roots:
+                print(f"no run kept at RTT {rtt_ms:g} ms")
+            kept = [{arm: kept_repeats(root, rtt_ms, arm) for arm in args.arms} for root in roots]
+            missing = [str(run.workdir) for runs in kept for repeats in runs.values() for run in repeats
+                       if not run.requests]
             if missing:
                 parser.error(f"no requests.json in {', '.join(missing)}")
-            report(rtt_ms, runs)
+            for root, runs in zip(roots, kept, strict=True):
+                if len(roots) > 1:
+                    print(f"\n{root}:")
+                report(rtt_ms, runs)
+            if len(kept) > 1:
+                report_pooled(rtt_ms, kept)
         return 0
+    if args.workdir is not None and len(args.workdir) > 1:
+        parser.error("a live run keeps its files in one --workdir")
+    workdir = args.workdir[0] if args.workdir is not None else None
     if os.geteuid() != 0:
         print("needs root: network namespaces", file=sys.stderr)
         return 2
@@ -1289,7 +1349,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"KunServe live: {count} requests (every {args.thin}th of the code trace's {args.start:g}-{args.end:g} s); "
           f"{datetime.date.today()} on {platform.node()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kunserve-burst-") as tmp:
-        root = args.workdir or Path(tmp)
+        root = workdir or Path(tmp)
         for rtt_ms in args.rtt:
             runs: dict[str, list[ArmRun]] = {arm: [] for arm in args.arms}
             root.mkdir(parents=True, exist_ok=True)

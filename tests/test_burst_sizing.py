@@ -22,6 +22,7 @@ from benchmarks.kunserve_burst import (
     LINK_CROSSING_FILE,
     LINK_STREAMS_FILE,
     REFUSED_TRIES_FILE,
+    SIM_REPLAYS,
     TRACE,
     ArmRun,
     Calibration,
@@ -40,12 +41,15 @@ from benchmarks.kunserve_burst import (
     link_crossing_extra,
     loaded_block_ms,
     member_prompt_scale,
+    off_by,
     other_work_weight,
     peak_sessions,
     prefill_token_ms_under_load,
     report_live_spread,
+    report_pooled,
     same_arrivals,
     sim_config,
+    sim_ttfts,
     sized_pool,
     sized_rate,
     turn_fit,
@@ -271,6 +275,27 @@ def test_the_fit_takes_the_links_crossing_kept_with_the_run_and_measures_none_it
     extra = sim_config(run, 20.0, dropping=False).client_link_extra_s
     assert [seconds for _, seconds in extra] == pytest.approx([0.0005 - 0.00008, 0.014])
     assert link_crossing_extra(tmp_path, 40.0) == ()  # nothing kept at 40 ms, and the fit measures nothing
+
+def test_the_pooled_report_takes_every_kept_runs_requests_live_and_every_replay_of_each_simulated(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    polls = [fit_poll(peer, t, {"prefill_tokens": 100 * t, "prefill_batches": t, "prefill_batch_ms": 424.0 * t,
+                                "batches": 0, "compute_ms": 0.0}) for peer in "ab" for t in (0, 1, 2)]
+    kept = []
+    for index in range(2):
+        (tmp_path / f"r{index}").mkdir()
+        run = fit_run(tmp_path / f"r{index}", polls, lambda n: 0.1)
+        for result in run.results:  # TTFTs of 1.0-2.9 s, and 3.0-4.9 in the second run
+            result["first_token_s"] = result["arrival_s"] + 1.0 + 2 * index + result["id"] / 10
+        kept.append({"no drop": [run]})
+    report_pooled(20.0, kept)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("no drop"))
+    live = np.concatenate([runs["no drop"][0].ttft() for runs in kept])
+    sim = np.concatenate([ttft for runs in kept for ttft in sim_ttfts(runs["no drop"][0], 20.0, "no drop")])
+    assert live.size == 40 and sim.size == 40 * SIM_REPLAYS
+    assert "2 runs, 40 requests: live " + " / ".join(f"{q:.2f}" for q in np.percentile(live, [50, 95, 99])) in line
+    assert "sim " + " / ".join(f"{q:.2f}" for q in np.percentile(sim, [50, 95, 99])) + " s" in line
+    assert f"P99 off by {off_by(np.percentile(live, 99), np.percentile(sim, 99)):.0%}" in line
+
 
 def test_a_clients_try_is_fitted_as_a_dht_lookup_where_its_route_made_one_and_an_open_call_per_server() -> None:
     # three rounds: one routed on fresh records (1 ms), two looked the DHT up (0.13 and 0.15 s); opens of 20-30 ms,

@@ -99,15 +99,22 @@ def test_hosts_are_wired_only_inside_the_runs_namespaces() -> None:
     assert root_links() == before
 
 
+THROUGHPUT_TRIES = 3
+
+
 def test_bulk_tcp_transfer_respects_the_configured_bandwidth() -> None:
     topology = Topology(("h0", "h1", "h2"), [[0, 20, 10], [20, 0, 30], [10, 30, 0]], {"h0": 20, "h2": 8})
+    # Goodput counts TCP payload; the limit counts IP packets (~3.5% headers at full-size segments). No transfer may
+    # pass its limit; one that falls short may have been starved of CPU by the machine's other work (a full test run
+    # once measured 16.6 of 20 Mbit/s), so each link gets up to TRIES transfers to reach it.
     with EmulatedNetwork(topology, run_id=next_run_id()) as network:
-        uplink = measure_throughput_mbit(network, "h0", "h1", seconds=2.5)  # h0 sends at most 20 Mbit/s
-        downlink = measure_throughput_mbit(network, "h1", "h2", seconds=2.5)  # h2 receives at most 8 Mbit/s
-    print(f"h0->h1 {uplink:.2f} Mbit/s (limit 20), h1->h2 {downlink:.2f} Mbit/s (limit 8)")
-    # Goodput counts TCP payload; the limit counts IP packets (~3.5% headers at full-size segments).
-    assert abs(uplink - 20) <= 0.15 * 20
-    assert abs(downlink - 8) <= 0.15 * 8
+        for source, destination, limit in (("h0", "h1", 20), ("h1", "h2", 8)):  # h0 sends, h2 receives at most
+            measured = []
+            while len(measured) < THROUGHPUT_TRIES and (not measured or measured[-1] < 0.85 * limit):
+                measured.append(measure_throughput_mbit(network, source, destination, seconds=2.5))
+            print(f"{source}->{destination} {', '.join(f'{mbit:.2f}' for mbit in measured)} Mbit/s (limit {limit})")
+            assert max(measured) <= 1.15 * limit
+            assert measured[-1] >= 0.85 * limit
 
 
 def test_cli_up_exec_ping_down(tmp_path: Path) -> None:
