@@ -919,6 +919,20 @@ def arm_speed_scale(base: ArmRun, run: ArmRun) -> float | None:
     return own.prompt_us_per_token_block / fitted.prompt_us_per_token_block
 
 
+def scaled_costs(config: KunServeSimConfig, scale: float) -> KunServeSimConfig:
+    """Gives `config` with every CPU cost `scale` times as high, as on a machine computing that much slower: the
+    servers' (a batch's fixed part, a decoding request's row and the batching curve of decode rows, a prompt token)
+    and those of the processes beside them (the client's head pass and token, a token's and a refused try's CPU in
+    the other processes) [until stop 70 the servers' only, and not their batching curve of decode rows: a decode batch
+    without prompt tokens kept the no-drop arm's speed]. Network times (hops, crossings, lookups) stay."""
+    return dataclasses.replace(
+        config, step_ms=config.step_ms * scale, decode_token_ms=config.decode_token_ms * scale,
+        decode_rows_ms=tuple((rows, ms * scale) for rows, ms in config.decode_rows_ms),
+        prefill_token_ms=config.prefill_token_ms * scale, client_pass_ms=config.client_pass_ms * scale,
+        client_token_ms=config.client_token_ms * scale, token_cpu_ms=config.token_cpu_ms * scale,
+        refused_try_cpu_ms=config.refused_try_cpu_ms * scale)
+
+
 def sim_p99_ttft(base: ArmRun, rtt_ms: float, arm: str, exchanged: Sequence[ArmRun] = (),
                  member_scale: float | None = None, cost_scale: float = 1.0,
                  replays: int = SIM_REPLAYS) -> list[float]:
@@ -934,13 +948,10 @@ def sim_ttfts(base: ArmRun, rtt_ms: float, arm: str, exchanged: Sequence[ArmRun]
     and speeds, in each of `replays` replays: the arrivals as recorded, then moved by up to `SIM_JITTER_S` either way
     (seeded). Where clients back off, which client gets a freed slot turns on milliseconds, and the P99 with it; the
     replays show how far. With `member_scale`, a group's prompt token costs that many times a whole replica's
-    (`member_prompt_scale` of the arm's own run); with `cost_scale`, every compute cost of the servers is that many
-    times the fitted one."""
+    (`member_prompt_scale` of the arm's own run); with `cost_scale`, every CPU cost is that many times the fitted
+    one (`scaled_costs`)."""
     dropping, live_exchange, groups = SIMULATED_ARMS[arm]
-    fitted = sim_config(base, rtt_ms, dropping, exchanged)
-    fitted = dataclasses.replace(fitted, step_ms=fitted.step_ms * cost_scale,
-                                 decode_token_ms=fitted.decode_token_ms * cost_scale,
-                                 prefill_token_ms=fitted.prefill_token_ms * cost_scale)
+    fitted = scaled_costs(sim_config(base, rtt_ms, dropping, exchanged), cost_scale)
     config = dataclasses.replace(fitted, live_exchange=live_exchange, static_groups=groups,
                                  member_prefill_token_ms=(fitted.prefill_token_ms * member_scale
                                                           if member_scale is not None else None))
@@ -1125,8 +1136,9 @@ def report_sim(rtt_ms: float, runs: dict[str, list[ArmRun]]) -> None:
     # first is the headline: this machine's speed moves 5-16% between the arms of one turn (r35-r36, r65-r66), and a
     # 5% move in every compute cost moves the simulated P99 by about 10%
     readings: tuple[tuple[str, Callable[[ArmRun, ArmRun], float | None] | None, str], ...] = (
-        ("  at each arm's own speed (the headline): every compute cost at the speed of the arm's own servers, their "
-         "CPU per prompt token and block over the no-drop servers' (`arm_speed_scale`, per arm and turn):",
+        ("  at each arm's own speed (the headline): every CPU cost (`scaled_costs`) at the speed of the arm's own "
+         "servers, their CPU per prompt token and block over the no-drop servers' (`arm_speed_scale`, per arm and "
+         "turn):",
          arm_speed_scale, "cost_scale"),
         ("  at the turn's fit: every arm at the no-drop servers' speed, a group's prompt token at the turn's static "
          "pipeline's:", None, ""),
@@ -1227,10 +1239,10 @@ def report_live_spread(runs: dict[str, list[ArmRun]]) -> None:
 
 def report_sensitivity(rtt_ms: float, runs: dict[str, list[ArmRun]],
                        fits: list[tuple[ArmRun, list[ArmRun]]], slices: Sequence[float | None]) -> None:
-    """Prints how far the simulated P99 TTFT moves when every compute cost of the servers is `SENSITIVITY` lower or
+    """Prints how far the simulated P99 TTFT moves when every CPU cost (`scaled_costs`) is `SENSITIVITY` lower or
     higher (the arrivals as recorded): how closely the simulator must know this machine's speed for its P99 to be
     within the target, against how far that speed moves between arms (`ArmRun.batch_cpu`)."""
-    print(f"  the simulated P99 with every compute cost {SENSITIVITY:.0%} lower | as fitted | {SENSITIVITY:.0%} higher "
+    print(f"  the simulated P99 with every CPU cost {SENSITIVITY:.0%} lower | as fitted | {SENSITIVITY:.0%} higher "
           "(the arrivals as recorded), by turn:")
     for arm in SIMULATED_ARMS:
         if not runs.get(arm):

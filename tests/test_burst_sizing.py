@@ -48,6 +48,7 @@ from benchmarks.kunserve_burst import (
     report_live_spread,
     report_pooled,
     same_arrivals,
+    scaled_costs,
     sim_config,
     sim_ttfts,
     sized_pool,
@@ -275,6 +276,24 @@ def test_the_fit_takes_the_links_crossing_kept_with_the_run_and_measures_none_it
     extra = sim_config(run, 20.0, dropping=False).client_link_extra_s
     assert [seconds for _, seconds in extra] == pytest.approx([0.0005 - 0.00008, 0.014])
     assert link_crossing_extra(tmp_path, 40.0) == ()  # nothing kept at 40 ms, and the fit measures nothing
+
+def test_an_arms_speed_scales_every_cpu_cost_of_the_fit_and_no_network_time(tmp_path: Path) -> None:
+    polls = [fit_poll(peer, t, {"prefill_tokens": 100 * t, "prefill_batches": t, "prefill_batch_ms": 424.0 * t,
+                                "batches": 0, "compute_ms": 0.0}) for peer in "ab" for t in (0, 1, 2)]
+    fitted = sim_config(fit_run(tmp_path, polls, lambda n: 0.1), 20.0, dropping=False)
+    fitted = dataclasses.replace(fitted, token_cpu_ms=6.0)  # as a run whose processes were sampled gives it
+    slower = scaled_costs(fitted, 1.5)
+    costs = ("step_ms", "decode_token_ms", "prefill_token_ms", "client_pass_ms", "client_token_ms", "token_cpu_ms",
+             "refused_try_cpu_ms")
+    assert all(getattr(fitted, name) > 0 for name in costs)
+    for name in costs:
+        assert getattr(slower, name) == pytest.approx(1.5 * getattr(fitted, name)), name
+    assert fitted.decode_rows_ms and [ms for _, ms in slower.decode_rows_ms] == pytest.approx(
+        [1.5 * ms for _, ms in fitted.decode_rows_ms])
+    unscaled = {field.name for field in dataclasses.fields(fitted)} - {*costs, "decode_rows_ms"}
+    assert {name for name in unscaled if getattr(slower, name) != getattr(fitted, name)} == set()
+    assert slower.hop_ms == fitted.hop_ms and slower.client_link_extra_s == fitted.client_link_extra_s
+
 
 def test_the_pooled_report_takes_every_kept_runs_requests_live_and_every_replay_of_each_simulated(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
