@@ -1177,7 +1177,8 @@ POOLED_QUANTILES = (50, 95, 99)
 def report_pooled(rtt_ms: float, kept: Sequence[dict[str, list[ArmRun]]]) -> None:
     """Prints, per arm, the TTFT quantiles over the requests of every run in `kept` (runs kept in several workdirs,
     each with its turns) against the simulator's over every replay of each of those runs, each fitted on its own turn
-    and priced at its arm's own speed (`arm_speed_scale`), as `report_sim`'s headline. One run's P99 of 79 requests
+    and priced at its arm's own speed (`arm_speed_scale`), as `report_sim`'s headline (which leaves out runs whose
+    servers did not count their CPU). One run's P99 of 79 requests
     is about its longest wait, and one run's machine and lottery move it; over several runs' requests the P99 stands
     on some of their tens of longest waits, and says whether the simulator's tail is the live one's or only met it by
     chance."""
@@ -1189,10 +1190,11 @@ def report_pooled(rtt_ms: float, kept: Sequence[dict[str, list[ArmRun]]]) -> Non
         for runs in kept:
             fits = [turn_fit(runs, turn) for turn in range(len(runs["no drop"]))]
             for (base, exchanged), run in zip(fits, runs.get(arm, []), strict=False):
-                if not run.served:
+                scale = arm_speed_scale(base, run)
+                if not run.served or scale is None:  # as the headline: runs whose servers did not count CPU are left
                     continue
                 lives.append(run.ttft())
-                sims.extend(sim_ttfts(base, rtt_ms, arm, exchanged, cost_scale=arm_speed_scale(base, run) or 1.0))
+                sims.extend(sim_ttfts(base, rtt_ms, arm, exchanged, cost_scale=scale))
         if not lives:
             continue
         live, sim = np.concatenate(lives), np.concatenate(sims)

@@ -15,7 +15,7 @@ benchmark's; one serves an RPC method that answers a message with its length, or
 on one warmed stream, a message after `IDLE_S` without traffic and again at once, a reply of the size after `IDLE_S`,
 and 64 bytes; then, as a session's prompt crosses, a message and a reply of the size each as the first after a small
 call on a new stream (a client opens a stream per session and server, and the multiplexer starts each new stream's
-window small: from 128 tokens on, these took 0.3-1.5 round trips more than on the warmed stream, Dec 7). A size's
+window small: from 128 tokens on, these took 0.4-1.5 round trips beyond their bytes, Dec 7). A size's
 crossing is its median call less the median small call. Needs root (network namespaces). Never asserts.
 """
 
@@ -116,7 +116,7 @@ async def _probe(maddr: str, tokens: Sequence[int]) -> None:
         return time.perf_counter() - started
 
     async def first(nbytes: int, reply: int = 0) -> float:
-        """A message of the size, or its reply, as the first after a small call on a new stream: a session's prompt"""
+        """Times a message of the size, or its reply, first after a small call on a new stream: a session's prompt."""
         stream = await RpcConnection.open(p2p, maddr.rsplit("/", 1)[1], timeout=30)
         try:
             await call(SMALL_BYTES, on=stream)

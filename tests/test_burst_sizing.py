@@ -297,8 +297,10 @@ def test_an_arms_speed_scales_every_cpu_cost_of_the_fit_and_no_network_time(tmp_
 
 def test_the_pooled_report_takes_every_kept_runs_requests_live_and_every_replay_of_each_simulated(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # servers that counted their CPU, as the headline's speed needs (`arm_speed_scale`)
     polls = [fit_poll(peer, t, {"prefill_tokens": 100 * t, "prefill_batches": t, "prefill_batch_ms": 424.0 * t,
-                                "batches": 0, "compute_ms": 0.0}) for peer in "ab" for t in (0, 1, 2)]
+                                "prefill_batch_cpu_ms": 400.0 * t, "batches": 2 * t, "compute_ms": 530.0 * t,
+                                "cpu_ms": 500.0 * t}) for peer in "ab" for t in (0, 1, 2)]
     kept = []
     for index in range(2):
         (tmp_path / f"r{index}").mkdir()

@@ -106,7 +106,7 @@ def test_bulk_tcp_transfer_respects_the_configured_bandwidth() -> None:
     topology = Topology(("h0", "h1", "h2"), [[0, 20, 10], [20, 0, 30], [10, 30, 0]], {"h0": 20, "h2": 8})
     # Goodput counts TCP payload; the limit counts IP packets (~3.5% headers at full-size segments). No transfer may
     # pass its limit; one that falls short may have been starved of CPU by the machine's other work (a full test run
-    # once measured 16.6 of 20 Mbit/s), so each link gets up to TRIES transfers to reach it.
+    # once measured 16.6 of 20 Mbit/s), so each link gets up to THROUGHPUT_TRIES transfers to reach it.
     with EmulatedNetwork(topology, run_id=next_run_id()) as network:
         for source, destination, limit in (("h0", "h1", 20), ("h1", "h2", 8)):  # h0 sends, h2 receives at most
             measured = []

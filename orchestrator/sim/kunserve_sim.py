@@ -262,7 +262,7 @@ class KunServeSimConfig:
     # What a prompt pass's message takes beyond its bytes at `client_link_bytes_per_s`, by its size: (bytes, s)
     # points, rising sizes, between them linear, from (0, 0) up and at the largest one's beyond it. It delays the
     # message's arrival and occupies no link [chosen: as measured (`benchmarks/link_crossing.py`): from ~128 tokens
-    # on, a message sent or received as the first on a new stream, as each session's prompt crosses, took 0.3-1.5
+    # on, a message sent or received as the first on a new stream, as each session's prompt crosses, took 0.4-1.5
     # round trips more than its bytes, a wait on the stream's window while other flows go on]
     client_link_extra_s: tuple[tuple[int, float], ...] = ()
     # A prompt token's cost through all blocks in a group of more than one member, None: `prefill_token_ms`. Live,
