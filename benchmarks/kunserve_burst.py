@@ -1178,10 +1178,9 @@ def report_pooled(rtt_ms: float, kept: Sequence[dict[str, list[ArmRun]]]) -> Non
     """Prints, per arm, the TTFT quantiles over the requests of every run in `kept` (runs kept in several workdirs,
     each with its turns) against the simulator's over every replay of each of those runs, each fitted on its own turn
     and priced at its arm's own speed (`arm_speed_scale`), as `report_sim`'s headline (which leaves out runs whose
-    servers did not count their CPU). One run's P99 of 79 requests
-    is about its longest wait, and one run's machine and lottery move it; over several runs' requests the P99 stands
-    on some of their tens of longest waits, and says whether the simulator's tail is the live one's or only met it by
-    chance."""
+    servers did not count their CPU). One run's P99 of 79 requests is about its longest wait, and one run's machine
+    and lottery move it; over several runs' requests the P99 stands on some of their tens of longest waits, and says
+    whether the simulator's tail is the live one's or only met it by chance."""
     print(f"\nRTT {rtt_ms:g} ms, pooled over {len(kept)} kept runs' requests (every turn; the simulator: each run at "
           f"its arm's own speed, {SIM_REPLAYS} replays each), TTFT P{' / P'.join(map(str, POOLED_QUANTILES))}:")
     within, compared = 0, 0
