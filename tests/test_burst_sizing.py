@@ -44,6 +44,7 @@ from benchmarks.kunserve_burst import (
     off_by,
     other_work_weight,
     peak_sessions,
+    pooled_p99_interval,
     prefill_token_ms_under_load,
     report_live_spread,
     report_pooled,
@@ -320,6 +321,17 @@ def test_the_pooled_report_takes_every_kept_runs_requests_live_and_every_replay_
     assert "2 runs, 40 requests: live " + " / ".join(f"{q:.2f}" for q in np.percentile(live, [50, 95, 99])) in line
     assert "sim " + " / ".join(f"{q:.2f}" for q in np.percentile(sim, [50, 95, 99])) + " s" in line
     assert f"P99 off by {off_by(np.percentile(live, 99), np.percentile(sim, 99)):.0%}" in line
+    low, high = pooled_p99_interval([runs["no drop"][0].ttft() for runs in kept])
+    assert low < np.percentile(live, 99) <= high
+    assert f"the live P99 drawn again {low:.2f}-{high:.2f} s (5-95%)" in line
+
+
+def test_the_pooled_p99s_interval_draws_whole_runs_before_their_requests() -> None:
+    # a run whose waits were all 1 s and one whose were all 3 s: the pooled P99 is 3 s, and only drawing runs (both
+    # draws the first run a quarter of the time) moves it; drawing requests alone would leave it at 3 s
+    assert pooled_p99_interval([np.full(50, 1.0), np.full(50, 3.0)]) == (1.0, 3.0)
+    assert pooled_p99_interval([np.full(50, 2.0)] * 3) == (2.0, 2.0)
+    assert pooled_p99_interval([np.full(50, 1.0), np.full(50, 3.0)], seed=1) == (1.0, 3.0)  # seeded, not luck
 
 
 def test_a_clients_try_is_fitted_as_a_dht_lookup_where_its_route_made_one_and_an_open_call_per_server() -> None:
