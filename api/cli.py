@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+from types import FrameType
 
 import uvicorn
 
@@ -19,6 +21,7 @@ from api.metrics import ApiMetrics
 from api.swarm_view import SwarmWatcher
 from client import ClientConfig, DistributedModelForCausalLM
 from swarm.model import DEFAULT_MODEL, ModelNotFound, resolve_model
+from swarm.process_exit import exit_now
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,14 @@ log = logging.getLogger(__name__)
 # openai client's), so a request sent on a connection idle ~5 s could meet the server's close: "Server disconnected
 # without sending a response" (seen once in tests/test_api.py under the full suite). 75 s, as nginx's default.
 KEEP_ALIVE_S = 75
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT asked the API to stop (`_stop`)."""
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise Stopped(signal.Signals(signum).name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,9 +94,21 @@ def main(argv: list[str] | None = None) -> None:
 
     server.startup = startup  # type: ignore[method-assign]
     try:
+        # uvicorn drains its connections on SIGTERM or SIGINT, then raises the signal again to the handler that was
+        # there before it: by default SIGTERM's ended the process at once, without the engine's shutdown (its DHT
+        # process and p2p daemon were left to whoever killed the group) or the atexit handlers (multiprocessing's
+        # temporary directory stayed). This one ends `run` instead. Set only now: the DHT's process, forked while the
+        # model opened, keeps the default handlers.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, _stop)
         server.run()
+    except Stopped as stopped:
+        log.info("Stopping on %s", stopped)
     finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_DFL)  # a second signal during the shutdown ends the process at once
         engine.shutdown()
+    exit_now(0)  # it shut down cleanly: skip the interpreter's teardown (`swarm.process_exit`)
 
 
 if __name__ == "__main__":

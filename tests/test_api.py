@@ -5,6 +5,8 @@ leaves mid-stream, OpenAI error objects (400, 404, 503, 504), and the live swarm
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from client.swarm_client import ClientConfig, SwarmClient
 from swarm.local_swarm import SwarmProcesses
 from swarm.model import DEFAULT_MODEL, resolve_model
+from swarm.temp_files import bound_socket_files
 from tests.prometheus import metrics_url, scrape, value
 from tests.test_batching import infos, multi_step_batches
 from tests.test_swarm_generate import start_swarm
@@ -227,6 +230,34 @@ def test_a_request_past_its_timeout_gets_504(swarm: SwarmProcesses) -> None:
     response = httpx.post(f"{hurried}/v1/completions", timeout=WAIT_S, json={
         "model": DEFAULT_MODEL, "prompt": "Count to a thousand:", "max_tokens": 1000, "temperature": 0})
     assert response.status_code == 504 and response.json()["error"]["type"] == "timeout"
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_sigterm_stops_the_api_with_its_swarm_client_and_leaves_no_temporary_directory(swarm: SwarmProcesses) -> None:
+    """uvicorn drains on SIGTERM, then raises it again: with the default handler back, that ended the API before its
+    engine shut down (its DHT process and p2p daemon left to the group's SIGKILL) and before multiprocessing removed
+    its temporary directory. Now it exits 0, and takes its processes and that directory with it."""
+    proc, url = swarm.start_api(DEFAULT_MODEL, name="api-stopped")
+    assert httpx.get(f"{url}/v1/models", timeout=WAIT_S).status_code == 200
+    pid = proc.popen.pid
+    # multiprocessing's resource sharer listens there: hivemind's futures to the DHT's process started it
+    private = {path.parent for path in bound_socket_files([pid])[pid] if path.parent.name.startswith("pymp-")}
+    assert private
+    proc.popen.send_signal(signal.SIGTERM)
+    assert proc.popen.wait(timeout=WAIT_S) == 0
+    deadline = time.monotonic() + 10
+    while group_alive(pid) and time.monotonic() < deadline:  # the DHT's process and p2pd, if they outlived it
+        time.sleep(0.1)
+    assert not group_alive(pid)
+    assert not any(directory.exists() for directory in private)
+    assert "Stopping on SIGTERM" in proc.output()
 
 
 def test_the_live_page_shows_every_server_then_a_gap_in_red_and_the_api_answers_503(
