@@ -113,13 +113,16 @@ class HostProcess:
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """Gives the exit code after SIGTERM to the process (a clean exit), then SIGKILL to its whole group, whose
-        socket files under the temporary directory go with it."""
+        socket files under the temporary directory go with it: those bound before the SIGTERM (a process without a
+        handler for it, as a client whose `done` was read while it shut down, ends at once and can no longer be read
+        after) and those still bound after it."""
+        sockets = group_socket_files(self.popen.pid)
         if self.popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.popen.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.popen.wait(timeout=grace_s)
-        sockets = group_socket_files(self.popen.pid)  # what is left of its group binds, killed, nothing again
+        sockets += group_socket_files(self.popen.pid)  # what is left of its group binds, killed, nothing again
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):

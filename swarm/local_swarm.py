@@ -166,14 +166,15 @@ class SwarmProcesses:
         proc.popen.wait(timeout=timeout_s)
         return proc.popen.returncode, proc.output()
 
-    def kill(self, proc: Proc, signum: int = signal.SIGKILL) -> None:
+    def kill(self, proc: Proc, signum: int = signal.SIGKILL, bound: Sequence[Path] = ()) -> None:
         """Sends `signum` to the process group of `proc` (p2pd daemons included); after SIGKILL, removes the socket
-        files its processes had bound, which they can no longer remove themselves."""
-        sockets = group_socket_files(proc.popen.pid) if signum == signal.SIGKILL else []
+        files its processes had bound (and `bound`, read before an earlier signal), which they can no longer remove
+        themselves."""
+        sockets = [*bound, *group_socket_files(proc.popen.pid)] if signum == signal.SIGKILL else []
         try:
             os.killpg(proc.popen.pid, signum)
         except ProcessLookupError:
-            return
+            pass  # the group is gone already: what `bound` holds is left behind all the same
         remove_socket_files(sockets)  # killed, its processes bind nothing again
 
     def close(self) -> None:
@@ -182,6 +183,8 @@ class SwarmProcesses:
         servers = [proc for proc in self.procs if proc.name != "dht"]
         bootstraps = [proc for proc in self.procs if proc.name == "dht"]
         for group in (servers, bootstraps):
+            # read before the SIGTERM: a process that it ends at once (no handler) can no longer be read after
+            bound = {proc.popen.pid: group_socket_files(proc.popen.pid) for proc in group}
             for proc in group:
                 if proc.popen.poll() is None:
                     proc.popen.send_signal(signal.SIGTERM)
@@ -191,7 +194,7 @@ class SwarmProcesses:
                     proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
-                self.kill(proc, signal.SIGKILL)
+                self.kill(proc, signal.SIGKILL, bound[proc.popen.pid])
                 proc.popen.wait(timeout=10)
 
     def __enter__(self) -> SwarmProcesses:

@@ -23,6 +23,7 @@ from netem.probe import measure_rtts, measure_throughput_mbit, within_tolerance
 from netem.tc import netem_available
 from netem.topology import Topology, constant, uniform
 from tests.netem_support import next_run_id, skip_reason
+from tests.test_swarm_processes import LISTENER_HOLDER
 
 pytestmark = [
     pytest.mark.slow,
@@ -51,6 +52,19 @@ def test_auto_backend_is_tc_only_where_the_kernel_has_netem(four_hosts: Emulated
         with pytest.raises(RuntimeError, match="sch_netem"):
             EmulatedNetwork(constant(("a", "b"), 10), run_id=run_id, backend="tc").start()
         assert netns.list_namespaces(netns.run_prefix(run_id)) == []
+
+
+def test_stopping_a_process_that_sigterm_ends_at_once_removes_its_private_socket_directory(
+        four_hosts: EmulatedNetwork) -> None:
+    # as a benchmark's client that printed `done` and is stopped while it shuts down: SIGTERM ends it before its exit
+    # handlers remove the directory, and once it is gone its group has no process left to read it from
+    run_id = next_run_id()
+    holder = four_hosts.spawn(four_hosts.hosts[0], [sys.executable, "-c", LISTENER_HOLDER, run_id])
+    holder.wait_for_line("ready", 30)
+    held = list(Path(tempfile.gettempdir()).glob(f"pymp-{run_id}*"))
+    assert len(held) == 1 and (held[0] / "listener-held").is_socket()
+    assert holder.stop() == -signal.SIGTERM
+    assert not held[0].exists()
 
 
 def test_udp_echo_measures_each_pairs_rtt_within_tolerance(four_hosts: EmulatedNetwork) -> None:
